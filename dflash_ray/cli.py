@@ -1,0 +1,114 @@
+"""`dflash-ray`: one command, a subcommand per stage.
+
+Every subcommand takes `--config FILE` and repeated `--set a.b=value` overrides, prints a JSON
+summary on stdout with `--json` (logs and progress go to stderr), and exits non-zero with a message
+naming the file, record and field on bad input: 2 for bad input, 3 for a failed validation gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from dflash_ray.config import RunConfig, load_config
+from dflash_ray.errors import DFlashError, GateFailed
+
+
+def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.data.prompts import run_prompts
+
+    return run_prompts(args.input, args.output, cfg, progress=not args.json)
+
+
+def _cmd_tokenize(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    if args.tokenizer:
+        cfg = dataclasses.replace(cfg, tokenize=dataclasses.replace(cfg.tokenize, tokenizer=args.tokenizer))
+    return run_tokenize(args.input, args.output, cfg)
+
+
+def _cmd_validate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.data.validate import run_validate
+
+    report = run_validate(args.input, cfg, report_dir=args.report, tokenizer_name=args.tokenizer)
+    summary = {k: report[k] for k in ("stage", "input", "tokenizer", "passed", "failed_rules", "rules")}
+    summary["stats"] = {k: v for k, v in report["stats"].items() if k != "sources"}
+    summary["report_dir"] = report.get("report_dir")
+    if not report["passed"]:
+        failed = "; ".join(f"{r['rule']}: {r['message']}" for r in report["rules"] if not r["passed"])
+        raise GateFailed(f"validation gate failed: {failed}", file=args.input).with_summary(summary)
+    return summary
+
+
+def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.demo import run_demo
+
+    return run_demo(args.workdir, cfg, progress=not args.json)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="run config YAML (path or URI)")
+    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config field, e.g. --set tokenize.max_seq_len=2048")
+    common.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+
+    parser = argparse.ArgumentParser(prog="dflash-ray", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prompts", parents=[common], help="normalize chat datasets into prompt shards")
+    p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
+    p.add_argument("--output", required=True, metavar="URI")
+    p.set_defaults(run=_cmd_prompts)
+
+    p = sub.add_parser("tokenize", parents=[common], help="completions → input_ids + loss_mask (Ray Data)")
+    p.add_argument("--input", required=True, metavar="URI")
+    p.add_argument("--output", required=True, metavar="URI")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="short name (qwen3, smollm2-135m-instruct) or path")
+    p.set_defaults(run=_cmd_tokenize)
+
+    p = sub.add_parser("validate", parents=[common], help="loss-mask statistics and the validation gate")
+    p.add_argument("--input", required=True, metavar="URI")
+    p.add_argument("--report", metavar="DIR", help="write report.json, report.md and PNG histograms here")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the one that tokenized the data")
+    p.set_defaults(run=_cmd_validate)
+
+    p = sub.add_parser("demo", parents=[common], help="run the pipeline on the embedded default")
+    p.add_argument("--workdir", default="demo-run", metavar="DIR")
+    p.set_defaults(run=_cmd_demo)
+    return parser
+
+
+def _print_human(summary: dict[str, Any]) -> None:
+    for key, value in summary.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        print(f"{key:>22}: {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
+    try:
+        cfg = load_config(args.config, args.overrides)
+        summary = run(args, cfg)
+    except DFlashError as e:
+        print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"stage": args.command, "ok": False, "error": str(e),
+                              "exit_code": e.exit_code, **e.summary}))
+        return e.exit_code
+    if args.json:
+        print(json.dumps({"ok": True, **summary}))
+    else:
+        _print_human(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

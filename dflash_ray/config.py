@@ -1,0 +1,177 @@
+"""The one typed run config: a YAML file plus dotted `--set a.b=c` overrides.
+
+Each stage owns a frozen dataclass; `RunConfig` composes them. Building from a mapping rejects
+unknown keys (listing the valid ones) and values of the wrong type, naming the dotted field, so a
+typo fails before any actor starts. The resolved config is saved next to every output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from dflash_ray.errors import DFlashError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RayConfig:
+    address: str | None = None  # None: start or join a local cluster
+    num_cpus: int | None = None  # only for a local cluster started here
+    object_store_memory: int | None = None
+    include_dashboard: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageConfig:
+    max_attempts: int = 6  # tries per storage call on transient errors (S3 throttling, resets)
+    backoff_s: float = 0.2  # first backoff; doubles each try
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromptsConfig:
+    multi_turn: Literal["user_turns", "per_turn"] = "user_turns"
+    tokenizer: str = "qwen3"  # counts prompt tokens for the budget
+    max_prompt_tokens: int = 4096
+    shard_size: int = 512  # prompts per output shard (the generation work unit)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizeConfig:
+    tokenizer: str = "qwen3"
+    max_seq_len: int = 4096
+    overlong: Literal["drop", "truncate"] = "truncate"
+    enable_thinking: bool = True  # template flag; must match how the data was generated
+    batch_size: int = 256  # rows per Ray Data batch
+    concurrency: int | None = None  # tokenizer workers; None: one per CPU in the cluster
+    rows_per_file: int = 8192  # rows per output Parquet shard (upper bound)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GateConfig:
+    max_mode_share: float = 0.20  # one loss-mask sum value may hold at most this share of samples
+    min_median_response: float = 32  # median loss-mask sum must reach this many tokens
+    max_no_loss_share: float = 0.01  # share of samples with no loss token at all
+    max_empty_thinking_share: float = 0.50  # share of samples whose thinking block is empty
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidateConfig:
+    gate: GateConfig = field(default_factory=GateConfig)
+    num_examples: int = 3  # decoded samples of the dominant mode and at random, each
+    seed: int = 0
+    # Offline hidden-state storage estimate: what training online avoids (Qwen3.6-27B defaults).
+    num_feature_layers: int = 5
+    hidden_size: int = 5120
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    seed: int = 0
+    ray: RayConfig = field(default_factory=RayConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise DFlashError(f"expected a mapping, got {value!r}", field=where)
+        return _build(tp, value, where)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except DFlashError:
+                pass
+        raise DFlashError(f"{value!r} fits none of {tp}", field=where)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise DFlashError(f"{value!r} is not one of {list(choices)}", field=where)
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise DFlashError(f"expected true/false, got {value!r}", field=where)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise DFlashError(f"expected an integer, got {value!r}", field=where)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise DFlashError(f"expected a number, got {value!r}", field=where)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise DFlashError(f"expected a string, got {value!r}", field=where)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise DFlashError(f"unknown config key; valid keys here: {names}", field=where)
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (`1`, `true`, `[1]`)."""
+    if "=" not in assignment:
+        raise DFlashError(f"override {assignment!r} must look like a.b=value", field="--set")
+    path, raw = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise DFlashError(f"{key} is not a section", field=path)
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build the run config from an optional YAML file (path or URI) and dotted overrides."""
+    data: dict[str, Any] = {}
+    if path:
+        from dflash_ray import storage
+
+        try:
+            loaded = yaml.safe_load(storage.read_bytes(path)) or {}
+        except yaml.YAMLError as e:
+            raise DFlashError(f"invalid YAML: {e}", file=path) from None
+        if not isinstance(loaded, dict):
+            raise DFlashError("a config file must hold a mapping", file=path)
+        data = loaded
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        return _build(RunConfig, data)
+    except DFlashError as e:
+        if path and e.file is None:
+            raise DFlashError(str(e), file=path) from None
+        raise
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    return _build(RunConfig, data)

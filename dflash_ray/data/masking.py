@@ -1,0 +1,124 @@
+"""Completion records → `input_ids` + `loss_mask` (no Ray: the Ray Data stage wraps this).
+
+Two paths:
+- Replay: when the record holds the engine's `prompt_token_ids` and `output_token_ids`, the sample
+  is exactly those ids and the mask is 1 on every output id. Re-tokenizing text would drift from
+  what the target actually produced.
+- Render: otherwise the conversation is rendered with the tokenizer's chat template, the thinking
+  block included, and the mask is derived from character offsets: 1 on exactly the tokens of the
+  assistant response (thinking, answer, end-of-turn token), 0 on the prompt and on the
+  `<|im_start|>assistant\\n` header. The prompt is rendered with the generation prompt, as the
+  engine saw it, so its end marks where the response starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflash_ray.config import TokenizeConfig
+from dflash_ray.data.formats import BadRecord
+
+
+@dataclass(slots=True)
+class Sample:
+    input_ids: np.ndarray  # int32 [S]
+    loss_mask: np.ndarray  # int8 [S]
+    truncated: bool = False
+
+
+def replay(prompt_ids: list[int], output_ids: list[int]) -> Sample:
+    ids = np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=np.int8)
+    mask[len(prompt_ids):] = 1
+    return Sample(ids, mask)
+
+
+def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("messages: missing or empty", "missing_field")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> Sample:
+    """Render prompt + response with the chat template and mask the response by offsets."""
+    messages = _messages(record)
+    text = record.get("text")
+    if not isinstance(text, str):
+        raise BadRecord("text: missing (and no token ids to replay)", "missing_field")
+    reasoning = record.get("reasoning")
+    tools = json.loads(record["tools"]) if record.get("tools") else None
+    kwargs = {"tools": tools, "tokenize": False, "enable_thinking": enable_thinking}
+    reply = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        reply["reasoning_content"] = reasoning
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        full = tokenizer.apply_chat_template(messages + [reply], **kwargs)
+        if reasoning and reasoning.strip() and reasoning.strip() not in full[len(prompt):]:
+            # A template that ignores `reasoning_content`: put the block in the content itself.
+            reply = {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"}
+            full = tokenizer.apply_chat_template(messages + [reply], **kwargs)
+    except Exception as e:  # jinja errors carry no common base class
+        raise BadRecord(f"chat template error: {e}", "template_error") from None
+    if not full.startswith(prompt):
+        raise BadRecord("chat template renders the prompt differently with and without the reply",
+                        "template_error")
+    start, end = len(prompt), len(full.rstrip())  # drop the newline the template adds after the turn
+    encoded = tokenizer(full[:end], add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+    starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
+    mask = (starts >= start).astype(np.int8)
+    return Sample(ids, mask)
+
+
+def apply_length_policy(sample: Sample, cfg: TokenizeConfig) -> Sample:
+    if len(sample.input_ids) <= cfg.max_seq_len:
+        return sample
+    if cfg.overlong == "drop":
+        raise BadRecord(f"{len(sample.input_ids)} tokens, over max_seq_len {cfg.max_seq_len}", "overlong")
+    cut = Sample(sample.input_ids[: cfg.max_seq_len], sample.loss_mask[: cfg.max_seq_len], True)
+    if not cut.loss_mask.any():
+        raise BadRecord(f"prompt fills max_seq_len {cfg.max_seq_len}: no response token left", "overlong")
+    return cut
+
+
+def tokenize_record(tokenizer, record: dict[str, Any], cfg: TokenizeConfig) -> Sample:
+    prompt_ids, output_ids = record.get("prompt_token_ids"), record.get("output_token_ids")
+    if prompt_ids is not None and output_ids is not None:
+        sample = replay(prompt_ids, output_ids)
+    else:
+        sample = render(tokenizer, record, cfg.enable_thinking)
+    return apply_length_policy(sample, cfg)
+
+
+class TokenizeBatch:
+    """Callable over a batch of completion rows; loads the tokenizer once (per Ray Data worker)."""
+
+    def __init__(self, cfg: TokenizeConfig):
+        from dflash_ray.registry import load_tokenizer
+
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> tuple[dict[str, list], list[dict[str, str]]]:
+        """Returns the tokenized columns and the rejected rows (id, kind, reason)."""
+        out: dict[str, list] = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "seq_len", "truncated")}
+        rejects = []
+        for row in rows:
+            try:
+                sample = tokenize_record(self.tokenizer, row, self.cfg)
+            except BadRecord as e:
+                rejects.append({"id": str(row.get("id")), "kind": e.kind, "reason": str(e)})
+                continue
+            out["id"].append(str(row["id"]))
+            out["source"].append(str(row.get("source") or ""))
+            out["input_ids"].append(sample.input_ids)
+            out["loss_mask"].append(sample.loss_mask)
+            out["seq_len"].append(len(sample.input_ids))
+            out["truncated"].append(sample.truncated)
+        return out, rejects

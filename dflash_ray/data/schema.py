@@ -1,0 +1,52 @@
+"""The record schemas that stages exchange through storage, in one place.
+
+prompts   (written by `dflash-ray prompts`, read by generation)
+    id        string   content hash of (messages, tools): stable across runs and machines
+    source    string   input file stem the prompt came from
+    messages  list<struct<role, content>>   system and user turns only
+    tools     string?  JSON list of OpenAI tool schemas, when the prompt has tools
+    turn      int32    user turn index (0 unless multi_turn = per_turn)
+
+completions  (written by generation, read by `dflash-ray tokenize`)
+    the prompt fields, plus
+    prompt_token_ids  list<int32>?  exactly what the engine saw
+    output_token_ids  list<int32>?  exactly what the engine produced (end-of-turn token included)
+    text              string   answer content (after the thinking block when `reasoning` is set)
+    reasoning         string?  content of the thinking block, when the model thought
+    finish_reason     string   "stop" | "length" | ...
+    num_prompt_tokens, num_output_tokens, model, sampling (JSON), generator_id
+    When the token ids are present they are replayed exactly; text is never re-tokenized then.
+
+tokenized  (written by `dflash-ray tokenize`, read by validation and training)
+    id         string
+    source     string
+    input_ids  list<int32>   prompt + response tokens
+    loss_mask  list<int8>    1 on every response token (thinking, answer, end of turn), else 0
+    seq_len    int32
+    truncated  bool          cut to max_seq_len by the over-long policy
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+PROMPTS = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("messages", pa.list_(MESSAGE)),
+    ("tools", pa.string()),
+    ("turn", pa.int32()),
+])
+
+COMPLETION_FIELDS = ("id", "messages", "text")  # the least a completion record must hold
+
+TOKENIZED = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("seq_len", pa.int32()),
+    ("truncated", pa.bool_()),
+])

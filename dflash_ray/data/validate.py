@@ -1,0 +1,258 @@
+"""`dflash-ray validate`: loss-mask statistics over a tokenized dataset, and a gate.
+
+The seed project trained for days on data where 87% of samples had a loss-mask sum of exactly 6
+(`<think>\\n\\n</think>\\n\\nOK.<|im_end|>`); nobody had decoded a sample. This stage streams over
+the whole dataset, computes the distributions that expose such data, decodes samples of the
+dominant mode and at random, and refuses the dataset when a gate rule (in config) fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import GateConfig, RunConfig
+from dflash_ray.errors import DFlashError
+
+TOP_VALUES = 5
+DECODE_CHARS = 1500
+
+
+@dataclass(slots=True)
+class _Scan:
+    """Per-sample figures of one pass, in dataset order."""
+
+    loss_sums: np.ndarray
+    seq_lens: np.ndarray
+    empty_thinking: int
+    sources: collections.Counter
+    source_loss: dict[str, list[np.ndarray]]
+    locations: list[tuple[str, int]]  # (file, rows in file), to fetch examples back
+
+
+def _offsets_values(column: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values[offsets[0]: offsets[-1]]
+
+
+def _empty_thinking(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, think: int,
+                    think_end: int, blank: set[int]) -> int:
+    """Samples whose response opens with a thinking block holding only whitespace."""
+    masked = np.flatnonzero(mask)
+    if think < 0 or masked.size == 0:
+        return 0
+    starts, ends = offsets[:-1], offsets[1:]
+    j = np.searchsorted(masked, starts)
+    has = j < masked.size
+    first = np.where(has, masked[np.minimum(j, masked.size - 1)], -1)
+    has &= (first >= starts) & (first < ends)
+    count = 0
+    for f, end in zip(first[has], ends[has]):
+        if ids[f] != think:
+            continue
+        k = f + 1
+        while k < end and ids[k] in blank:
+            k += 1
+        count += int(k < end and ids[k] == think_end)
+    return count
+
+
+def _scan(files: list[str], tokenizer) -> _Scan:
+    think = tokenizer.convert_tokens_to_ids("<think>") if "<think>" in tokenizer.get_vocab() else -1
+    think_end = tokenizer.convert_tokens_to_ids("</think>") if think >= 0 else -1
+    blank = {i for t, i in tokenizer.get_vocab().items()
+             if len(t) <= 8 and tokenizer.convert_tokens_to_string([t]).strip() == ""}
+    sums, lens, locations = [], [], []
+    empty, sources = 0, collections.Counter()
+    source_loss: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    from tqdm import tqdm
+
+    for uri in tqdm(files, desc="validate", unit=" files"):
+        fs, path = storage.arrow_filesystem(uri)
+        rows = 0
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            for batch in pf.iter_batches(batch_size=4096, columns=["source", "input_ids", "loss_mask", "seq_len"]):
+                moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
+                _, ivalues = _offsets_values(batch.column("input_ids"))
+                csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
+                batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
+                sums.append(batch_sums)
+                lens.append(batch.column("seq_len").to_numpy().astype(np.int64))
+                empty += _empty_thinking(ivalues, mvalues, moffsets, think, think_end, blank)
+                batch_sources = batch.column("source").to_pylist()
+                sources.update(batch_sources)
+                for src in set(batch_sources):
+                    pick = np.asarray([s == src for s in batch_sources])
+                    source_loss[src].append(batch_sums[pick])
+                rows += batch.num_rows
+        locations.append((uri, rows))
+    empty_arr = np.zeros(0, dtype=np.int64)
+    return _Scan(np.concatenate(sums) if sums else empty_arr, np.concatenate(lens) if lens else empty_arr,
+                 empty, sources, source_loss, locations)
+
+
+def _distribution(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {"mean": 0.0, "median": 0.0, "p10": 0.0, "p90": 0.0, "min": 0, "max": 0}
+    p10, median, p90 = np.percentile(values, [10, 50, 90])
+    return {"mean": float(values.mean()), "median": float(median), "p10": float(p10),
+            "p90": float(p90), "min": int(values.min()), "max": int(values.max())}
+
+
+def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
+    """Each rule with its measured value, its limit and whether the dataset passes it."""
+    top = stats["loss_mask_sum"]["most_common"]
+    rules = [
+        ("max_mode_share", top[0]["share"] if top else 0.0, gate.max_mode_share, "<=",
+         f"one loss-mask sum value ({top[0]['value'] if top else '-'} tokens) holds "
+         f"{(top[0]['share'] if top else 0):.1%} of samples"),
+        ("min_median_response", stats["loss_mask_sum"]["median"], gate.min_median_response, ">=",
+         f"median response is {stats['loss_mask_sum']['median']:g} tokens"),
+        ("max_no_loss_share", stats["no_loss_share"], gate.max_no_loss_share, "<=",
+         f"{stats['no_loss_share']:.1%} of samples have no loss token"),
+    ]
+    if stats["empty_thinking_share"] is not None:
+        rules.append(("max_empty_thinking_share", stats["empty_thinking_share"],
+                      gate.max_empty_thinking_share, "<=",
+                      f"{stats['empty_thinking_share']:.1%} of samples have an empty thinking block"))
+    out = []
+    for name, value, limit, op, text in rules:
+        passed = value <= limit if op == "<=" else value >= limit
+        out.append({"rule": name, "value": value, "limit": limit, "passed": bool(passed),
+                    "message": f"{text} (limit: {op} {limit:g})"})
+    return out
+
+
+def _examples(scan: _Scan, indices: list[int], tokenizer) -> list[dict[str, Any]]:
+    """Decode the samples at global row indices (prompt tail and response)."""
+    wanted = sorted(set(indices))
+    out: dict[int, dict[str, Any]] = {}
+    base = 0
+    for uri, rows in scan.locations:
+        local = [i - base for i in wanted if base <= i < base + rows]
+        if local:
+            fs, path = storage.arrow_filesystem(uri)
+            table = pq.read_table(path, filesystem=fs, columns=["id", "input_ids", "loss_mask"]).take(local)
+            for i, row in zip(local, table.to_pylist()):
+                ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], dtype=bool)
+                out[base + i] = {
+                    "id": row["id"], "seq_len": int(ids.size), "loss_mask_sum": int(mask.sum()),
+                    "prompt_tail": tokenizer.decode(ids[~mask].tolist())[-300:],
+                    "response": tokenizer.decode(ids[mask].tolist())[:DECODE_CHARS],
+                }
+        base += rows
+    return [out[i] for i in indices if i in out]
+
+
+def _histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    if values.size:
+        bins = min(100, max(10, int(np.unique(values).size)))
+        ax.hist(values, bins=bins, color="#3b6ea8")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("samples")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    s, lm = report["stats"], report["stats"]["loss_mask_sum"]
+    lines = [f"# Validation report: {report['input']}", "",
+             f"**Gate: {'PASSED' if report['passed'] else 'FAILED'}**", ""]
+    lines += [f"- {'ok  ' if r['passed'] else 'FAIL'} `{r['rule']}`: {r['message']}" for r in report["rules"]]
+    lines += ["", "| figure | value |", "|---|---|",
+              f"| samples | {s['samples']:,} |", f"| tokens | {s['tokens']:,} |",
+              f"| loss tokens | {s['loss_tokens']:,} |",
+              f"| response-token fraction | {s['response_fraction']:.1%} |",
+              f"| loss-mask sum mean / median / p10 / p90 / max | {lm['mean']:.1f} / {lm['median']:g} / "
+              f"{lm['p10']:g} / {lm['p90']:g} / {lm['max']} |",
+              f"| seq_len mean / median / p90 / max | {s['seq_len']['mean']:.1f} / {s['seq_len']['median']:g}"
+              f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
+              f"| samples with no loss token | {s['no_loss_share']:.1%} |",
+              f"| empty thinking blocks | {'n/a' if s['empty_thinking_share'] is None else format(s['empty_thinking_share'], '.1%')} |",
+              f"| offline hidden-state storage avoided | {s['offline_storage_bytes'] / 1e12:.3f} TB |", "",
+              "Most common loss-mask sums: " + ", ".join(
+                  f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"]), "",
+              "| source | samples | median response |", "|---|---|---|"]
+    lines += [f"| {k} | {v['samples']:,} | {v['median_response']:g} |" for k, v in s["sources"].items()]
+    for title, key in (("Samples of the dominant loss-mask sum", "dominant_examples"),
+                       ("Random samples", "random_examples")):
+        lines += ["", f"## {title}"]
+        for ex in report[key]:
+            lines += ["", f"`{ex['id']}`: {ex['loss_mask_sum']} response tokens of {ex['seq_len']}",
+                      "", "```", ex["response"], "```"]
+    lines += ["", "![loss-mask sums](loss_mask_sum.png)", "", "![seq_len](seq_len.png)", ""]
+    return "\n".join(lines)
+
+
+def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = None,
+                 tokenizer_name: str | None = None) -> dict[str, Any]:
+    """Compute the report, write it (when `report_dir`), and return it; the caller enforces the gate."""
+    from dflash_ray.registry import load_tokenizer
+
+    vcfg = cfg.validate
+    files = manifest.dataset_files(input_uri, (".parquet",))
+    made_by = manifest.read_manifest(input_uri) or {}
+    tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") \
+        or cfg.tokenize.tokenizer
+    tokenizer = load_tokenizer(tokenizer_name)
+    scan = _scan(files, tokenizer)
+    n = int(scan.loss_sums.size)
+    if n == 0:
+        raise DFlashError("the dataset holds no samples", file=input_uri)
+    values, counts = np.unique(scan.loss_sums, return_counts=True)
+    order = np.argsort(-counts, kind="stable")[:TOP_VALUES]
+    tokens, loss_tokens = int(scan.seq_lens.sum()), int(scan.loss_sums.sum())
+    stats = {
+        "samples": n, "tokens": tokens, "loss_tokens": loss_tokens,
+        "response_fraction": loss_tokens / max(tokens, 1),
+        "loss_mask_sum": {**_distribution(scan.loss_sums), "most_common": [
+            {"value": int(values[i]), "count": int(counts[i]), "share": float(counts[i] / n)} for i in order]},
+        "seq_len": _distribution(scan.seq_lens),
+        "no_loss_share": float((scan.loss_sums == 0).mean()),
+        "empty_thinking_share": (scan.empty_thinking / n) if "<think>" in tokenizer.get_vocab() else None,
+        "offline_storage_bytes": vcfg.num_feature_layers * vcfg.hidden_size * 2 * tokens,
+        "sources": {src: {"samples": int(c), "median_response": float(np.median(np.concatenate(scan.source_loss[src])))}
+                    for src, c in scan.sources.most_common()},
+    }
+    rules = gate_rules(stats, vcfg.gate)
+    rng = np.random.default_rng(vcfg.seed)
+    mode = int(values[order[0]])
+    dominant = np.flatnonzero(scan.loss_sums == mode)[: vcfg.num_examples].tolist()
+    random_rows = sorted(rng.choice(n, size=min(n, vcfg.num_examples), replace=False).tolist())
+    report = {
+        "stage": "validate", "input": input_uri, "tokenizer": tokenizer_name,
+        "passed": all(r["passed"] for r in rules), "failed_rules": [r["rule"] for r in rules if not r["passed"]],
+        "rules": rules, "stats": stats,
+        "dominant_examples": _examples(scan, dominant, tokenizer),
+        "random_examples": _examples(scan, random_rows, tokenizer),
+    }
+    if report_dir:
+        storage.write_text(storage.join(report_dir, "report.json"), json.dumps(report, indent=1))
+        storage.write_text(storage.join(report_dir, "report.md"), _markdown(report))
+        storage.write_bytes(storage.join(report_dir, "loss_mask_sum.png"), _histogram_png(
+            scan.loss_sums, "Response tokens per sample (loss-mask sum)", "loss-mask sum"))
+        storage.write_bytes(storage.join(report_dir, "seq_len.png"), _histogram_png(
+            scan.seq_lens, "Sequence length", "tokens"))
+        report["report_dir"] = report_dir
+    return report

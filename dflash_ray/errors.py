@@ -1,0 +1,33 @@
+"""Errors the CLI turns into a clear message and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+
+class DFlashError(Exception):
+    """Bad input or configuration: the message names the file, record and field at fault."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | None = None, record: int | str | None = None,
+                 field: str | None = None):
+        where = []
+        if file is not None:
+            where.append(str(file))
+        if record is not None:
+            where.append(f"record {record}")
+        if field is not None:
+            where.append(f"field '{field}'")
+        super().__init__(": ".join(where + [message]) if where else message)
+        self.file, self.record, self.field = file, record, field
+        self.summary: dict = {}
+
+    def with_summary(self, summary: dict) -> "DFlashError":
+        """Attach the stage's figures, printed with the error under `--json`."""
+        self.summary = summary
+        return self
+
+
+class GateFailed(DFlashError):
+    """The validation gate refused a dataset: the message names each failed rule and its numbers."""
+
+    exit_code = 3

@@ -1,0 +1,41 @@
+"""Tiny random targets built from configs, for tests and benchmarks (nothing is downloaded).
+
+The vocabularies are the real ones (Qwen3: 151,936; Qwen3.5: 248,320), so the packaged tokenizers
+and the mask-token checks work against them; the rest is as small as the architectures allow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 64, seed: int = 0) -> str:
+    """A random Qwen3 causal LM saved as safetensors; returns its folder."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=151936, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden_size // 4, max_position_embeddings=4096, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return str(out_dir)
+
+
+def tiny_qwen35(out_dir: str | Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0) -> str:
+    """A random hybrid Qwen3.5 LM (Gated-DeltaNet + full attention every 4th layer)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+    config = Qwen3_5TextConfig(vocab_size=248320, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                               num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=hidden_size // 4, linear_key_head_dim=16, linear_value_head_dim=16,
+                               linear_num_key_heads=2, linear_num_value_heads=4, layer_types=layer_types,
+                               max_position_embeddings=4096, tie_word_embeddings=False)
+    model = Qwen3_5ForCausalLM(config).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return str(out_dir)

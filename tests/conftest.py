@@ -1,0 +1,87 @@
+"""Session fixtures: a real S3 endpoint (moto server on 127.0.0.1), one local Ray cluster, the
+packaged tokenizers and tiny random models. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1; the AWS environment points at it (Ray workers inherit it)."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "4"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield endpoint
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket per test; returns its `s3://` URI."""
+    from dflash_ray import storage
+
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    storage.s3_client().create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_endpoint):
+    """One local Ray cluster for the session: 2 CPUs, a capped object store, no dashboard."""
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=256 * 1024**2, include_dashboard=False,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    from dflash_ray.registry import load_tokenizer
+
+    return load_tokenizer("qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from dflash_ray.registry import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    from dflash_ray.tiny_models import tiny_qwen3
+
+    return tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_dir(tmp_path_factory):
+    from dflash_ray.tiny_models import tiny_qwen35
+
+    return tiny_qwen35(tmp_path_factory.mktemp("tiny-qwen35"))
