@@ -88,6 +88,17 @@ def _read(files: list[str]):
     raise DFlashError("mixes Parquet and JSONL files; give one format", file=files[0])
 
 
+def _count_rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    total = 0
+    for uri in files:
+        fs, path = storage.arrow_filesystem(uri)
+        with fs.open_input_file(path) as f:
+            total += pq.ParquetFile(f).metadata.num_rows
+    return total
+
+
 def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
     import ray
     import ray.data
@@ -103,11 +114,12 @@ def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
 
     ledger = ray.remote(num_cpus=0)(_Ledger).remote()
     ds = _read(files)
-    num_rows_in = ds.count()
-    concurrency = tcfg.concurrency or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    num_rows_in = _count_rows(files) if files[0].endswith(".parquet") else ds.count()
+    workers = tcfg.concurrency or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    # An autoscaling pool: a fixed pool holding every CPU from the start starves the read tasks.
     ds = ds.map_batches(_TokenizeUDF, fn_constructor_kwargs={"cfg": tcfg, "ledger": ledger},
-                        batch_size=tcfg.batch_size, batch_format="pyarrow",
-                        concurrency=concurrency, num_cpus=1)
+                        batch_size=tcfg.batch_size, batch_format="pyarrow", num_cpus=1,
+                        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=workers))
 
     run_id = uuid.uuid4().hex[:12]
     prefix = f"tokenized-{run_id}"

@@ -1,0 +1,127 @@
+import io
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import load_config
+from dflash_ray.data.formats import BadRecord, normalize
+from dflash_ray.data.prompts import run_prompts
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+GOOD = [
+    {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]},
+    {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look it up"}]}], "tools": TOOLS},
+    {"instruction": "Summarize", "input": "Ray runs Python at scale.", "output": "Ray scales Python."},
+    {"conversations": [{"from": "human", "value": "Turn one"}, {"from": "gpt", "value": "a"},
+                       {"from": "human", "value": "Turn two"}, {"from": "gpt", "value": "b"}]},
+]
+# (line text, expected quarantine kind)
+BAD = [
+    (b'{"messages": [{"role": "user", "content": "open"}', "malformed_json"),
+    (b'{"text": "no known schema"}', "unknown_schema"),
+    (b'{"messages": [{"role": "user", "content": "  \\n "}]}', "empty_user_content"),
+    (b'{"messages": [{"role": "assistant", "content": "me first"}, {"role": "user", "content": "q"}]}', "role_order"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "late"}]}', "role_order"),
+    (b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}', "invalid_utf8"),
+    (b'{"messages": [{"role": "user", "content": "' + b"word " * 400 + b'"}]}', "over_budget"),
+    (b'{"messages": [{"role": "wizard", "content": "q"}]}', "bad_field"),
+    (b'[1, 2, 3]', "unknown_schema"),
+]
+
+
+def test_formats_normalize_to_system_and_user_turns():
+    sharegpt, openai, tools, alpaca, multi = (normalize(r)[0] for r in GOOD)
+    assert sharegpt.messages == [{"role": "user", "content": "Hi there"}]
+    assert openai.messages == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}]
+    assert json.loads(tools.tools) == TOOLS and tools.messages[0]["content"] == "Look it up"
+    assert alpaca.messages == [{"role": "user", "content": "Summarize\n\nRay runs Python at scale."}]
+    assert [m["content"] for m in multi.messages] == ["Turn one", "Turn two"]
+
+
+def test_per_turn_policy_emits_one_row_per_user_turn():
+    rows = normalize(GOOD[4], "per_turn")
+    assert [[m["content"] for m in r.messages] for r in rows] == [["Turn one"], ["Turn one", "Turn two"]]
+    assert [r.turn for r in rows] == [0, 1] and len({r.id for r in rows}) == 2
+
+
+def test_id_is_a_stable_content_hash():
+    a = normalize(GOOD[1])[0]
+    b = normalize(json.loads(json.dumps(GOOD[1])))[0]
+    assert a.id == b.id and len(a.id) == 32
+    assert normalize({"messages": [{"role": "user", "content": "2+2?"}]})[0].id != a.id
+
+
+def test_unknown_role_names_the_field():
+    with pytest.raises(BadRecord, match=r"messages\[0\]\.role: unknown role 'wizard'"):
+        normalize({"messages": [{"role": "wizard", "content": "q"}]})
+
+
+def _write_inputs(folder, good_copies=1):
+    lines = [json.dumps(r).encode() for r in GOOD * good_copies] + [b for b, _ in BAD]
+    (folder / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist([{"instruction": "Name a prime.", "input": "", "output": "7"}]), buf)
+    (folder / "alpaca.parquet").write_bytes(buf.getvalue())
+    return [str(folder / "mixed.jsonl"), str(folder / "alpaca.parquet")]
+
+
+def test_bad_corpus_quarantined_good_records_through(tmp_path):
+    inputs = _write_inputs(tmp_path, good_copies=2)  # second copy: all duplicates
+    cfg = load_config(None, ["prompts.max_prompt_tokens=200", "prompts.shard_size=2"])
+    out = str(tmp_path / "prompts")
+    summary = run_prompts(inputs, out, cfg, progress=False)
+    assert summary["records"] == 2 * len(GOOD) + len(BAD) + 1
+    assert summary["prompts"] == len(GOOD) + 1
+    assert summary["duplicates"] == len(GOOD)
+    assert summary["quarantined"] == len(BAD)
+    quarantine = [json.loads(x) for x in storage.read_text(f"{out}/quarantine.jsonl").splitlines()]
+    first_bad_line = 2 * len(GOOD) + 1
+    assert [(q["file"], q["line"], q["kind"]) for q in quarantine] == [
+        (inputs[0], first_bad_line + i, kind) for i, (_, kind) in enumerate(BAD)]
+    assert all(q["reason"] and q["record"] for q in quarantine)
+    files = manifest.dataset_files(out)
+    assert len(files) == 3  # 6 prompts in shards of 2
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    assert table.schema.names == ["id", "source", "messages", "tools", "turn"]
+    assert sorted(set(table["source"].to_pylist())) == ["alpaca", "mixed"]
+    assert len(set(table["id"].to_pylist())) == table.num_rows == len(GOOD) + 1
+
+
+def test_prompts_on_s3(tmp_path, s3_bucket):
+    local = _write_inputs(tmp_path)
+    remote = []
+    for path in local:
+        uri = storage.join(s3_bucket, "raw", storage.basename(path))
+        storage.write_bytes(uri, open(path, "rb").read())
+        remote.append(uri)
+    cfg = load_config(None, ["prompts.max_prompt_tokens=0"])  # no budget: nothing is over it
+    summary = run_prompts([storage.join(s3_bucket, "raw")], storage.join(s3_bucket, "prompts"), cfg, progress=False)
+    # without a budget the long prompt goes through
+    assert summary["prompts"] == len(GOOD) + 2 and summary["quarantined"] == len(BAD) - 1
+    assert manifest.read_manifest(storage.join(s3_bucket, "prompts"))["summary"]["prompts"] == len(GOOD) + 2
+    assert len(manifest.dataset_files(storage.join(s3_bucket, "prompts"))) == 1
+
+
+def test_cli_json_summary_and_errors(tmp_path):
+    inputs = _write_inputs(tmp_path)
+    cmd = [sys.executable, "-m", "dflash_ray.cli", "prompts", "--input", *inputs,
+           "--output", str(tmp_path / "out"), "--json", "--set", "prompts.max_prompt_tokens=200"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["ok"] and summary["quarantined"] == len(BAD)
+
+    done = subprocess.run(cmd[:-2] + ["--set", "prompts.multi_turn=every"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "prompts.multi_turn" in done.stderr and "user_turns" in done.stderr
+    assert json.loads(done.stdout)["ok"] is False
+
+    done = subprocess.run(cmd[:5] + [str(tmp_path / "nothing-here")] + cmd[7:], capture_output=True, text=True)
+    assert done.returncode == 2 and "nothing-here" in done.stderr

@@ -1,0 +1,123 @@
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import load_config
+from dflash_ray.data.validate import run_validate
+from dflash_ray.stages.tokenize import run_tokenize
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+def _completion(i, reasoning, text, source="synthetic"):
+    return {"id": f"c{i:05d}", "source": source,
+            "messages": [{"role": "user", "content": f"Question number {i}: list some words."}],
+            "tools": None, "reasoning": reasoning, "text": text, "finish_reason": "stop"}
+
+
+def _long_text(rng, n):
+    return " ".join(rng.choice(WORDS, size=n).tolist())
+
+
+def write_completions(uri, rows):
+    buf = io.BytesIO()
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # from_pylist infers from the first row only
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), buf)
+    storage.write_bytes(storage.join(uri, "completions-00000.parquet"), buf.getvalue())
+    manifest.write_manifest(uri, kind="completions", files=[{"name": "completions-00000.parquet", "rows": len(rows)}],
+                            summary={})
+
+
+def healthy_rows(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    return [_completion(i, _long_text(rng, int(rng.integers(30, 80))), _long_text(rng, int(rng.integers(20, 60))),
+                        source="math" if i % 2 else "code") for i in range(n)]
+
+
+def seed_broken_rows(n=100, seed=0):
+    """87% of samples answer `<think>\\n\\n</think>\\n\\nOK.` as the seed's broken dataset did."""
+    rng = np.random.default_rng(seed)
+    return [_completion(i, "", "OK.") if i % 100 < 87 else
+            _completion(i, _long_text(rng, 60), _long_text(rng, 40)) for i in range(n)]
+
+
+def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
+    rows = healthy_rows(40)
+    rows.append({**_completion(99, "x", "y"), "id": "dropme", "prompt_token_ids": list(range(300)),
+                 "output_token_ids": [1, 2]})
+    rows.append({**_completion(98, None, None), "id": "notext"})
+    src, out = storage.join(s3_bucket, "completions"), storage.join(s3_bucket, "tokenized")
+    write_completions(src, rows)
+    cfg = load_config(None, ["tokenize.max_seq_len=256", "tokenize.overlong=drop", "tokenize.batch_size=16",
+                             "tokenize.rows_per_file=16"])
+    summary = run_tokenize(src, out, cfg)
+    assert summary["rows_in"] == 42 and summary["rows_out"] == 40 and summary["rejected"] == 2
+    assert summary["rejected_kinds"] == {"overlong": 1, "missing_field": 1}
+    rejected = [json.loads(x) for x in storage.read_text(storage.join(out, "rejected.jsonl")).splitlines()]
+    assert {r["id"] for r in rejected} == {"dropme", "notext"}
+    files = manifest.dataset_files(out)
+    assert len(files) == summary["files"] >= 3  # rows_per_file=16
+    tables = []
+    for f in files:
+        fs, path = storage.arrow_filesystem(f)
+        tables.append(pq.read_table(path, filesystem=fs))
+    table = pa.concat_tables(tables)
+    assert table.schema.field("input_ids").type == pa.list_(pa.int32())
+    assert table.schema.field("loss_mask").type == pa.list_(pa.int8())
+    assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in rows[:40])
+    for ids, mask, n in zip(table["input_ids"].to_pylist(), table["loss_mask"].to_pylist(), table["seq_len"].to_pylist()):
+        assert len(ids) == len(mask) == n and 0 < sum(mask) < n
+    assert summary["tokens"] == sum(table["seq_len"].to_pylist())
+
+    # a rerun replaces the dataset: the old files are gone, the manifest lists only the new ones
+    write_completions(src, rows[:10])
+    summary = run_tokenize(src, out, cfg)
+    assert summary["rows_out"] == 10
+    assert storage.list_files(out, ".parquet") == manifest.dataset_files(out)
+
+
+def _tokenized(tmp_path, rows, name):
+    src, out = str(tmp_path / f"{name}-completions"), str(tmp_path / f"{name}-tokenized")
+    write_completions(src, rows)
+    run_tokenize(src, out, load_config(None, ["tokenize.batch_size=32"]))
+    return out
+
+
+def test_gate_fails_the_seed_six_token_dataset(ray_cluster, tmp_path):
+    data = _tokenized(tmp_path, seed_broken_rows(), "broken")
+    report_dir = str(tmp_path / "report")
+    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "validate", "--input", data,
+                           "--report", report_dir, "--json"], capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["ok"] is False and summary["passed"] is False
+    assert {"max_mode_share", "min_median_response", "max_empty_thinking_share"} <= set(summary["failed_rules"])
+    top = summary["stats"]["loss_mask_sum"]["most_common"][0]
+    assert top["share"] == pytest.approx(0.87) and top["value"] == 7  # <think> \n\n </think> \n\n OK . <|im_end|>
+    assert summary["stats"]["empty_thinking_share"] == pytest.approx(0.87)
+    assert "max_mode_share" in done.stderr and "87.0%" in done.stderr
+    report = json.loads(open(f"{report_dir}/report.json").read())
+    assert report["dominant_examples"][0]["response"] == "<think>\n\n</think>\n\nOK.<|im_end|>"
+    assert open(f"{report_dir}/loss_mask_sum.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "FAILED" in open(f"{report_dir}/report.md").read()
+
+
+def test_gate_passes_a_healthy_dataset(ray_cluster, tmp_path):
+    data = _tokenized(tmp_path, healthy_rows(80), "healthy")
+    cfg = load_config()
+    report = run_validate(data, cfg, report_dir=str(tmp_path / "report"))
+    assert report["passed"], report["rules"]
+    stats = report["stats"]
+    assert stats["samples"] == 80 and stats["no_loss_share"] == 0 and stats["empty_thinking_share"] == 0
+    assert 0 < stats["response_fraction"] < 1
+    assert stats["offline_storage_bytes"] == 5 * 5120 * 2 * stats["tokens"]
+    assert set(stats["sources"]) == {"math", "code"}
+    assert len(report["random_examples"]) == cfg.validate.num_examples
+    assert all(ex["response"].startswith("<think>") for ex in report["random_examples"])
