@@ -43,8 +43,10 @@ def reference_completions(inputs: list[str], output: str, multi_turn: str) -> in
     for uri in inputs:
         source = storage.basename(uri).rsplit(".", 1)[0]
         for item in iter_records(uri):
+            if item.error is not None:
+                continue
             try:
-                prompts = normalize(item.record, multi_turn) if item.error is None else []
+                prompts = normalize(item.record, multi_turn)
             except BadRecord:
                 continue
             answer = _first_answer(item.record)

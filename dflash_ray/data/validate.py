@@ -175,6 +175,14 @@ def _histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
     return buf.getvalue()
 
 
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
 def _markdown(report: dict[str, Any]) -> str:
     s, lm = report["stats"], report["stats"]["loss_mask_sum"]
     lines = [f"# Validation report: {report['input']}", "",
@@ -190,7 +198,7 @@ def _markdown(report: dict[str, Any]) -> str:
               f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
               f"| samples with no loss token | {s['no_loss_share']:.1%} |",
               f"| empty thinking blocks | {'n/a' if s['empty_thinking_share'] is None else format(s['empty_thinking_share'], '.1%')} |",
-              f"| offline hidden-state storage avoided | {s['offline_storage_bytes'] / 1e12:.3f} TB |", "",
+              f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |", "",
               "Most common loss-mask sums: " + ", ".join(
                   f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"]), "",
               "| source | samples | median response |", "|---|---|---|"]

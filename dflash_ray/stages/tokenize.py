@@ -84,7 +84,7 @@ def _read(files: list[str]):
     if all(f.endswith(".parquet") for f in files):
         return ray.data.read_parquet(paths, filesystem=fs)
     if all(f.endswith(".jsonl") for f in files):
-        return ray.data.read_json(paths, filesystem=fs, lines=True)
+        return ray.data.read_json(paths, filesystem=fs)  # newline-delimited JSON
     raise DFlashError("mixes Parquet and JSONL files; give one format", file=files[0])
 
 
