@@ -95,8 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
     try:
-        cfg = load_config(args.config, args.overrides)
-        summary = run(args, cfg)
+        try:
+            cfg = load_config(args.config, args.overrides)
+            summary = run(args, cfg)
+        except FileNotFoundError as e:
+            raise DFlashError("no such file or object", file=e.filename or str(e)) from None
+        except PermissionError as e:
+            raise DFlashError("permission denied", file=e.filename or str(e)) from None
+        except Exception as e:
+            if type(e).__module__.startswith("botocore"):  # S3: no bucket, no credentials, denied
+                raise DFlashError(f"S3: {e}") from None
+            raise
     except DFlashError as e:
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
         if args.json:

@@ -48,7 +48,6 @@ class TokenizeConfig:
     enable_thinking: bool = True  # template flag; must match how the data was generated
     batch_size: int = 256  # rows per Ray Data batch
     concurrency: int | None = None  # tokenizer workers; None: one per CPU in the cluster
-    rows_per_file: int = 8192  # rows per output Parquet shard (upper bound)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

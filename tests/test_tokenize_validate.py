@@ -26,10 +26,11 @@ def _long_text(rng, n):
     return " ".join(rng.choice(WORDS, size=n).tolist())
 
 
-def write_completions(uri, rows):
+def write_completions(uri, rows, row_group_size=None):
     buf = io.BytesIO()
     keys = list(dict.fromkeys(k for r in rows for k in r))  # from_pylist infers from the first row only
-    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), buf)
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), buf,
+                   row_group_size=row_group_size)
     storage.write_bytes(storage.join(uri, "completions-00000.parquet"), buf.getvalue())
     manifest.write_manifest(uri, kind="completions", files=[{"name": "completions-00000.parquet", "rows": len(rows)}],
                             summary={})
@@ -54,16 +55,15 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
                  "output_token_ids": [1, 2]})
     rows.append({**_completion(98, None, None), "id": "notext"})
     src, out = storage.join(s3_bucket, "completions"), storage.join(s3_bucket, "tokenized")
-    write_completions(src, rows)
-    cfg = load_config(None, ["tokenize.max_seq_len=256", "tokenize.overlong=drop", "tokenize.batch_size=16",
-                             "tokenize.rows_per_file=16"])
+    write_completions(src, rows, row_group_size=16)  # 3 work units
+    cfg = load_config(None, ["tokenize.max_seq_len=256", "tokenize.overlong=drop", "tokenize.batch_size=8"])
     summary = run_tokenize(src, out, cfg)
     assert summary["rows_in"] == 42 and summary["rows_out"] == 40 and summary["rejected"] == 2
     assert summary["rejected_kinds"] == {"overlong": 1, "missing_field": 1}
     rejected = [json.loads(x) for x in storage.read_text(storage.join(out, "rejected.jsonl")).splitlines()]
     assert {r["id"] for r in rejected} == {"dropme", "notext"}
     files = manifest.dataset_files(out)
-    assert len(files) == summary["files"] >= 3  # rows_per_file=16
+    assert len(files) == summary["files"] == 3  # one output file per input row group
     tables = []
     for f in files:
         fs, path = storage.arrow_filesystem(f)
