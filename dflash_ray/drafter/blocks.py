@@ -1,0 +1,123 @@
+"""Training blocks: anchor sampling, block inputs and labels, and the attention masks.
+
+Shapes: B sequences, S context positions, A anchor slots, K = block size, Q = A*K queries.
+An anchor is a position a with loss_mask[a] = loss_mask[a+1] = 1. Its block is `[x_a, MASK x K-1]`
+at positions a..a+K-1; block position k predicts x[a+k] (labels are NOT shifted) and k = 0 is
+excluded. A query of block j sees context positions strictly before a_j, its own block, and no
+other block: bidirectional within the block for full-attention layers, causal for sliding ones
+(which also see only the last `sliding_window` positions).
+
+Anchor slots are fixed in number (`num_anchors`), with a keep mask, so shapes never change and a
+compiled attention never recompiles. A slot that is not kept attends to its own block only and
+carries zero loss weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # [B, A] long, positions (0 in unused slots)
+    keep: torch.Tensor  # [B, A] bool
+    token_ids: torch.Tensor  # [B, Q] long: x_a then mask tokens
+    positions: torch.Tensor  # [B, Q] long: a + k
+    labels: torch.Tensor  # [B, Q] long: x[a + k] (0 where invalid)
+    weights: torch.Tensor  # [B, Q] float: decay * loss_mask[a+k] * [k > 0] * [a+k < S] * keep
+    block_size: int
+
+    @property
+    def num_anchors(self) -> int:
+        return self.anchors.shape[1]
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` anchors per sequence, uniform without replacement, sorted."""
+    mask = loss_mask.bool()
+    valid = torch.zeros_like(mask)
+    valid[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    B = mask.shape[0]
+    anchors = torch.zeros(B, num_anchors, dtype=torch.long)
+    keep = torch.zeros(B, num_anchors, dtype=torch.bool)
+    for b in range(B):
+        candidates = valid[b].nonzero().flatten().cpu()
+        if candidates.numel() == 0:
+            continue
+        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+        chosen = candidates[pick].sort().values
+        anchors[b, : chosen.numel()] = chosen
+        keep[b, : chosen.numel()] = True
+    return anchors.to(loss_mask.device), keep.to(loss_mask.device)
+
+
+def decay_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for k >= 1, 0 at k = 0; gamma = 7 for block 16 (scaled with the block)."""
+    gamma = gamma if gamma is not None else 7.0 * block_size / 16
+    k = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+
+
+def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                *, mask_token_id: int, block_size: int, gamma: float | None = None) -> Blocks:
+    B, S = input_ids.shape
+    A, K = anchors.shape[1], block_size
+    k = torch.arange(K, device=input_ids.device)
+    pos = anchors[:, :, None] + k  # [B, A, K]
+    inside = pos < S
+    safe = pos.clamp(max=S - 1)
+    labels = torch.gather(input_ids, 1, safe.view(B, -1)).view(B, A, K)
+    label_mask = torch.gather(loss_mask.float(), 1, safe.view(B, -1)).view(B, A, K)
+    weights = decay_weights(K, gamma).to(input_ids.device) * label_mask * inside * keep[:, :, None]
+    tokens = torch.full((B, A, K), mask_token_id, dtype=torch.long, device=input_ids.device)
+    tokens[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    return Blocks(anchors=anchors, keep=keep, token_ids=tokens.view(B, -1), positions=pos.view(B, -1),
+                  labels=torch.where(inside, labels, 0).view(B, -1), weights=weights.view(B, -1).float(),
+                  block_size=K)
+
+
+def _visible(q_idx, kv_idx, anchors_b, seq_len: int, block_size: int, layer_type: str, window: int):
+    """The mask rule, written once for the dense mask and flex attention's mask_mod alike."""
+    j = q_idx // block_size
+    k = q_idx % block_size
+    a = anchors_b[j]
+    is_ctx = kv_idx < seq_len
+    kv_block = (kv_idx - seq_len) // block_size
+    kv_k = (kv_idx - seq_len) % block_size
+    ctx_ok = kv_idx < a
+    block_ok = kv_block == j
+    if layer_type == SLIDING:
+        ctx_ok = ctx_ok & (a + k - kv_idx < window)
+        block_ok = block_ok & (kv_k <= k)
+    return (is_ctx & ctx_ok) | (~is_ctx & block_ok)
+
+
+def dense_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL,
+               sliding_window: int = 2048) -> torch.Tensor:
+    """[B, 1, Q, S + Q] bool (True = attend), for SDPA."""
+    B, A = anchors.shape
+    Q = A * block_size
+    q_idx = torch.arange(Q, device=anchors.device)[:, None]
+    kv_idx = torch.arange(seq_len + Q, device=anchors.device)[None, :]
+    masks = [_visible(q_idx, kv_idx, anchors[b], seq_len, block_size, layer_type, sliding_window)
+             for b in range(B)]
+    return torch.stack(masks)[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL,
+                    sliding_window: int = 2048):
+    """The same rule as a flex_attention BlockMask (never materializes the dense mask on GPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, A = anchors.shape
+    Q = A * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _visible(q_idx, kv_idx, anchors[b], seq_len, block_size, layer_type, sliding_window)
+
+    return create_block_mask(mask_mod, B, None, Q, seq_len + Q, device=str(anchors.device))
