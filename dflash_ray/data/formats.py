@@ -26,6 +26,11 @@ OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user",
                 "assistant": "assistant", "tool": "tool", "function": "tool"}
 
 
+# (list key, role key, content key, role names) of the chat formats
+CHAT_FORMATS = (("conversations", "from", "value", SHAREGPT_ROLES),
+                ("messages", "role", "content", OPENAI_ROLES))
+
+
 class BadRecord(ValueError):
     """A record that cannot become a prompt; the message is the quarantine reason, `kind` its
     category in run summaries."""
@@ -86,33 +91,21 @@ def _tools(raw: Any) -> str | None:
 
 def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str]], Any]:
     """(role, content) turns in the record's order, and its raw tools."""
-    if "conversations" in record:
-        conv = record["conversations"]
-        if not isinstance(conv, list):
-            raise BadRecord("conversations: must be a list")
-        turns = []
-        if isinstance(record.get("system"), str) and record["system"].strip():
-            turns.append(("system", record["system"]))
-        for i, msg in enumerate(conv):
-            if not isinstance(msg, dict) or "from" not in msg:
-                raise BadRecord(f"conversations[{i}]: needs 'from' and 'value'")
-            role = SHAREGPT_ROLES.get(str(msg["from"]).lower())
+    for list_key, role_key, content_key, roles in CHAT_FORMATS:
+        if list_key not in record:
+            continue
+        items = record[list_key]
+        if not isinstance(items, list):
+            raise BadRecord(f"{list_key}: must be a list")
+        system = record.get("system")  # ShareGPT variants carry it at the top level
+        turns = [("system", system)] if isinstance(system, str) and system.strip() else []
+        for i, msg in enumerate(items):
+            if not isinstance(msg, dict) or role_key not in msg:
+                raise BadRecord(f"{list_key}[{i}]: needs '{role_key}' and '{content_key}'")
+            role = roles.get(str(msg[role_key]).lower())
             if role is None:
-                raise BadRecord(f"conversations[{i}].from: unknown role '{msg['from']}'")
-            turns.append((role, _text(msg.get("value"), f"conversations[{i}].value")))
-        return turns, record.get("tools")
-    if "messages" in record:
-        msgs = record["messages"]
-        if not isinstance(msgs, list):
-            raise BadRecord("messages: must be a list")
-        turns = []
-        for i, msg in enumerate(msgs):
-            if not isinstance(msg, dict) or "role" not in msg:
-                raise BadRecord(f"messages[{i}]: needs 'role' and 'content'")
-            role = OPENAI_ROLES.get(str(msg["role"]).lower())
-            if role is None:
-                raise BadRecord(f"messages[{i}].role: unknown role '{msg['role']}'")
-            turns.append((role, _text(msg.get("content"), f"messages[{i}].content")))
+                raise BadRecord(f"{list_key}[{i}].{role_key}: unknown role '{msg[role_key]}'")
+            turns.append((role, _text(msg.get(content_key), f"{list_key}[{i}].{content_key}")))
         return turns, record.get("tools")
     if "instruction" in record:
         instruction = _text(record["instruction"], "instruction")
