@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 64, seed: int = 0) -> str:
+def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 151936,
+               seed: int = 0) -> str:
     """A random Qwen3 causal LM saved as safetensors; returns its folder."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=151936, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=hidden_size // 4, max_position_embeddings=4096, tie_word_embeddings=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})

@@ -1,0 +1,41 @@
+"""One training forward of the drafter: anchors → blocks → masks → drafter → loss (no Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_ray.drafter.blocks import Blocks, dense_mask, flex_block_mask, make_blocks, sample_anchors
+from dflash_ray.drafter.loss import LossOutput, acceptance_lengths, dflash_loss
+from dflash_ray.drafter.model import DFlashDrafter
+
+
+@dataclass
+class StepOutput:
+    loss: LossOutput
+    blocks: Blocks
+    tau: torch.Tensor  # [num_kept] simulated acceptance lengths
+
+
+def attention_masks(drafter: DFlashDrafter, anchors: torch.Tensor, seq_len: int, attention: str) -> dict:
+    cfg = drafter.cfg
+    build = dense_mask if attention == "sdpa" else flex_block_mask
+    return {t: build(anchors, seq_len, cfg.block_size, t, cfg.sliding_window) for t in set(cfg.layer_types)}
+
+
+def forward_loss(drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
+                 input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
+                 generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
+                 gamma: float | None = None) -> StepOutput:
+    cfg = drafter.cfg
+    anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
+    blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id,
+                         block_size=cfg.block_size, gamma=gamma)
+    block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
+    masks = attention_masks(drafter, anchors, input_ids_BS.shape[1], attention)
+    hidden = drafter(features_BSF, block_embeds, blocks.positions, masks)
+    out = dflash_loss(hidden, head_VH, blocks.labels, blocks.weights, fused=fused)
+    tau = acceptance_lengths(out.correct, blocks.weights, keep, cfg.block_size)
+    return StepOutput(out, blocks, tau)

@@ -1,0 +1,101 @@
+"""Context features from a frozen target: forward hooks on the chosen decoder layers.
+
+A layer index means one thing everywhere: `i` is the OUTPUT of 0-based decoder layer `i`, which
+is Hugging Face's `output_hidden_states[i + 1]` (except after the last layer, where HF applies the
+final norm). The forward stops right after the deepest captured layer: no later layer and no LM
+head over the sequence is ever computed.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    pass
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a HF causal LM (Llama, Qwen3, Qwen3.5 hybrid, multimodal wrappers)."""
+    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers", "layers"):
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+@contextmanager
+def capture(model: nn.Module, layer_ids: list[int], *, stop_after_last: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+    """Hooks that record each chosen layer's output; removed on exit whatever happens."""
+    layers = decoder_layers(model)
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside the target's {len(layers)} layers")
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layer_ids)
+
+    def hook_for(i: int):
+        def hook(_module, _inputs, output):
+            captured[i] = output[0] if isinstance(output, tuple) else output
+            if stop_after_last and i == deepest:
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(layer_ids))]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def target_features(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int],
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S, n*H]: the chosen layers' outputs, concatenated in `layer_ids` order."""
+    base = getattr(model, "model", model)  # the decoder stack: no LM head over the sequence
+    with capture(model, layer_ids) as captured:
+        try:
+            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+    missing = [i for i in layer_ids if i not in captured]
+    if missing:
+        raise RuntimeError(f"layers {missing} were not reached by the forward")
+    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head, read from its safetensors alone (the rest of the
+    target is never loaded). A tied head returns the embedding twice."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(target_dir / "model.safetensors", "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    embed_key = next((k for k in weight_map if k.endswith("embed_tokens.weight") and "mtp" not in k), None)
+    head_key = next((k for k in weight_map if k.endswith("lm_head.weight")), None)
+    if embed_key is None:
+        raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(target_dir / weight_map[key], "pt") as f:
+            return f.get_tensor(key)
+
+    embed = read(embed_key)
+    return embed, (read(head_key) if head_key else embed)
