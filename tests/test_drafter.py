@@ -174,3 +174,28 @@ def test_drafter_can_learn_and_untrained_stays_near_one(tmp_path):
     with torch.no_grad():
         trained = forward_loss(drafter, embed, head, feats, seqs, mask, num_anchors=16, generator=g)
     assert trained.tau.mean() >= 8, trained.tau
+
+
+def test_export_round_trip_is_bit_exact(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from dflash_ray.drafter.export import load_drafter, save_drafter
+
+    drafter = _tiny_drafter((SLIDING, FULL))
+    save_drafter(drafter, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": drafter.cfg.target_layer_ids}
+    assert config["block_size"] == 16 and config["num_target_layers"] == 6
+    assert config["layer_types"] == [SLIDING, FULL] and config["num_hidden_layers"] == 2
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    loaded = load_drafter(tmp_path / "out")
+    assert loaded.cfg == drafter.cfg
+    for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
