@@ -50,23 +50,42 @@ def _convert_smollm2(out: Path, with_model: bool) -> None:
     with FileLock(str(out) + ".lock"):
         if marker.exists():
             return
-        from transformers import AutoTokenizer
-
         gguf = _smollm2_gguf()
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer.save_pretrained(tmp)
-        if with_model:
-            import torch
-            from transformers import AutoModelForCausalLM
+        try:
+            _write_smollm2(gguf, tmp, with_model)
+        except BaseException:
+            import shutil
 
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                         dtype=torch.bfloat16)
-            model.save_pretrained(tmp, safe_serialization=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         out.mkdir(exist_ok=True)
         for item in sorted(tmp.iterdir(), key=lambda p: p.name == marker.name):
             os.replace(item, out / item.name)  # the marker file moves last
         tmp.rmdir()
+
+
+def _write_smollm2(gguf: Path, tmp: Path, with_model: bool) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(tmp)
+    if not with_model:
+        return
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
+    # already dequantized, so write them and a plain config directly.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    model.config.__dict__.pop("quantization_config", None)
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
 
 
 def resolve(name_or_path: str, *, need: str = "model") -> str:
