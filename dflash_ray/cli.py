@@ -45,6 +45,19 @@ def _cmd_validate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
+def _cmd_export(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.drafter.export import export_checkpoint
+
+    return export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
+
+
+def _cmd_evaluate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.evaluate import run_evaluate
+
+    return run_evaluate(args.drafter, args.target, args.prompts, cfg, heldout_uri=args.heldout, engine=args.engine,
+                        tokenizer_name=args.tokenizer)
+
+
 def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.demo import run_demo
 
@@ -77,6 +90,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="DIR", help="write report.json, report.md and PNG histograms here")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the one that tokenized the data")
     p.set_defaults(run=_cmd_validate)
+
+    p = sub.add_parser("export", parents=[common], help="write a drafter in the format vLLM and SGLang load")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a training checkpoint or drafter folder (path or URI)")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.set_defaults(run=_cmd_export)
+
+    p = sub.add_parser("evaluate", parents=[common], help="acceptance length of a drafter against its target")
+    p.add_argument("--drafter", required=True, metavar="DIR")
+    p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--prompts", required=True, metavar="URI", help="prompt shards (from `dflash-ray prompts`)")
+    p.add_argument("--heldout", metavar="URI", help="tokenized held-out set for the simulated tau")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: also report vLLM's measured tau")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the target's own")
+    p.set_defaults(run=_cmd_evaluate)
 
     p = sub.add_parser("demo", parents=[common], help="run the pipeline on the embedded default")
     p.add_argument("--workdir", default="demo-run", metavar="DIR")

@@ -69,6 +69,19 @@ class ValidateConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class EvaluateConfig:
+    num_prompts: int = 32  # prompts decoded (the first ones of the prompt set)
+    max_new_tokens: int = 128
+    enable_thinking: bool = True  # chat-template flag for the prompts, as in training data
+    dtype: Literal["float32", "bfloat16"] = "float32"  # target and drafter on CPU
+    num_anchors: int = 64  # per held-out sequence, for the simulated tau
+    num_heldout: int = 64  # held-out sequences scored
+    ngram_min: int = 2  # n-gram prompt-lookup baseline
+    ngram_max: int = 4
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     seed: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
@@ -76,6 +89,7 @@ class RunConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

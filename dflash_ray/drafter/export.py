@@ -100,3 +100,26 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlash
     if missing or unexpected:
         raise ValueError(f"{path}: missing weights {missing}, unexpected {unexpected}")
     return drafter.to(device)
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") -> dict:
+    """A training checkpoint (its `drafter/` folder) or a drafter folder → the serving format."""
+    from dflash_ray import storage
+    from dflash_ray.registry import resolve
+
+    source = resolve(checkpoint)
+    if (Path(source) / "drafter" / CONFIG).exists():
+        source = str(Path(source) / "drafter")
+    if not (Path(source) / CONFIG).exists():
+        from dflash_ray.errors import DFlashError
+
+        raise DFlashError(f"no {CONFIG}: not a drafter folder or a checkpoint holding one", file=checkpoint)
+    drafter = load_drafter(source)
+    local = out_dir if not storage.is_s3(out_dir) else str(Path(source).parent / ".export")
+    save_drafter(drafter, local, dtype=getattr(torch, dtype))
+    if storage.is_s3(out_dir):
+        for name in (WEIGHTS, CONFIG):  # the config last: a reader checks for it
+            storage.upload_file(Path(local) / name, storage.join(out_dir, name))
+    return {"stage": "export", "checkpoint": checkpoint, "out_dir": out_dir, "dtype": dtype,
+            "parameters": sum(p.numel() for p in drafter.parameters()),
+            "layers": drafter.cfg.num_layers, "target_layer_ids": drafter.cfg.target_layer_ids}

@@ -1,0 +1,33 @@
+"""The n-gram prompt-lookup baseline (what vLLM ships as `ngram` speculative decoding).
+
+Acceptance figures mean little without it: a small target that loops gets long n-gram matches for
+free. Under greedy decoding the acceptance of any proposer is a function of the target's own
+output, so it is simulated exactly on that output, no engine needed.
+"""
+
+from __future__ import annotations
+
+
+def propose(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n: start + n + num_tokens]
+    return []
+
+
+def simulate(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """Tokens committed per verify step (accepted + 1) if n-gram lookup had drafted `output`."""
+    steps = []
+    done = 1  # the first output token comes from the prefill, as with any drafter
+    while done < len(output):
+        draft = propose(prompt + output[:done], num_tokens, min_n, max_n)
+        accepted = 0
+        while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
+            accepted += 1
+        commit = min(accepted + 1, len(output) - done)
+        steps.append(commit)
+        done += commit
+    return steps

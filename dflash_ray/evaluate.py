@@ -1,0 +1,139 @@
+"""`dflash-ray evaluate`: acceptance length of a drafter against its target, measured for real.
+
+For each prompt the target decodes greedily alone and with the drafter (speculative decoding);
+the two outputs must be equal token for token, and the run says so. Reported: tau (tokens
+committed per verify step) overall and per prompt source, tokens/s of both, the n-gram
+prompt-lookup baseline's tau on the same outputs, and the simulated tau on a tokenized held-out
+set (the figure training reports). `--engine vllm` adds vLLM's own measured acceptance length.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import RunConfig
+from dflash_ray.errors import DFlashError
+
+
+def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    for f in manifest.dataset_files(uri, (".parquet",)):
+        fs, path = storage.arrow_filesystem(f)
+        rows += pq.read_table(path, filesystem=fs, columns=["id", "source", "messages", "tools"]).to_pylist()
+        if len(rows) >= limit:
+            break
+    if not rows:
+        raise DFlashError("no prompts", file=uri)
+    return rows[:limit]
+
+
+def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> float | None:
+    import pyarrow.parquet as pq
+    import torch
+
+    from dflash_ray.drafter.step import forward_loss
+    from dflash_ray.target.capture import target_features
+
+    ecfg = cfg.evaluate
+    taus: list[float] = []
+    g = torch.Generator().manual_seed(ecfg.seed)
+    rows = []
+    for f in manifest.dataset_files(uri, (".parquet",)):
+        fs, path = storage.arrow_filesystem(f)
+        rows += pq.read_table(path, filesystem=fs, columns=["input_ids", "loss_mask"]).to_pylist()
+        if len(rows) >= ecfg.num_heldout:
+            break
+    for row in rows[: ecfg.num_heldout]:
+        ids, mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
+        feats = target_features(target, ids, drafter.cfg.target_layer_ids)
+        with torch.no_grad():
+            out = forward_loss(drafter, embed, head, feats.to(embed.dtype), ids, mask,
+                               num_anchors=ecfg.num_anchors, generator=g)
+        taus += out.tau.tolist()
+    return sum(taus) / len(taus) if taus else None
+
+
+def vllm_acceptance(target_dir: str, drafter_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """vLLM's measured acceptance, in its own process (vLLM spawns workers)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target_dir, "--drafter", drafter_dir,
+           "--prompts-json", f.name, "--max-tokens", str(max_tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise DFlashError(f"vLLM run failed: {done.stderr[-2000:]}", file=drafter_dir)
+    return json.loads(line[len("VLLM_RESULT "):])
+
+
+def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunConfig, *,
+                 heldout_uri: str | None = None, engine: str = "hf", tokenizer_name: str | None = None
+                 ) -> dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray.drafter import ngram
+    from dflash_ray.drafter.export import load_drafter
+    from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
+    from dflash_ray.registry import load_tokenizer, resolve
+    from dflash_ray.target.capture import load_embed_and_head
+
+    ecfg = cfg.evaluate
+    dtype = getattr(torch, ecfg.dtype)
+    target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
+    tokenizer = load_tokenizer(tokenizer_name or target_uri)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    drafter = load_drafter(drafter_dir).to(dtype).eval()
+    embed, head = (t.to(dtype) for t in load_embed_and_head(target_dir))
+    eos = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
+
+    rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
+    per_source: dict[str, list[int]] = collections.defaultdict(list)
+    all_steps, ngram_steps, prompt_ids = [], [], []
+    spec_s = base_s = 0.0
+    tokens = mismatches = 0
+    for row in tqdm(rows, desc="evaluate", unit=" prompts"):
+        tools = json.loads(row["tools"]) if row.get("tools") else None
+        text = tokenizer.apply_chat_template(row["messages"], tools=tools, add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=ecfg.enable_thinking)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids.append(ids)
+        ref = target_greedy(target, ids, ecfg.max_new_tokens, eos)
+        spec = speculative_greedy(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos)
+        mismatches += int(spec.token_ids != ref.token_ids)
+        per_source[row["source"]] += spec.acceptance
+        all_steps += spec.acceptance
+        ngram_steps += ngram.simulate(ids, ref.token_ids, drafter.cfg.block_size - 1, ecfg.ngram_min, ecfg.ngram_max)
+        spec_s, base_s, tokens = spec_s + spec.seconds, base_s + ref.seconds, tokens + len(ref.token_ids)
+
+    def mean(xs):
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    summary = {
+        "stage": "evaluate", "drafter": drafter_uri, "target": target_uri, "prompts": len(rows),
+        "tokens": tokens, "tau": mean(all_steps), "verify_steps": len(all_steps),
+        "tau_per_source": {s: mean(v) for s, v in sorted(per_source.items())},
+        "tau_ngram": mean(ngram_steps),
+        "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
+        "target_tokens_per_s": round(tokens / base_s, 2) if base_s else None,
+        "speedup": round(base_s / spec_s, 3) if spec_s else None,
+        "lossless": mismatches == 0, "mismatched_prompts": mismatches,
+    }
+    if heldout_uri:
+        summary["tau_simulated_heldout"] = _heldout_tau(target, drafter, embed, head, heldout_uri, cfg)
+    if engine == "vllm":
+        result = vllm_acceptance(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens)
+        summary["tau_vllm"] = result["acceptance_length"]
+    if mismatches:
+        raise DFlashError(f"speculative output differs from the target's greedy output on {mismatches} "
+                          "prompt(s): the drafter path is broken", file=drafter_uri).with_summary(summary)
+    return summary

@@ -1,0 +1,45 @@
+import json
+
+import torch
+
+from dflash_ray.cli import main
+from dflash_ray.config import load_config
+from dflash_ray.data.prompts import run_prompts
+from dflash_ray.drafter.config import from_target
+from dflash_ray.drafter.export import load_drafter, save_drafter
+from dflash_ray.drafter.model import DFlashDrafter
+from dflash_ray.drafter.ngram import simulate
+
+
+def test_ngram_baseline_simulation():
+    assert simulate([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9]) == [1, 4]
+    assert sum(simulate([7], [1, 2, 3, 1, 2, 3, 1, 2, 3])) == 8
+
+
+def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
+    from transformers import AutoConfig
+
+    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1,
+                      num_target_features=3)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt" / "drafter", dtype=torch.float32)
+
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "export"), "--dtype", "bfloat16", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["layers"] == 1
+    assert next(load_drafter(tmp_path / "export").parameters()).dtype == torch.bfloat16
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})
+                             for q in ("Hello there", "Count to three", "Name a color")))
+    run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(), progress=False)
+    code = main(["evaluate", "--drafter", str(tmp_path / "export"), "--target", tiny_qwen3_dir, "--tokenizer", "qwen3",
+                 "--prompts", str(tmp_path / "prompts"), "--set", "evaluate.max_new_tokens=12", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["lossless"] and summary["prompts"] == 3
+    assert summary["tokens"] == 36 and summary["tau"] >= 1 and summary["tau_ngram"] >= 1
+    assert set(summary["tau_per_source"]) == {"raw"}
+    assert summary["tokens_per_s"] > 0 and summary["target_tokens_per_s"] > 0
+
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "nothing" in capsys.readouterr().err
