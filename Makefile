@@ -24,7 +24,8 @@ demo: setup
 	$(BIN)/dflash-ray demo
 
 bench: setup
-	$(BIN)/python bench/tokenize.py
+	$(BIN)/python -m bench.tokenize --json
+	$(BIN)/python -m bench.loss --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,16 +4,12 @@ Both sides run the same work end to end: read the completion Parquet, render eac
 with the Qwen3 chat template (thinking included), tokenize with offsets, build the loss mask and
 write Parquet. Side by side in one run, since these machines are noisy.
 
-    .venv/bin/python bench/tokenize.py [--samples 20000] [--json]
+    .venv/bin/python -m bench.tokenize [--samples 20000] [--json]
+
+(Run as a module: as a script, this file would shadow the standard library's `tokenize`.)
 """
 
 from __future__ import annotations
-
-import sys
-
-# This file's folder comes first on sys.path and its name shadows the standard library's
-# `tokenize` module, which pyarrow and inspect import: take the folder off the path.
-sys.path[:] = [p for p in sys.path if p not in ("", __file__.rsplit("/", 1)[0])]
 
 import argparse
 import io
