@@ -6,12 +6,20 @@ in chunks of about `max_chunk_bytes` of logits, computes loss, top-1 hits and th
 same pass (the loss is a scalar, so d loss / d logits is known in the forward), and keeps only
 [N, H] (and [V, H] when the head is trainable) for the backward. Rows of weight 0 are skipped.
 
-Exact against `dflash_ray.drafter.loss.naive_loss` (the reference) in loss and gradients.
+On CUDA the per-row softmax / loss / gradient runs in a Triton kernel (`ce_triton`) that writes
+the gradient over the logits in place; elsewhere it runs as PyTorch ops. Both are exact against
+`dflash_ray.drafter.loss.naive_loss` (the reference) in loss and gradients.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 DEFAULT_CHUNK_BYTES = 256 * 1024**2
 
@@ -34,18 +42,27 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
             y = labels_N[idx]
             w = weights_N[idx].float()
             logits = (h.to(head_VH.dtype) @ head_VH.t()).float()  # [c, V], the only big buffer
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, y[:, None])[:, 0]) * w).sum()
-            correct[idx] = logits.argmax(-1) == y
+            if _use_triton(logits):
+                from dflash_ray.kernels.ce_triton import ce_rows
+
+                row_loss, hit = ce_rows(logits, y, w, float(1.0 / wsum), need_h or need_w)
+                total += row_loss.sum()
+                correct[idx] = hit
+                probs = logits  # now holds d loss / d logits
+            else:
+                lse = torch.logsumexp(logits, dim=-1)
+                total += ((lse - logits.gather(1, y[:, None])[:, 0]) * w).sum()
+                correct[idx] = logits.argmax(-1) == y
+                if need_h or need_w:
+                    # d loss / d logits = (softmax - onehot) * w / sum(w), computed in place
+                    probs = logits.sub_(lse[:, None]).exp_()
+                    probs[torch.arange(idx.numel(), device=probs.device), y] -= 1.0
+                    probs.mul_((w / wsum)[:, None])
             if need_h or need_w:
-                # d loss / d logits = (softmax - onehot) * w / sum(w), computed in place
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(idx.numel(), device=probs.device), y] -= 1.0
-                probs.mul_((w / wsum)[:, None])
                 if need_h:
-                    grad_h[idx] = probs @ head_VH.float()
+                    grad_h[idx] = (probs.to(head_VH.dtype) @ head_VH).float()
                 if need_w:
-                    grad_w += probs.t() @ h.float()
+                    grad_w += (probs.t().to(h.dtype) @ h).float()
         ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
         ctx.has = (need_h, need_w)
         ctx.dtypes = (hidden_NH.dtype, head_VH.dtype)
