@@ -153,6 +153,36 @@ def list_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
     return [join(prefix, n) for n in sorted(keep)]
 
 
+def list_dirs(prefix: str) -> list[str]:
+    """Sub-folders directly under `prefix` (S3: common prefixes), sorted."""
+    if is_s3(prefix):
+        bucket, key = split_s3(prefix)
+        key = key.rstrip("/") + "/" if key else ""
+        names = []
+        paginator = s3_client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
+            names += [p["Prefix"][len(key):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+    else:
+        folder = local_path(prefix)
+        names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
+    return [join(prefix, n) for n in sorted(names)]
+
+
+def delete_tree(prefix: str) -> None:
+    """Remove a folder and everything under it."""
+    if is_s3(prefix):
+        bucket, key = split_s3(prefix)
+        paginator = s3_client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/"):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objects:
+                s3_client().delete_objects(Bucket=bucket, Delete={"Objects": objects})
+    else:
+        import shutil
+
+        shutil.rmtree(local_path(prefix), ignore_errors=True)
+
+
 def size(uri: str) -> int:
     if is_s3(uri):
         bucket, key = split_s3(uri)

@@ -199,3 +199,12 @@ def test_export_round_trip_is_bit_exact(tmp_path):
     assert loaded.cfg == drafter.cfg
     for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
+
+
+def test_drafter_from_a_hybrid_qwen35_target(tiny_qwen35_dir):
+    cfg = AutoConfig.from_pretrained(tiny_qwen35_dir)
+    drafter_cfg = from_target(cfg, mask_token_id=248070, num_layers=2, layer_types=[SLIDING, FULL])
+    assert drafter_cfg.hidden_size == cfg.hidden_size and drafter_cfg.vocab_size == 248320
+    assert drafter_cfg.num_target_layers == cfg.num_hidden_layers == 4
+    embed, head = load_embed_and_head(tiny_qwen35_dir)
+    assert embed.shape == head.shape == (248320, cfg.hidden_size) and not torch.equal(embed, head)

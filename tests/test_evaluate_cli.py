@@ -1,5 +1,7 @@
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from dflash_ray.cli import main
@@ -33,13 +35,19 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
     raw.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})
                              for q in ("Hello there", "Count to three", "Name a color")))
     run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(), progress=False)
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    pq.write_table(pa.table({"input_ids": [list(range(100, 140))] * 2, "loss_mask": [[0] * 10 + [1] * 30] * 2}),
+                   heldout / "part-0.parquet")
     code = main(["evaluate", "--drafter", str(tmp_path / "export"), "--target", tiny_qwen3_dir, "--tokenizer", "qwen3",
-                 "--prompts", str(tmp_path / "prompts"), "--set", "evaluate.max_new_tokens=12", "--json"])
+                 "--prompts", str(tmp_path / "prompts"), "--heldout", str(heldout),
+                 "--set", "evaluate.max_new_tokens=12", "--set", "evaluate.num_anchors=8", "--json"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["lossless"] and summary["prompts"] == 3
     assert summary["tokens"] == 36 and summary["tau"] >= 1 and summary["tau_ngram"] >= 1
     assert set(summary["tau_per_source"]) == {"raw"}
     assert summary["tokens_per_s"] > 0 and summary["target_tokens_per_s"] > 0
+    assert 1 <= summary["tau_simulated_heldout"] < 1.5  # an untrained drafter
 
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "nothing" in capsys.readouterr().err
