@@ -82,6 +82,35 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    num_streams: int = 2  # data-parallel target+drafter pairs
+    batch_size: int = 1  # sequences per stream per step
+    epochs: int = 1
+    max_steps: int = 0  # 0: until the epochs are done
+    num_anchors: int = 64
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    clip: float = 1.0
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["sdpa", "flex"] = "sdpa"  # flex on GPU; its backward does not run on CPU
+    # drafter architecture
+    num_layers: int = 1
+    num_target_features: int = 5
+    target_layer_ids: list | None = None
+    mask_token_id: int | None = None  # None: the last vocabulary row that is not a special token
+    # placement and recovery
+    actor_cpus: float = 1.0  # per actor; each target+drafter pair is packed on one node
+    actor_gpus: float = 0.0
+    torch_threads: int = 1
+    max_in_flight: int = 1  # target batches computed ahead of their drafter, per stream
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    max_restarts: int = 3  # actor deaths survived (reload the last checkpoint) before failing
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     seed: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
@@ -90,6 +119,7 @@ class RunConfig:
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,6 +159,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise DFlashError(f"expected a number, got {value!r}", field=where)
     if tp is str:
         if isinstance(value, str):

@@ -23,17 +23,26 @@ def step_dir(output: str, step: int) -> str:
     return storage.join(output, "checkpoints", f"step-{step:08d}")
 
 
-def save(output: str, step: int, files: dict[str, bytes], meta: dict | None = None) -> str:
-    """Write every file atomically, then the manifest: the checkpoint exists from that moment."""
+def write_file(output: str, step: int, name: str, data: bytes) -> dict:
+    """Write one file of a checkpoint atomically; returns its manifest entry. Several processes
+    may write the files of one checkpoint (each drafter writes its own); one commits."""
+    storage.write_bytes(storage.join(step_dir(output, step), name), data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit(output: str, step: int, entries: dict[str, dict], meta: dict | None = None) -> str:
+    """Write the manifest, last: the checkpoint exists from that moment."""
     folder = step_dir(output, step)
-    storage.delete(storage.join(folder, MANIFEST))  # a rewrite of this step is incomplete until done
-    entries = {}
-    for name, data in files.items():
-        storage.write_bytes(storage.join(folder, name), data)
-        entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     manifest = {"step": step, "created": time.time(), "files": entries, "meta": meta or {}}
     storage.write_text(storage.join(folder, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
     return folder
+
+
+def save(output: str, step: int, files: dict[str, bytes], meta: dict | None = None) -> str:
+    """Write every file, then the manifest."""
+    storage.delete(storage.join(step_dir(output, step), MANIFEST))  # incomplete until committed again
+    entries = {name: write_file(output, step, name, data) for name, data in files.items()}
+    return commit(output, step, entries, meta)
 
 
 def _step_of(folder: str) -> int | None:

@@ -1,0 +1,308 @@
+"""`dflash-ray train`: the coordinator drives N target→drafter streams.
+
+The coordinator owns the run: a deterministic, seeded sample order per epoch, split over the
+streams; each stream's target computes the features of step t+1 while its drafter trains on step
+t (`max_in_flight` batches ahead, so memory stays flat). Features go from a target to its drafter as
+an object reference the drafter resolves itself; gradients are averaged among the drafters by
+all-reduce (gloo on CPU). The coordinator only handles sample ids, references and figures.
+
+Checkpoints every `checkpoint_every` steps and at the end: drafter rank 0 writes the weights and
+optimizer state, the coordinator adds the run state (step, every drafter's anchor RNG) and commits
+the manifest last. The data position follows from the step and the seed, and the learning rate
+from the step, so a resume from step k replays exactly what an uninterrupted run does. An actor
+that dies is replaced: every actor restarts from the last checkpoint, up to `max_restarts`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import RunConfig
+from dflash_ray.errors import DFlashError
+from dflash_ray.train import checkpoint
+from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+
+def drafter_config(target: str, cfg: RunConfig) -> dict:
+    from transformers import AutoConfig
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import to_hf_config
+    from dflash_ray.registry import resolve
+
+    tcfg = cfg.train
+    target_cfg = AutoConfig.from_pretrained(resolve(target))
+    text = getattr(target_cfg, "text_config", None) or target_cfg
+    special = tuple(t for t in (getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None),
+                                getattr(text, "pad_token_id", None)) if isinstance(t, int))
+    mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else next(
+        i for i in range(text.vocab_size - 1, -1, -1) if i not in special)
+    dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
+                       num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
+                       special_token_ids=special)
+    import torch
+
+    return to_hf_config(dcfg, getattr(torch, tcfg.dtype))
+
+
+class Schedule:
+    """Which samples each stream trains on at each step: a seeded permutation per epoch."""
+
+    def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int):
+        self.samples, self.streams, self.batch, self.seed = samples, num_streams, batch_size, seed
+        self.steps_per_epoch = len(samples) // (num_streams * batch_size)
+        if self.steps_per_epoch == 0:
+            raise DFlashError(f"{len(samples)} samples are fewer than one step of {num_streams} streams "
+                              f"x {batch_size} sequences")
+        self._epoch, self._order = -1, None
+
+    def batch_for(self, step: int, stream: int) -> list[tuple[str, int]]:
+        import torch
+
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(
+                self.seed * 7919 + epoch)).tolist()
+            self._epoch = epoch
+        start = (i * self.streams + stream) * self.batch
+        return [self.samples[j] for j in self._order[start:start + self.batch]]
+
+
+def dataset_samples(data: str) -> list[tuple[str, int]]:
+    made = manifest.read_manifest(data)
+    if made is None:
+        raise DFlashError("not a tokenized dataset (no _manifest.json): run `dflash-ray tokenize`", file=data)
+    files = manifest.dataset_files(data, (".parquet",))
+    rows = {storage.join(data, e["name"]): e["rows"] for e in made["files"]}
+    return [(uri, r) for uri in files for r in range(rows[uri])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Coordinator:
+    def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str):
+        self.target, self.data, self.output, self.cfg = target, data, output, cfg
+        self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
+        tcfg = cfg.train
+        self.schedule = Schedule(dataset_samples(data), tcfg.num_streams, tcfg.batch_size, tcfg.seed)
+        total = tcfg.epochs * self.schedule.steps_per_epoch
+        self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
+        self.drafter_cfg_json = json.dumps(drafter_config(target, cfg))
+        self.layer_ids = json.loads(self.drafter_cfg_json)["dflash_config"]["target_layer_ids"]
+        self.step, self.restarts, self.metrics = 0, 0, []
+        self.targets, self.drafters, self.groups = [], [], []
+        self._gauges = None
+
+    # -- actors -----------------------------------------------------------------------------
+    def _start_actors(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        tcfg = self.cfg.train
+        bundle = {"CPU": tcfg.actor_cpus, **({"GPU": tcfg.actor_gpus} if tcfg.actor_gpus else {})}
+        target_cls = ray.remote(TargetWorker)
+        drafter_cls = ray.remote(DrafterWorker)
+        self.targets, self.drafters, self.groups = [], [], []
+        for s in range(tcfg.num_streams):
+            pg = placement_group([bundle, bundle], strategy="STRICT_PACK")
+            ray.get(pg.ready())
+            self.groups.append(pg)
+            opts = {"num_cpus": tcfg.actor_cpus, "num_gpus": tcfg.actor_gpus}
+            self.targets.append(target_cls.options(
+                **opts, name=f"{self.run_name}-target-{s}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            ).remote(self.target, self.layer_ids, tcfg))
+            self.drafters.append(drafter_cls.options(
+                **opts, name=f"{self.run_name}-drafter-{s}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
+            ).remote(self.target, self.drafter_cfg_json, tcfg, s, tcfg.num_streams))
+        address = ray.util.get_node_ip_address()
+        port = _free_port()
+        ray.get([d.init_group.remote(address, port) for d in self.drafters])
+        ray.get([d.set_total_steps.remote(self.total_steps) for d in self.drafters])
+
+    def _stop_actors(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.targets + self.drafters:
+            ray.kill(actor)
+        for pg in self.groups:
+            remove_placement_group(pg)
+        self.targets, self.drafters, self.groups = [], [], []
+
+    def _resume(self) -> None:
+        import ray
+
+        latest = checkpoint.load_latest(self.output)
+        if latest is None:
+            self.step = 0
+            return
+        self.step = latest[0]
+        ray.get([d.load_checkpoint.remote(self.output, self.step) for d in self.drafters])
+        state = json.loads(latest[1]["state.json"])
+        self.metrics = [m for m in state.get("metrics", []) if m["step"] < self.step]
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        import ray
+
+        entries = ray.get(self.drafters[0].write_checkpoint_files.remote(self.output, self.step))
+        rngs = ray.get([d.rng_state.remote() for d in self.drafters])
+        state = {"step": self.step, "total_steps": self.total_steps, "rng": [r.hex() for r in rngs],
+                 "metrics": self.metrics, "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
+        entries["state.json"] = checkpoint.write_file(self.output, self.step, "state.json",
+                                                      json.dumps(state).encode())
+        checkpoint.commit(self.output, self.step, entries, {"step": self.step})
+        checkpoint.rotate(self.output, self.cfg.train.keep_checkpoints)
+        storage.write_text(storage.join(self.output, "metrics.jsonl"),
+                           "".join(json.dumps(m) + "\n" for m in self.metrics))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _record(self, stats: list[dict[str, float]], wait_s: float, step_s: float) -> None:
+        tokens = sum(s["tokens"] for s in stats)
+        row = {"step": self.step, "loss": stats[0]["loss"], "lr": stats[0]["lr"],
+               "grad_norm": stats[0]["grad_norm"], "tau": sum(s["tau"] for s in stats) / len(stats),
+               "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
+               "target_seconds": max(s["target_seconds"] for s in stats),
+               "drafter_seconds": max(s["drafter_seconds"] for s in stats), "wait_seconds": wait_s,
+               "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
+        self.metrics.append(row)
+        if self._gauges is None:
+            from ray.util.metrics import Gauge
+
+            self._gauges = {k: Gauge(f"dflash_train_{k}", description=f"training {k}")
+                            for k in row if k != "step"}
+        for k, g in self._gauges.items():
+            g.set(row[k])
+
+    def _train(self, stop_after_step: int | None) -> None:
+        import ray
+
+        tcfg = self.cfg.train
+        ahead: list[dict[int, Any]] = [{} for _ in self.drafters]
+
+        def submit(step: int) -> None:
+            for s, target in enumerate(self.targets):
+                if step < self.total_steps and step not in ahead[s]:
+                    ahead[s][step] = target.features.remote(self.schedule.batch_for(step, s))
+
+        while self.step < self.total_steps:
+            start = time.perf_counter()
+            for k in range(tcfg.max_in_flight + 1):
+                submit(self.step + k)
+            refs = [ahead[s].pop(self.step) for s in range(len(self.drafters))]
+            ready_at = time.perf_counter()
+            ray.wait(refs, num_returns=len(refs))
+            wait_s = time.perf_counter() - ready_at
+            # each drafter resolves its own stream's features: they never pass through here
+            stats = ray.get([d.train_step.remote(self.step, ref) for d, ref in zip(self.drafters, refs)])
+            self.step += 1
+            self._record(stats, wait_s, time.perf_counter() - start)
+            if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
+                self._checkpoint()
+            if stop_after_step is not None and self.step >= stop_after_step:
+                if self.step % tcfg.checkpoint_every:
+                    self._checkpoint()
+                return
+
+    def run(self, stop_after_step: int | None = None) -> dict[str, Any]:
+        from ray.exceptions import RayActorError
+
+        started = time.perf_counter()
+        while True:
+            self._start_actors()
+            try:
+                self._resume()
+                self._train(stop_after_step)
+                break
+            except RayActorError as e:
+                self.restarts += 1
+                if self.restarts > self.cfg.train.max_restarts:
+                    raise DFlashError(f"an actor died {self.restarts} times, over the budget of "
+                                      f"{self.cfg.train.max_restarts} restarts; last: {e}") from None
+            finally:
+                self._stop_actors()
+        last = self.metrics[-1] if self.metrics else {}
+        return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
+                "restarts": self.restarts, "loss": last.get("loss"), "tau": last.get("tau"),
+                "seconds": round(time.perf_counter() - started, 1),
+                "checkpoint": checkpoint.step_dir(self.output, self.step)}
+
+    def progress(self) -> dict[str, Any]:
+        return {"step": self.step, "total_steps": self.total_steps, "restarts": self.restarts,
+                "last": self.metrics[-1] if self.metrics else None}
+
+
+def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), dpi=100)
+    for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
+                              ("loss", "simulated acceptance length (train batches)", "tokens/s")):
+        ax.plot(steps, [m[key] for m in metrics], color="#3b6ea8")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after_step: int | None = None,
+              progress: bool = True, run_name: str | None = None) -> dict[str, Any]:
+    """Train, resuming from the newest complete checkpoint in `output` when there is one.
+    `stop_after_step` ends the run (with a checkpoint) after that step, to train in slices."""
+    import uuid
+
+    import ray
+    from tqdm import tqdm
+
+    from dflash_ray.cluster import connect
+
+    connect(cfg.ray)
+    run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2).remote(
+        target, data, output, cfg, run_name)
+    run_ref = coordinator.run.remote(stop_after_step)
+    bar = None
+    try:
+        while not ray.wait([run_ref], timeout=2.0)[0]:
+            state = ray.get(coordinator.progress.remote())
+            if bar is None:
+                bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
+            bar.n = state["step"]
+            if state["last"]:
+                bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
+            bar.refresh()
+        summary = ray.get(run_ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = e.as_instanceof_cause()
+        if isinstance(cause, DFlashError):
+            raise cause from None
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        ray.kill(coordinator)
+    metrics_uri = storage.join(output, "metrics.jsonl")
+    if storage.exists(metrics_uri):
+        metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
+        if metrics:
+            storage.write_bytes(storage.join(output, "metrics.png"), plot_metrics(metrics))
+            summary["metrics_png"] = storage.join(output, "metrics.png")
+    return summary
