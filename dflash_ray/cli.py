@@ -58,6 +58,18 @@ def _cmd_evaluate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
                         tokenizer_name=args.tokenizer)
 
 
+def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray import storage
+    from dflash_ray.train import checkpoint
+    from dflash_ray.train.coordinator import run_train
+
+    if not args.resume and checkpoint.complete_steps(args.output):
+        raise DFlashError("holds checkpoints of an earlier run: pass --resume to continue it, or choose "
+                          "another --output", file=storage.join(args.output, "checkpoints"))
+    return run_train(args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step,
+                     progress=not args.json)
+
+
 def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.demo import run_demo
 
@@ -90,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="DIR", help="write report.json, report.md and PNG histograms here")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the one that tokenized the data")
     p.set_defaults(run=_cmd_validate)
+
+    p = sub.add_parser("train", parents=[common], help="online training: target actors → drafter actors")
+    p.add_argument("--data", required=True, metavar="URI", help="tokenized dataset (from `dflash-ray tokenize`)")
+    p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--output", required=True, metavar="URI", help="checkpoints, metrics.jsonl and metrics.png")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--stop-after-step", type=int, metavar="N", help="end (with a checkpoint) after step N")
+    p.set_defaults(run=_cmd_train)
 
     p = sub.add_parser("export", parents=[common], help="write a drafter in the format vLLM and SGLang load")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a training checkpoint or drafter folder (path or URI)")

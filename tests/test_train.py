@@ -110,3 +110,19 @@ def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
     thread.join(timeout=300)
     assert result["step"] == result["total_steps"] == 16
     assert result["restarts"] == 1
+
+
+def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp_path, capsys):
+    import json
+
+    from dflash_ray.cli import main
+
+    out = str(tmp_path / "cli")
+    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
+            *[x for s in SETTINGS for x in ("--set", s)], "--stop-after-step", "2"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["step"] == 2
+    assert main(args) == 2 and "--resume" in capsys.readouterr().err
+    assert main(args[:-2] + ["--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 8
