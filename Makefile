@@ -26,6 +26,8 @@ demo: setup
 bench: setup
 	$(BIN)/python -m bench.tokenize --json
 	$(BIN)/python -m bench.loss --json
+	$(BIN)/python -m bench.train --json
+	$(BIN)/python -m bench.speculative --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
