@@ -72,7 +72,6 @@ def run_one(impl: str, n: int, hidden: int, vocab: int) -> dict:
 
 
 def errors(n: int, hidden: int, vocab: int) -> tuple[float, float]:
-    import torch
 
     out = {}
     for impl in ("naive", "fused"):

@@ -12,7 +12,6 @@ write Parquet. Side by side in one run, since these machines are noisy.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil

@@ -9,7 +9,6 @@ dominant mode and at random, and refuses the dataset when a gate rule (in config
 from __future__ import annotations
 
 import collections
-import io
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -156,22 +155,14 @@ def _examples(scan: _Scan, indices: list[int], tokenizer) -> list[dict[str, Any]
 
 
 def _histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
-    import matplotlib
+    from dflash_ray.plots import COLOR, png_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
-    if values.size:
-        bins = min(100, max(10, int(np.unique(values).size)))
-        ax.hist(values, bins=bins, color="#3b6ea8")
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("samples")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
+    with png_figure() as (_, (ax,), buf):
+        if values.size:
+            ax.hist(values, bins=min(100, max(10, int(np.unique(values).size))), color=COLOR)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("samples")
     return buf.getvalue()
 
 

@@ -242,24 +242,15 @@ class Coordinator:
 
 
 def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dflash_ray.plots import COLOR, png_figure
 
     steps = [m["step"] for m in metrics]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), dpi=100)
-    for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
-                              ("loss", "simulated acceptance length (train batches)", "tokens/s")):
-        ax.plot(steps, [m[key] for m in metrics], color="#3b6ea8")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
+    with png_figure(3, (12, 3.2)) as (_, axes, buf):
+        for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
+                                  ("loss", "simulated acceptance length (train batches)", "tokens/s")):
+            ax.plot(steps, [m[key] for m in metrics], color=COLOR)
+            ax.set_title(title)
+            ax.set_xlabel("step")
     return buf.getvalue()
 
 
