@@ -105,6 +105,8 @@ class TrainConfig:
     actor_gpus: float = 0.0
     torch_threads: int = 1
     max_in_flight: int = 1  # target batches computed ahead of their drafter, per stream
+    heldout: int = 0  # samples kept out of training (a seeded choice) for the held-out tau
+    eval_every: int = 0  # steps between held-out evaluations (and one at the end); 0: never
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     max_restarts: int = 3  # actor deaths survived (reload the last checkpoint) before failing

@@ -89,7 +89,7 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path):
 
 @pytest.mark.parametrize("role", ["target", "drafter"])
 def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
-    cfg = load_config(None, SETTINGS + ["train.epochs=2"])
+    cfg = load_config(None, SETTINGS + ["train.epochs=6"])  # 48 steps: the kill lands well before the end
     name = f"kill-{role}"
     result = {}
     thread = threading.Thread(target=lambda: result.update(
@@ -108,7 +108,7 @@ def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
     assert victim is not None, "the run ended before the actor could be killed"
     ray.kill(victim)
     thread.join(timeout=300)
-    assert result["step"] == result["total_steps"] == 16
+    assert result["step"] == result["total_steps"] == 48
     assert result["restarts"] == 1
 
 
@@ -124,5 +124,17 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["step"] == 2
     assert main(args) == 2 and "--resume" in capsys.readouterr().err
+    # a resume under settings that change what is trained is refused, naming the fields
+    assert main(args[:-2] + ["--resume", "--set", "train.heldout=4"]) == 2
+    assert "train.heldout" in capsys.readouterr().err
     assert main(args[:-2] + ["--resume"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 8
+    out2 = str(tmp_path / "cli-eval")
+    args2 = ["train", "--data", data, "--target", target, "--output", out2, "--json",
+             *[x for s in SETTINGS for x in ("--set", s)], "--set", "train.heldout=4", "--set", "train.eval_every=2"]
+    assert main(args2) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["total_steps"] == 6  # 12 training samples over 2 streams
+    metrics = [json.loads(x) for x in storage.read_text(storage.join(out2, "metrics.jsonl")).splitlines()]
+    assert [m["step"] for m in metrics if "heldout_tau" in m] == [2, 4, 6]
+    assert summary["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1

@@ -81,10 +81,27 @@ def dataset_samples(data: str) -> list[tuple[str, int]]:
     return [(uri, r) for uri in files for r in range(rows[uri])]
 
 
+def split_heldout(samples: list, count: int, seed: int) -> tuple[list, list]:
+    """A seeded choice of `count` held-out samples, and the rest (both in dataset order)."""
+    import torch
+
+    if count <= 0:
+        return [], samples
+    if count >= len(samples):
+        raise DFlashError(f"train.heldout={count} leaves no training sample out of {len(samples)}")
+    chosen = set(torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 104729))[:count].tolist())
+    return ([s for i, s in enumerate(samples) if i in chosen], [s for i, s in enumerate(samples) if i not in chosen])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+# settings that change how a run executes, not what it trains: free to differ on resume
+OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
+               "keep_checkpoints", "max_restarts", "eval_every"}
 
 
 class Coordinator:
@@ -92,14 +109,16 @@ class Coordinator:
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         tcfg = cfg.train
-        self.schedule = Schedule(dataset_samples(data), tcfg.num_streams, tcfg.batch_size, tcfg.seed)
+        samples = dataset_samples(data)
+        self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed)
+        self.schedule = Schedule(train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed)
         total = tcfg.epochs * self.schedule.steps_per_epoch
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
         self.drafter_cfg_json = json.dumps(drafter_config(target, cfg))
         self.layer_ids = json.loads(self.drafter_cfg_json)["dflash_config"]["target_layer_ids"]
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []
-        self._gauges = None
+        self._gauges: dict[str, Any] = {}
 
     # -- actors -----------------------------------------------------------------------------
     def _start_actors(self) -> None:
@@ -145,9 +164,15 @@ class Coordinator:
         if latest is None:
             self.step = 0
             return
+        state = json.loads(latest[1]["state.json"])
+        saved = state["config"]["train"]
+        now = self.cfg.to_dict()["train"]
+        changed = [f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k) != now[k]]
+        if changed or state.get("data") != self.data:
+            raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed) or 'data'} "
+                              "differ): resuming would not continue the same run", file=self.output)
         self.step = latest[0]
         ray.get([d.load_checkpoint.remote(self.output, self.step) for d in self.drafters])
-        state = json.loads(latest[1]["state.json"])
         self.metrics = [m for m in state.get("metrics", []) if m["step"] < self.step]
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -165,6 +190,18 @@ class Coordinator:
         storage.write_text(storage.join(self.output, "metrics.jsonl"),
                            "".join(json.dumps(m) + "\n" for m in self.metrics))
 
+    def _evaluate(self) -> float | None:
+        """Simulated tau of drafter 0 on the held-out samples (features from target 0)."""
+        import ray
+
+        if not self.heldout:
+            return None
+        bs = self.cfg.train.batch_size
+        batches = [self.heldout[i:i + bs] for i in range(0, len(self.heldout), bs)]
+        taus = ray.get([self.drafters[0].evaluate.remote(self.targets[0].features.remote(b)) for b in batches])
+        flat = [t for part in taus for t in part]
+        return sum(flat) / len(flat) if flat else None
+
     # -- the loop ---------------------------------------------------------------------------
     def _record(self, stats: list[dict[str, float]], wait_s: float, step_s: float) -> None:
         tokens = sum(s["tokens"] for s in stats)
@@ -175,13 +212,16 @@ class Coordinator:
                "drafter_seconds": max(s["drafter_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
         self.metrics.append(row)
-        if self._gauges is None:
-            from ray.util.metrics import Gauge
+        for k, v in row.items():
+            if k != "step":
+                self._gauge(k).set(v)
 
-            self._gauges = {k: Gauge(f"dflash_train_{k}", description=f"training {k}")
-                            for k in row if k != "step"}
-        for k, g in self._gauges.items():
-            g.set(row[k])
+    def _gauge(self, name: str):
+        from ray.util.metrics import Gauge
+
+        if name not in self._gauges:
+            self._gauges[name] = Gauge(f"dflash_train_{name}", description=f"training {name}")
+        return self._gauges[name]
 
     def _train(self, stop_after_step: int | None) -> None:
         import ray
@@ -206,6 +246,10 @@ class Coordinator:
             stats = ray.get([d.train_step.remote(self.step, ref) for d, ref in zip(self.drafters, refs)])
             self.step += 1
             self._record(stats, wait_s, time.perf_counter() - start)
+            if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == self.total_steps):
+                self.metrics[-1]["heldout_tau"] = self._evaluate()
+                if self.metrics[-1]["heldout_tau"] is not None:
+                    self._gauge("heldout_tau").set(self.metrics[-1]["heldout_tau"])
             if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self._checkpoint()
             if stop_after_step is not None and self.step >= stop_after_step:
@@ -231,8 +275,11 @@ class Coordinator:
             finally:
                 self._stop_actors()
         last = self.metrics[-1] if self.metrics else {}
+        heldout = [m for m in self.metrics if m.get("heldout_tau") is not None]
         return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
                 "restarts": self.restarts, "loss": last.get("loss"), "tau": last.get("tau"),
+                "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
+                "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
                 "seconds": round(time.perf_counter() - started, 1),
                 "checkpoint": checkpoint.step_dir(self.output, self.step)}
 

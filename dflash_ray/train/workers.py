@@ -133,6 +133,17 @@ class DrafterWorker:
             offset += p.numel()
         return out, float(flat[-2] / total_weight), float(total_weight)
 
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, Any]) -> list[float]:
+        """Simulated acceptance lengths on a held-out batch, with anchors from a fixed seed so
+        evaluations at different steps score the same blocks."""
+        from dflash_ray.drafter.step import forward_loss
+
+        out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
+                           batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
+                           generator=torch.Generator().manual_seed(self.cfg.seed), attention="sdpa")
+        return out.tau.tolist()
+
     def flat_grad(self) -> torch.Tensor:
         return torch.cat([p.grad.flatten() for p in self.drafter.parameters()])
 
