@@ -138,3 +138,17 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
     metrics = [json.loads(x) for x in storage.read_text(storage.join(out2, "metrics.jsonl")).splitlines()]
     assert [m["step"] for m in metrics if "heldout_tau" in m] == [2, 4, 6]
     assert summary["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1
+
+
+def test_bf16_training_keeps_fp32_master_weights(target, data):
+    import json
+
+    cfg = load_config(None, SETTINGS + ["train.dtype=bfloat16"])
+    worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), cfg.train, 0, 1)
+    batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
+    assert batch["features"].dtype == torch.bfloat16
+    before = [p.detach().clone() for p in worker.drafter.parameters()]
+    stats = worker.train_step(0, batch)
+    assert all(p.dtype == torch.float32 for p in worker.drafter.parameters())
+    assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, worker.drafter.parameters()))

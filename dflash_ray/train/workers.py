@@ -94,6 +94,11 @@ class DrafterWorker:
         self.total_steps = 1
         self.group_ready = False
 
+    def _autocast(self):
+        """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
+        device = "cuda" if next(self.drafter.parameters()).is_cuda else "cpu"
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+
     # -- collective -------------------------------------------------------------------------
     def init_group(self, address: str, port: int) -> None:
         import torch.distributed as dist
@@ -116,9 +121,10 @@ class DrafterWorker:
 
         from dflash_ray.drafter.step import forward_loss
 
-        out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
-                           batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
-                           generator=self.generator, attention=self.cfg.attention)
+        with self._autocast():
+            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
+                               batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
+                               generator=self.generator, attention=self.cfg.attention)
         params = list(self.drafter.parameters())
         self.opt.zero_grad(set_to_none=False)
         weight = out.loss.weight_sum.detach().float()
@@ -139,9 +145,10 @@ class DrafterWorker:
         evaluations at different steps score the same blocks."""
         from dflash_ray.drafter.step import forward_loss
 
-        out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
-                           batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
-                           generator=torch.Generator().manual_seed(self.cfg.seed), attention="sdpa")
+        with self._autocast():
+            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
+                               batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
+                               generator=torch.Generator().manual_seed(self.cfg.seed), attention="sdpa")
         return out.tau.tolist()
 
     def flat_grad(self) -> torch.Tensor:
