@@ -1,9 +1,9 @@
 """`dflash-ray demo`: the pipeline on the embedded default, on one machine, local storage.
 
-Stages that exist today: prompts (the bundled, varied prompt set, bad records included) →
-completions → Ray Data tokenization with the SmolLM2-135M-Instruct tokenizer → validation gate.
-Until the generation stage exists, the completions are the bundled records' own reference answers,
-and the summary says so.
+Stages: prompts (the bundled, varied prompt set, bad records included) → completions → Ray Data
+tokenization with the SmolLM2-135M-Instruct tokenizer → validation gate → online training with 2
+streams → evaluation of the untrained and the trained drafter → export. Until the generation stage
+exists, the completions are the bundled records' own reference answers, and the summary says so.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str
     completions = reference_completions(inputs, str(work / "completions"), cfg.prompts.multi_turn)
     tokenized = run_tokenize(str(work / "completions"), str(work / "tokenized"), cfg)
     report = run_validate(str(work / "tokenized"), cfg, report_dir=str(work / "report"))
+    trained = _train_and_evaluate(work, cfg, progress)
     return {
         "stage": "demo", "workdir": str(work), "seconds": round(time.time() - started, 1),
         "records": prompts["records"], "prompts": prompts["prompts"],
@@ -87,4 +88,44 @@ def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str
         "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
         "gate_passed": report["passed"], "failed_rules": report["failed_rules"],
         "report": str(work / "report" / "report.md"),
+        **trained,
+    }
+
+
+# the demo's training: two streams share this machine's cores
+DEMO_TRAIN = ["train.num_streams=2", "train.actor_cpus=0.5", "train.num_layers=1", "train.num_anchors=32",
+              "train.epochs=3", "train.lr=2e-3", "train.checkpoint_every=1000", "train.heldout=8",
+              "train.eval_every=8", "evaluate.num_prompts=6", "evaluate.max_new_tokens=48"]
+
+
+def _train_and_evaluate(work: Path, cfg: RunConfig, progress: bool) -> dict[str, Any]:
+    import shutil
+
+    import torch
+
+    from dflash_ray.config import apply_override, config_from_dict
+    from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.train.coordinator import drafter_config, run_train
+
+    data = cfg.to_dict()
+    for assignment in DEMO_TRAIN:
+        apply_override(data, assignment)
+    cfg = config_from_dict(data)
+    shutil.rmtree(work / "train", ignore_errors=True)  # the demo is a fresh run every time
+    train = run_train(SMOLLM2, str(work / "tokenized"), str(work / "train"), cfg, progress=progress)
+    export_checkpoint(train["checkpoint"], str(work / "drafter"), dtype="float32")
+    torch.manual_seed(cfg.train.seed)  # the same initialization training started from
+    untrained = DFlashDrafter(from_hf_config(drafter_config(SMOLLM2, cfg)))
+    save_drafter(untrained, work / "drafter-untrained", dtype=torch.float32)
+    before = run_evaluate(str(work / "drafter-untrained"), SMOLLM2, str(work / "prompts"), cfg)
+    after = run_evaluate(str(work / "drafter"), SMOLLM2, str(work / "prompts"), cfg)
+    return {
+        "training_steps": train["step"], "train_loss": train["loss"],
+        "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
+        "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
+        "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
+        "lossless": before["lossless"] and after["lossless"],
+        "plots": str(work / "train" / "metrics.png"), "drafter": str(work / "drafter"),
     }

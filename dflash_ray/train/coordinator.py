@@ -294,10 +294,15 @@ def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
     steps = [m["step"] for m in metrics]
     with png_figure(3, (12, 3.2)) as (_, axes, buf):
         for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
-                                  ("loss", "simulated acceptance length (train batches)", "tokens/s")):
-            ax.plot(steps, [m[key] for m in metrics], color=COLOR)
+                                  ("loss", "simulated acceptance length", "tokens/s")):
+            ax.plot(steps, [m[key] for m in metrics], color=COLOR, label="train batches")
             ax.set_title(title)
             ax.set_xlabel("step")
+        held = [m for m in metrics if m.get("heldout_tau") is not None]
+        if held:
+            axes[1].plot([m["step"] for m in held], [m["heldout_tau"] for m in held], "o-", color="#c0504d",
+                         label="held-out")
+            axes[1].legend()
     return buf.getvalue()
 
 
