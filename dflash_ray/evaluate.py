@@ -16,27 +16,19 @@ import sys
 import tempfile
 from typing import Any
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 
 
 def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    rows: list[dict[str, Any]] = []
-    for f in manifest.dataset_files(uri, (".parquet",)):
-        fs, path = storage.arrow_filesystem(f)
-        rows += pq.read_table(path, filesystem=fs, columns=["id", "source", "messages", "tools"]).to_pylist()
-        if len(rows) >= limit:
-            break
+    rows = manifest.read_rows(uri, ["id", "source", "messages", "tools"], limit)
     if not rows:
         raise DFlashError("no prompts", file=uri)
-    return rows[:limit]
+    return rows
 
 
 def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> float | None:
-    import pyarrow.parquet as pq
     import torch
 
     from dflash_ray.drafter.step import forward_loss
@@ -45,13 +37,7 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
     ecfg = cfg.evaluate
     taus: list[float] = []
     g = torch.Generator().manual_seed(ecfg.seed)
-    rows = []
-    for f in manifest.dataset_files(uri, (".parquet",)):
-        fs, path = storage.arrow_filesystem(f)
-        rows += pq.read_table(path, filesystem=fs, columns=["input_ids", "loss_mask"]).to_pylist()
-        if len(rows) >= ecfg.num_heldout:
-            break
-    for row in rows[: ecfg.num_heldout]:
+    for row in manifest.read_rows(uri, ["input_ids", "loss_mask"], ecfg.num_heldout):
         ids, mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
         feats = target_features(target, ids, drafter.cfg.target_layer_ids)
         with torch.no_grad():
@@ -61,16 +47,24 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
     return sum(taus) / len(taus) if taus else None
 
 
-def vllm_acceptance(target_dir: str, drafter_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """vLLM's measured acceptance, in its own process (vLLM spawns workers)."""
+def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance),
+    in vLLM's own process: it spawns workers and wants a `__main__` guard."""
+    import os
+
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    cmd = [sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target_dir, "--drafter", drafter_dir,
+    cmd = [sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target_dir,
            "--prompts-json", f.name, "--max-tokens", str(max_tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    if drafter_dir:
+        cmd += ["--drafter", str(drafter_dir)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
     line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
     if line is None:
-        raise DFlashError(f"vLLM run failed: {done.stderr[-2000:]}", file=drafter_dir)
+        raise DFlashError(f"vLLM run failed: {done.stderr[-2000:]}", file=str(drafter_dir or target_dir))
     return json.loads(line[len("VLLM_RESULT "):])
 
 
@@ -131,7 +125,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     if heldout_uri:
         summary["tau_simulated_heldout"] = _heldout_tau(target, drafter, embed, head, heldout_uri, cfg)
     if engine == "vllm":
-        result = vllm_acceptance(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens)
+        result = run_vllm(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens)
         summary["tau_vllm"] = result["acceptance_length"]
     if mismatches:
         raise DFlashError(f"speculative output differs from the target's greedy output on {mismatches} "

@@ -62,3 +62,16 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl")) 
                               f"{actual if actual is not None else 'no file'}", file=path)
         files.append(path)
     return files
+
+
+def read_rows(uri: str, columns: list[str], limit: int) -> list[dict[str, Any]]:
+    """The first `limit` rows of a Parquet dataset, with only `columns` read."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    for path_uri in dataset_files(uri, (".parquet",)):
+        fs, path = storage.arrow_filesystem(path_uri)
+        rows += pq.read_table(path, filesystem=fs, columns=columns).to_pylist()
+        if len(rows) >= limit:
+            break
+    return rows[:limit]

