@@ -22,6 +22,34 @@ def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_prompts(args.input, args.output, cfg, progress=not args.json)
 
 
+def _cmd_generate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    from dflash_ray.stages.generate import run_generate
+
+    changes = {k: v for k, v in (("generators", args.generators), ("name", args.name)) if v is not None}
+    cfg = dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate, **changes))
+    return run_generate(args.prompts, args.output, args.model, cfg, progress=not args.json)
+
+
+def _named(cfg: RunConfig, name: str | None) -> RunConfig:
+    import dataclasses
+
+    return cfg if name is None else dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate, name=name))
+
+
+def _cmd_scale(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.stages.generate import scale
+
+    return scale(args.count, _named(cfg, args.name))
+
+
+def _cmd_status(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.stages.generate import status
+
+    return status(_named(cfg, args.name), args.output)
+
+
 def _cmd_tokenize(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     import dataclasses
 
@@ -90,6 +118,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
     p.add_argument("--output", required=True, metavar="URI")
     p.set_defaults(run=_cmd_prompts)
+
+    p = sub.add_parser("generate", parents=[common], help="regenerate every response with the target itself")
+    p.add_argument("--prompts", required=True, metavar="URI", help="prompt shards (from `dflash-ray prompts`)")
+    p.add_argument("--output", required=True, metavar="URI")
+    p.add_argument("--model", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--generators", type=int, metavar="N", help="generator actors at the start (generate.generators)")
+    p.add_argument("--name", help="run name that scale and status use (generate.name)")
+    p.set_defaults(run=_cmd_generate)
+
+    p = sub.add_parser("scale", parents=[common], help="change the generator count of a running generation")
+    p.add_argument("what", choices=["generators"])
+    p.add_argument("count", type=int, metavar="N")
+    p.add_argument("--name", help="the generation's name (generate.name)")
+    p.set_defaults(run=_cmd_scale)
+
+    p = sub.add_parser("status", parents=[common], help="progress of a generation: shards, generators, tokens/s, ETA")
+    p.add_argument("--name", help="a running generation's name (generate.name)")
+    p.add_argument("--output", metavar="URI", help="read a stopped or finished generation's progress from here")
+    p.set_defaults(run=_cmd_status)
 
     p = sub.add_parser("tokenize", parents=[common], help="completions → input_ids + loss_mask (Ray Data)")
     p.add_argument("--input", required=True, metavar="URI")

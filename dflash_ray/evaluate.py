@@ -78,7 +78,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     from dflash_ray.drafter import ngram
     from dflash_ray.drafter.export import load_drafter
     from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
-    from dflash_ray.registry import load_tokenizer, resolve
+    from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target.capture import load_embed_and_head
 
     ecfg = cfg.evaluate
@@ -88,7 +88,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
     drafter = load_drafter(drafter_dir).to(dtype).eval()
     embed, head = (t.to(dtype) for t in load_embed_and_head(target_dir))
-    eos = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
+    eos = set(stop_token_ids(tokenizer))
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
     per_source: dict[str, list[int]] = collections.defaultdict(list)

@@ -132,3 +132,10 @@ def load_tokenizer(name_or_path: str):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise DFlashError(f"cannot load a tokenizer: {e}", file=name_or_path) from None
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids that end an assistant turn: EOS and ChatML's `<|im_end|>` where the vocabulary has it."""
+    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    unknown = tokenizer.unk_token_id
+    return list(dict.fromkeys(t for t in ids if isinstance(t, int) and t != unknown))

@@ -7,14 +7,18 @@ prompts   (written by `dflash-ray prompts`, read by generation)
     tools     string?  JSON list of OpenAI tool schemas, when the prompt has tools
     turn      int32    user turn index (0 unless multi_turn = per_turn)
 
-completions  (written by generation, read by `dflash-ray tokenize`)
+completions  (written by `dflash-ray generate` as `COMPLETIONS`, read by `dflash-ray tokenize`;
+              other writers may leave out the optional fields)
     the prompt fields, plus
     prompt_token_ids  list<int32>?  exactly what the engine saw
     output_token_ids  list<int32>?  exactly what the engine produced (end-of-turn token included)
     text              string   answer content (after the thinking block when `reasoning` is set)
     reasoning         string?  content of the thinking block, when the model thought
     finish_reason     string   "stop" | "length" | ...
-    num_prompt_tokens, num_output_tokens, model, sampling (JSON), generator_id
+    num_prompt_tokens, num_output_tokens  int32
+    model             string   the target that generated it
+    sampling          string   JSON of the sampling and template settings
+    generator_id      string   the generator actor that produced it
     When the token ids are present they are replayed exactly; text is never re-tokenized then.
 
 tokenized  (written by `dflash-ray tokenize`, read by validation and training)
@@ -41,6 +45,19 @@ PROMPTS = pa.schema([
 ])
 
 COMPLETION_FIELDS = ("id", "messages", "text")  # the least a completion record must hold
+
+COMPLETIONS = pa.schema(list(PROMPTS) + [
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("output_token_ids", pa.list_(pa.int32())),
+    ("text", pa.string()),
+    ("reasoning", pa.string()),
+    ("finish_reason", pa.string()),
+    ("num_prompt_tokens", pa.int32()),
+    ("num_output_tokens", pa.int32()),
+    ("model", pa.string()),
+    ("sampling", pa.string()),
+    ("generator_id", pa.string()),
+])  # the least a completion record must hold
 
 TOKENIZED = pa.schema([
     ("id", pa.string()),

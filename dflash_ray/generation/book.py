@@ -1,0 +1,136 @@
+"""Where every generation shard is: pending, leased (to which generator, until when) or done.
+
+No Ray here: the pool actor wraps one `ShardBook`. The rules that make output exactly-once:
+- a shard is leased to one generator at a time; a lease that dies with its generator, or sees no
+  heartbeat for `lease_timeout_s`, goes back to the front of the queue;
+- the first `complete` of a shard wins and is recorded; a later one (a timed-out generator that
+  finished after all) is refused, and its files are never listed in the dataset manifest;
+- a generator asked to drain gets no new shard; the one it holds finishes normally.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(slots=True)
+class Lease:
+    generator: str
+    number: int
+    deadline: float
+
+
+def _generator_order(gid: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in gid if ch.isdigit())
+    return (int(digits) if digits else 0, gid)
+
+
+class ShardBook:
+    def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], target: int,
+                 lease_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.units = {int(u["index"]): u for u in units}
+        self.done = {int(k): v for k, v in done.items()}
+        self.pending = collections.deque(i for i in sorted(self.units) if i not in self.done)
+        self.leases: dict[int, Lease] = {}
+        self.target = target
+        self.alive: set[str] = set()
+        self.draining: set[str] = set()
+        self.timeout, self.clock = lease_timeout_s, clock
+        self.lease_count = 0
+        self.tokens = 0  # generated during this run
+        self.prompts_run = 0
+        self.first_lease: float | None = None
+        self.last_done: float | None = None
+
+    # generators
+    def register(self, gid: str) -> None:
+        self.alive.add(gid)
+
+    def exited(self, gid: str) -> list[int]:
+        """A generator is gone (drained, out of work or dead): its shards go back to the queue."""
+        self.alive.discard(gid)
+        self.draining.discard(gid)
+        back = sorted(i for i, lease in self.leases.items() if lease.generator == gid)
+        for i in reversed(back):
+            del self.leases[i]
+            self.pending.appendleft(i)
+        return back
+
+    def set_target(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"generators must be >= 0, got {n}")
+        self.target = n
+
+    def reconcile(self) -> tuple[int, list[str]]:
+        """(generators to start, generators newly asked to drain) to meet the target."""
+        active = sorted(self.alive - self.draining, key=_generator_order)
+        drain = active[self.target:] if len(active) > self.target else []
+        self.draining.update(drain)
+        start = max(0, min(self.target - len(active), len(self.pending)))
+        return start, drain
+
+    # shards
+    def lease(self, gid: str) -> dict[str, Any] | None:
+        self.expire()
+        if gid in self.draining or gid not in self.alive or not self.pending:
+            return None
+        index = self.pending.popleft()
+        self.lease_count += 1
+        now = self.clock()
+        self.leases[index] = Lease(gid, self.lease_count, now + self.timeout)
+        self.first_lease = self.first_lease or now
+        return {**self.units[index], "lease": self.lease_count}
+
+    def heartbeat(self, gid: str) -> None:
+        deadline = self.clock() + self.timeout
+        for lease in self.leases.values():
+            if lease.generator == gid:
+                lease.deadline = deadline
+
+    def expire(self) -> list[str]:
+        """Leases past their deadline go back to the queue; returns their generators (to replace)."""
+        now = self.clock()
+        late = sorted((i for i, lease in self.leases.items() if lease.deadline < now), reverse=True)
+        gens = [self.leases[i].generator for i in late]
+        for i in late:
+            del self.leases[i]
+            self.pending.appendleft(i)
+        return sorted(set(gens))
+
+    def complete(self, gid: str, index: int, entry: dict[str, Any]) -> bool:
+        """Record a finished shard; False when it was already done (the caller's files are dropped)."""
+        if index in self.done:
+            return False
+        self.done[index] = entry
+        lease = self.leases.get(index)
+        if lease is not None:
+            del self.leases[index]
+        if index in self.pending:  # expired and queued again, then finished by its first holder
+            self.pending.remove(index)
+        self.tokens += int(entry.get("output_tokens", 0))
+        self.prompts_run += int(entry.get("prompts", 0))
+        self.last_done = self.clock()
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and not self.leases
+
+    def status(self) -> dict[str, Any]:
+        total = sum(int(u["count"]) for u in self.units.values())
+        done = sum(int(self.units[i]["count"]) for i in self.done)
+        elapsed = (self.last_done or 0) - (self.first_lease or 0) if self.first_lease and self.last_done else 0
+        rate = self.prompts_run / elapsed if elapsed > 0 else None
+        return {
+            "shards_total": len(self.units), "shards_done": len(self.done), "shards_leased": len(self.leases),
+            "queue_depth": len(self.pending), "prompts_total": total, "prompts_done": done,
+            "generators_target": self.target, "generators_alive": len(self.alive),
+            "generators_draining": len(self.draining), "generators": sorted(self.alive, key=_generator_order),
+            "tokens_generated": self.tokens,
+            "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,
+            "eta_s": round((total - done) / rate, 1) if rate else None,
+            "finished": self.finished,
+        }

@@ -1,0 +1,266 @@
+"""`dflash-ray generate`: every prompt answered by the target itself, by a pool of generator actors.
+
+The driver splits the prompt shards into work units of `generate.shard_size` prompts, starts the
+`ShardPool` (named, so `dflash-ray scale` / `status` reach it) and as many generator actors as the
+pool's target, and then only reconciles: it starts generators when the target grows or one died
+(its shard went back to the queue), asks the newest to drain when it shrinks, kills a generator
+whose lease timed out, and fails once more than `max_restarts` generators died. Each generator
+writes its shard's files itself (tokens never cross the object store), then reports to the pool.
+
+Restart: `_progress.json` lists finished shards; a rerun with the same prompts and shard size
+skips them, and a rerun of a finished job starts no actor at all. The output is a dataset only once
+`_manifest.json` (written last) lists the winning file of every shard.
+
+Why a pool of our own rather than `ray.data.llm` (`build_processor`): the stage needs live scaling
+by command while the job runs, shard leases that survive a killed actor without redoing finished
+work, per-prompt rejects with reasons, and token ids written as the engine saw them; Ray Data's
+LLM processor scales only inside a fixed range chosen at start, and its checkpointing is reported
+to deadlock on clusters of 4 CPUs or fewer, like the 2-core machines this runs on in CI.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import time
+from typing import Any
+
+from dflash_ray import manifest, storage
+from dflash_ray.cluster import connect
+from dflash_ray.config import GenerateConfig, RunConfig
+from dflash_ray.errors import DFlashError
+
+PROGRESS = "_progress.json"
+
+
+def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
+    """Work units (file, first row, row count) over the prompt shards, in a fixed order."""
+    import pyarrow.parquet as pq
+
+    if shard_size < 1:
+        raise DFlashError(f"must be >= 1, got {shard_size}", field="generate.shard_size")
+    units = []
+    for uri in files:
+        fs, path = storage.arrow_filesystem(uri)
+        with fs.open_input_file(path) as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
+        for start in range(0, rows, shard_size):
+            units.append({"index": len(units), "uri": uri, "start": start, "count": min(shard_size, rows - start)})
+    return units
+
+
+def _plan_id(units: list[dict[str, Any]], model: str, cfg: GenerateConfig) -> str:
+    """What makes finished shards reusable: the same prompts in the same units, model and sampling."""
+    body = {"units": [(storage.basename(u["uri"]), u["start"], u["count"]) for u in units], "model": model,
+            "sampling": [cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.seed, cfg.enable_thinking,
+                         cfg.chat_template_kwargs, cfg.backend]}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_progress(output: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(storage.read_text(storage.join(output, PROGRESS)))
+    except FileNotFoundError:
+        return None
+
+
+def _finished_shards(output: str, plan: str) -> dict[int, dict[str, Any]]:
+    progress = read_progress(output)
+    if progress is None:
+        return {}
+    if progress.get("plan") != plan:
+        raise DFlashError("holds a generation of other prompts, model, shard size or sampling settings; "
+                          "choose another --output or delete it", file=storage.join(output, PROGRESS))
+    done = {}
+    for index, entry in progress["done"].items():  # a shard whose file is gone is generated again
+        if storage.exists(storage.join(output, entry["completions"])):
+            done[int(index)] = entry
+    return done
+
+
+class _Fleet:
+    """The driver's generator actors: start, drain, notice deaths."""
+
+    def __init__(self, pool, model: str, cfg: GenerateConfig, output: str):
+        import ray
+
+        from dflash_ray.generation.actors import NAMESPACE, Generator
+
+        self.pool, self.model, self.cfg, self.output = pool, model, cfg, output
+        env = {} if cfg.generator_gpus else {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                             "OMP_NUM_THREADS": str(max(1, int(cfg.generator_cpus)))}
+        self.cls = Generator
+        self.options = {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "namespace": NAMESPACE,
+                        "runtime_env": {"env_vars": env} if env else None}
+        self.running: dict[Any, tuple[str, Any]] = {}  # run ref -> (generator id, actor)
+        self.started = self.restarts = 0
+        self.deaths: list[str] = []
+        self.ray = ray
+
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            gid = f"g{self.started}"
+            self.started += 1
+            actor = self.cls.options(name=f"{self.cfg.name}-{gid}", **self.options).remote(
+                gid, self.model, self.cfg, self.output, self.pool)
+            self.ray.get(self.pool.register.remote(gid))
+            self.running[actor.run.remote()] = (gid, actor)
+
+    def kill(self, gids: list[str]) -> None:
+        for ref, (gid, actor) in list(self.running.items()):
+            if gid in gids:
+                self.ray.kill(actor)
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to `timeout` for generators to end; a dead one's shard goes back to the queue."""
+        if not self.running:
+            time.sleep(timeout)
+            return
+        ready, _ = self.ray.wait(list(self.running), num_returns=len(self.running), timeout=timeout)
+        for ref in ready:
+            gid, _ = self.running.pop(ref)
+            try:
+                self.ray.get(ref)
+            except Exception as e:  # the actor died (killed, OOM, node lost) or its loop raised
+                self.restarts += 1
+                self.deaths.append(f"{gid}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:500]}")
+            self.ray.get(self.pool.exited.remote(gid))
+        if self.restarts > self.cfg.max_restarts:
+            self.stop()
+            raise DFlashError(f"{self.restarts} generator actors died (max_restarts {self.cfg.max_restarts}); "
+                              f"last: {self.deaths[-1]}", field="generate.max_restarts")
+
+    def stop(self) -> None:
+        for _, actor in self.running.values():
+            self.ray.kill(actor)
+        self.running.clear()
+
+
+def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, progress: bool = True
+                 ) -> dict[str, Any]:
+    import ray
+    from tqdm import tqdm
+
+    from dflash_ray.generation.actors import NAMESPACE, ShardPool
+
+    gcfg = cfg.generate
+    started = time.time()
+    units = plan_units(manifest.dataset_files(prompts_uri, (".parquet",)), gcfg.shard_size)
+    plan = _plan_id(units, model, gcfg)
+    done = _finished_shards(output, plan)
+    todo = [u for u in units if u["index"] not in done]
+    summary = {"stage": "generate", "output": output, "model": model, "backend": gcfg.backend,
+               "shards": len(units), "shards_run": len(todo)}
+    if not todo and manifest.read_manifest(output) is not None:
+        return {**summary, **_totals(done), "generators_started": 0, "restarts": 0,
+                "seconds": round(time.time() - started, 1), "tokens_per_s": None}
+    if todo and not storage.is_s3(model):
+        from dflash_ray.registry import resolve
+
+        resolve(model)  # fail here on a bad model path, and convert a packaged model once
+    if manifest.read_manifest(output) is not None:
+        storage.delete(storage.join(output, manifest.MANIFEST))
+
+    connect(cfg.ray)
+    try:
+        ray.get_actor(gcfg.name, namespace=NAMESPACE)
+        raise DFlashError(f"a generation named {gcfg.name!r} is running on this cluster; set another "
+                          "generate.name", field="generate.name")
+    except ValueError:
+        pass
+    pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE).remote(units, done, gcfg, output, plan)
+    fleet = _Fleet(pool, model, gcfg, output)
+    total = sum(u["count"] for u in units)
+    bar = tqdm(total=total, initial=total - sum(u["count"] for u in todo), desc="generate", unit=" prompts",
+               disable=not progress)
+    try:
+        while True:
+            start_n, drain, late = ray.get(pool.reconcile.remote())
+            fleet.kill(late)
+            fleet.start(start_n)
+            status = ray.get(pool.status.remote())
+            bar.n = status["prompts_done"]
+            bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
+            if status["finished"]:
+                break
+            fleet.poll(timeout=1.0)
+        final = ray.get(pool.status.remote())
+        done = ray.get(pool.done.remote())
+        fleet.poll(timeout=5.0)  # idle generators return now that no shard is left
+    finally:
+        bar.close()
+        fleet.stop()
+        ray.kill(pool)
+    summary.update(_totals(done), generators_started=fleet.started, restarts=fleet.restarts,
+                   deaths=fleet.deaths, seconds=round(time.time() - started, 1),
+                   tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"])
+    _commit(output, units, done, summary, cfg)
+    return summary
+
+
+def _totals(done: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    kinds: collections.Counter[str] = collections.Counter()
+    for entry in done.values():
+        kinds.update({k: v for k, v in entry["counts"].items() if k not in ("completions", "rejected")})
+    return {"prompts": sum(e["prompts"] for e in done.values()),
+            "completions": sum(e["rows"] for e in done.values()),
+            "rejected": sum(e["counts"]["rejected"] for e in done.values()),
+            "rejected_kinds": {k: v for k, v in sorted(kinds.items()) if k != "truncated_kept" and v},
+            "truncated_kept": kinds.get("truncated_kept", 0),
+            "output_tokens": sum(e["output_tokens"] for e in done.values())}
+
+
+def _commit(output: str, units: list[dict[str, Any]], done: dict[int, dict[str, Any]],
+            summary: dict[str, Any], cfg: RunConfig) -> None:
+    """Write the manifest of the winning files (and the merged rejects); delete every other file."""
+    missing = [u["index"] for u in units if u["index"] not in done]
+    if missing:
+        raise DFlashError(f"shards {missing[:10]} never finished", file=output)
+    entries = [{"name": done[u["index"]]["completions"], "rows": done[u["index"]]["rows"]} for u in units]
+    keep = {e["name"] for e in entries} | {done[u["index"]]["rejected"] for u in units}
+    rejected = "".join(storage.read_text(storage.join(output, done[u["index"]]["rejected"])) for u in units)
+    storage.write_text(storage.join(output, "rejected.jsonl"), rejected)
+    for uri in storage.list_files(output, (".parquet", ".jsonl")):
+        name = storage.basename(uri)
+        if name.startswith(("completions-", "rejected-")) and name not in keep:
+            storage.delete(uri)
+    manifest.write_manifest(output, kind="completions", files=entries, summary=summary, config=cfg.to_dict())
+
+
+def _pool(cfg: RunConfig):
+    import ray
+
+    from dflash_ray.generation.actors import NAMESPACE
+
+    connect(cfg.ray, existing=True)
+    try:
+        return ray.get_actor(cfg.generate.name, namespace=NAMESPACE)
+    except ValueError:
+        raise DFlashError(f"no generation named {cfg.generate.name!r} is running on this cluster",
+                          field="generate.name") from None
+
+
+def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
+    """Set the number of generator actors of a running generation (`dflash-ray scale generators N`)."""
+    import ray
+
+    if n < 0:
+        raise DFlashError(f"must be >= 0, got {n}", field="generators")
+    status = ray.get(_pool(cfg).set_target.remote(n))
+    return {"stage": "scale", "name": cfg.generate.name, **status}
+
+
+def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
+    """A running generation's figures from its pool; or, with `output`, a stopped one's from storage."""
+    import ray
+
+    if output is not None:
+        progress = read_progress(output)
+        if progress is None:
+            raise DFlashError("no generation progress here", file=storage.join(output, PROGRESS))
+        done = {int(k): v for k, v in progress["done"].items()}
+        info = manifest.read_manifest(output)
+        return {"stage": "status", "output": output, "complete": info is not None,
+                "shards_done": len(done), **_totals(done)}
+    return {"stage": "status", "name": cfg.generate.name, **ray.get(_pool(cfg).status.remote())}
