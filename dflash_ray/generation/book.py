@@ -129,6 +129,8 @@ class ShardBook:
             "queue_depth": len(self.pending), "prompts_total": total, "prompts_done": done,
             "generators_target": self.target, "generators_alive": len(self.alive),
             "generators_draining": len(self.draining), "generators": sorted(self.alive, key=_generator_order),
+            "leased_by": {lease.generator: i for i, lease in self.leases.items()},
+            "done_by": dict(collections.Counter(str(e.get("generator")) for e in self.done.values())),
             "tokens_generated": self.tokens,
             "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,
             "eta_s": round((total - done) / rate, 1) if rate else None,

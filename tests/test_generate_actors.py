@@ -1,0 +1,117 @@
+"""Generation on a real Ray cluster with real engines: a vLLM generator killed mid-run, a rerun that
+does no work, and generators scaled 1 → 2 → 1 while the job runs. Every prompt id must come out
+exactly once (a completion or a rejected record with its reason)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import pytest
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import load_config
+from dflash_ray.registry import SMOLLM2
+
+NAME = "gen-test"
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory, ray_cluster):
+    from dflash_ray.data.prompts import run_prompts
+    from dflash_ray.demo import bundled_inputs
+
+    out = str(tmp_path_factory.mktemp("prompts"))
+    run_prompts(bundled_inputs(), out, load_config(None, [f"prompts.tokenizer={SMOLLM2}"]), progress=False)
+    return out
+
+
+def _prompt_ids(uri: str) -> list[str]:
+    return [r["id"] for r in manifest.read_rows(uri, ["id"], 10**6)]
+
+
+def _output_ids(uri: str) -> tuple[list[str], list[str], list[str]]:
+    """(completion ids, rejected ids, the generators that produced them)."""
+    rows = manifest.read_rows(uri, ["id", "generator_id"], 10**6)
+    rejected = [json.loads(x) for x in storage.read_text(storage.join(uri, "rejected.jsonl")).splitlines()]
+    assert all(r["kind"] and r["reason"] for r in rejected)
+    generators = {r["generator_id"] for r in rows} | {r["record"].get("generator_id") for r in rejected} - {None}
+    return [r["id"] for r in rows], [r["id"] for r in rejected], generators
+
+
+def _wait(pool_status, until, timeout: float = 240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            status = pool_status()
+        except Exception:  # the pool is not up yet
+            status = None
+        if status is not None and until(status):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting; last status {status}")
+
+
+def _start(prompts: str, output: str, overrides: list[str]):
+    from dflash_ray.stages.generate import run_generate
+
+    cfg = load_config(None, [f"generate.name={NAME}", "generate.shard_size=2", "generate.max_tokens=24",
+                             "generate.max_model_len=1024", *overrides])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    return cfg, pool.submit(run_generate, prompts, output, SMOLLM2, cfg, progress=False)
+
+
+def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s3_bucket):
+    import ray
+
+    from dflash_ray.generation.actors import NAMESPACE
+    from dflash_ray.stages.generate import run_generate, status
+
+    output = f"{s3_bucket}/completions"
+    cfg, future = _start(prompts, output, ["generate.generators=2"])
+    seen = _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 1 and len(s["leased_by"]) == 2)
+    victim = sorted(seen["leased_by"])[0]  # holds a shard right now
+    ray.kill(ray.get_actor(f"{NAME}-{victim}", namespace=NAMESPACE))
+    summary = future.result(timeout=600)
+
+    assert summary["restarts"] == 1 and victim in summary["deaths"][0]
+    completions, rejected, generators = _output_ids(output)
+    assert sorted(completions + rejected) == sorted(_prompt_ids(prompts))  # each id exactly once
+    assert summary["completions"] == len(completions) > 0 and summary["rejected"] == len(rejected)
+    assert {"g0", "g1"} - {victim} <= generators
+    listed = {storage.basename(f) for f in manifest.dataset_files(output)}
+    on_storage = {storage.basename(f) for f in storage.list_files(output, ".parquet")}
+    assert listed == on_storage  # nothing of the killed generator is left behind
+
+    again = run_generate(prompts, output, SMOLLM2, cfg, progress=False)
+    assert again["shards_run"] == 0 and again["generators_started"] == 0
+    assert again["completions"] == summary["completions"]
+
+    # the tokenizer replays the engine's own ids
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    tok_cfg = load_config(None, [f"tokenize.tokenizer={SMOLLM2}"])
+    tokenized = run_tokenize(output, f"{s3_bucket}/tokenized", tok_cfg)
+    assert tokenized["rows_out"] == len(completions) and tokenized["rejected"] == 0
+
+
+def test_scaling_one_two_one_mid_run_loses_and_duplicates_nothing(prompts, tmp_path):
+    from dflash_ray.stages.generate import scale, status
+
+    output = str(tmp_path / "completions")
+    cfg, future = _start(prompts, output, ["generate.generators=1", "generate.backend=transformers",
+                                           "generate.shard_size=1", "generate.max_tokens=16",
+                                           "generate.truncated=keep"])
+    _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2)
+    assert scale(2, cfg)["generators_target"] == 2
+    _wait(lambda: status(cfg), lambda s: s["done_by"].get("g1", 0) >= 1)
+    scale(1, cfg)
+    mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1)
+    assert mid["generators"] == ["g0"] and not mid["finished"]  # g1 drained; work was still left
+    summary = future.result(timeout=600)
+
+    assert summary["restarts"] == 0 and summary["generators_started"] == 2
+    completions, rejected, generators = _output_ids(output)
+    assert sorted(completions + rejected) == sorted(_prompt_ids(prompts))
+    assert generators == {"g0", "g1"}
