@@ -37,7 +37,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-spec-")
     cfg = load_config(None, [f"evaluate.num_prompts={args.prompts}", f"evaluate.max_new_tokens={args.max_new_tokens}",
                              f"prompts.tokenizer={SMOLLM2}"])
-    run_prompts(bundled_inputs(), f"{work}/prompts", cfg, progress=False)
+    run_prompts(bundled_inputs(small=True), f"{work}/prompts", cfg, progress=False)
     drafter_dir = args.drafter
     if drafter_dir is None:
         target_cfg = AutoConfig.from_pretrained(resolve(SMOLLM2))

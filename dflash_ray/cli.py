@@ -99,9 +99,31 @@ def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.demo import run_demo
+    from dflash_ray.demo import demo_config, run_demo
 
-    return run_demo(args.workdir, cfg, progress=not args.json)
+    return run_demo(args.workdir, demo_config(args.config, args.overrides), progress=not args.json)
+
+
+def _cmd_pipeline(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    from dflash_ray.pipeline import run_pipeline
+
+    changes = {k: v for k, v in (("workdir", args.workdir), ("target", args.target)) if v}
+    if args.input:
+        changes["inputs"] = args.input
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, **changes))
+    return run_pipeline(cfg, progress=not args.json)
+
+
+def _cmd_plan(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    from dflash_ray.plan import run_plan
+
+    if args.cluster:
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, cluster=args.cluster))
+    return run_plan(cfg)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,22 +195,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the target's own")
     p.set_defaults(run=_cmd_evaluate)
 
+    p = sub.add_parser("pipeline", parents=[common], help="every stage in order on one config (pipeline.*)")
+    p.add_argument("--input", nargs="+", metavar="URI", help="raw datasets (pipeline.inputs)")
+    p.add_argument("--workdir", metavar="URI", help="where every stage writes (pipeline.workdir)")
+    p.add_argument("--target", metavar="PATH", help="target model (pipeline.target)")
+    p.set_defaults(run=_cmd_pipeline)
+
+    p = sub.add_parser("plan", parents=[common], help="projected GPU-hours and wall time of a workload")
+    p.add_argument("--cluster", metavar="YAML", help="cluster launcher config to count GPUs in (plan.cluster)")
+    p.set_defaults(run=_cmd_plan)
+
     p = sub.add_parser("demo", parents=[common], help="run the pipeline on the embedded default")
     p.add_argument("--workdir", default="demo-run", metavar="DIR")
     p.set_defaults(run=_cmd_demo)
     return parser
 
 
-def _print_human(summary: dict[str, Any]) -> None:
+def _print_human(summary: dict[str, Any], prefix: str = "") -> None:
+    """The summary as a two-column table; nested sections flattened to dotted keys."""
     for key, value in summary.items():
+        if isinstance(value, dict) and value and all(not isinstance(v, dict) for v in value.values()) \
+                and len(value) <= 8:
+            _print_human(value, f"{prefix}{key}.")
+            continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
-        print(f"{key:>22}: {value}")
+        print(f"{prefix + key:>28}: {value}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
+    out = sys.stdout
+    if args.json:  # stdout carries the summary alone: worker logs Ray forwards go to stderr
+        sys.stdout = sys.stderr
     try:
         try:
             cfg = load_config(args.config, args.overrides)
@@ -205,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
         if args.json:
             print(json.dumps({"stage": args.command, "ok": False, "error": str(e),
-                              "exit_code": e.exit_code, **e.summary}))
+                              "exit_code": e.exit_code, **e.summary}), file=out, flush=True)
         return e.exit_code
+    finally:
+        sys.stdout = out
     if args.json:
-        print(json.dumps({"ok": True, **summary}))
+        print(json.dumps({"ok": True, **summary}), flush=True)
     else:
         _print_human(summary)
     return 0

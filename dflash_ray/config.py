@@ -145,6 +145,35 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    inputs: list = field(default_factory=list)  # raw dataset files or folders (URIs)
+    workdir: str = ""  # every stage's output goes under this URI (file:// or s3://)
+    target: str = ""  # target model: path, s3:// folder or short name
+    eval_prompts: int = 12  # prompts kept out of generation and training, to measure tau on
+    min_tau_gain: float = 0.0  # fail unless the trained drafter's tau beats the untrained one's by this
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanConfig:
+    """What `dflash-ray plan` projects: the seed's workload on the cluster given here."""
+    cluster: str = ""  # a cluster launcher YAML: GPUs of node types with gen_node / train_node resources
+    generation_gpus: int = 32  # used when no cluster file is given
+    training_gpus: int = 16
+    prompts: int = 902_087
+    output_tokens: float = 1.64e9
+    train_tokens: float = 1.87e9  # prompt + response tokens of one epoch
+    epochs: int = 6
+    generation_tokens_per_s_per_gpu: float = 400.0  # measured: the seed's engines (target + MTP head)
+    training_tokens_per_s_per_gpu: float = 0.0  # measured (bench.train on your GPUs); 0: FLOP model below
+    target_params: float = 27e9
+    drafter_params: float = 1.73e9
+    anchors: int = 512
+    block_size: int = 16
+    gpu_tflops: float = 989.0  # bf16 dense peak of one GPU (H100/H200)
+    mfu: float = 0.35  # share of that peak a training step reaches
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     seed: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
@@ -155,6 +184,8 @@ class RunConfig:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,131 +1,73 @@
-"""`dflash-ray demo`: the pipeline on the embedded default, on one machine, local storage.
+"""`dflash-ray demo`: the whole pipeline on the embedded default, on one machine, local storage.
 
-Stages: prompts (the bundled, varied prompt set, bad records included) → completions → Ray Data
-tokenization with the SmolLM2-135M-Instruct tokenizer → validation gate → online training with 2
-streams → evaluation of the untrained and the trained drafter → export. Until the generation stage
-exists, the completions are the bundled records' own reference answers, and the summary says so.
+Stages: prompts (the bundled set of a few hundred varied prompts, bad records included) → a few
+prompts kept aside for evaluation → generation by SmolLM2-135M-Instruct itself in vLLM generator
+actors → Ray Data tokenization → validation gate → online training with 2 streams → evaluation
+of the untrained and the trained drafter on the kept-aside prompts (real speculative decoding) →
+export. The demo fails unless the trained drafter's acceptance length beats the untrained one's by
+`pipeline.min_tau_gain`. `run_pipeline` runs the same stages on any config (`dflash-ray pipeline`).
 """
 
 from __future__ import annotations
 
-import json
-import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from dflash_ray import storage
-from dflash_ray.config import RunConfig
-from dflash_ray.data.formats import BadRecord, normalize
-from dflash_ray.data.records import iter_records
+from dflash_ray.config import RunConfig, apply_override, config_from_dict
+from dflash_ray.pipeline import run_pipeline
 from dflash_ray.registry import SMOLLM2
 
-DEMO_FILES = ("demo_chats.jsonl", "demo_sharegpt.jsonl", "demo_alpaca.jsonl")
+SMALL_FILES = ("demo_chats.jsonl", "demo_sharegpt.jsonl", "demo_alpaca.jsonl")  # 48 prompts, 4 bad records
+DEMO_FILES = SMALL_FILES + ("demo_mix.jsonl",)  # + code, math, explanations, chat, tool calls
+
+# The demo's settings on top of the user's config (their --set overrides still win over these).
+DEMO_SETTINGS = [
+    f"prompts.tokenizer={SMOLLM2}", f"tokenize.tokenizer={SMOLLM2}",
+    "generate.name=demo", "generate.generators=1", "generate.generator_cpus=2", "generate.shard_size=32",
+    "generate.max_tokens=128", "generate.max_model_len=2048", "generate.truncated=keep",
+    "train.num_streams=2", "train.actor_cpus=0.5", "train.num_layers=1", "train.num_anchors=32",
+    "train.epochs=2", "train.lr=2e-3", "train.checkpoint_every=1000", "train.heldout=8", "train.eval_every=20",
+    "evaluate.max_new_tokens=64", "pipeline.min_tau_gain=0.1",
+]
 
 
-def bundled_inputs() -> list[str]:
+def bundled_inputs(small: bool = False) -> list[str]:
+    """The bundled prompt files; `small`: only the 48-prompt set (quick tests)."""
     folder = resources.files("dflash_ray.assets")
-    return [str(folder / name) for name in DEMO_FILES]
+    return [str(folder / name) for name in (SMALL_FILES if small else DEMO_FILES)]
 
 
-def _first_answer(record: dict[str, Any]) -> str | None:
-    if "output" in record:
-        return record["output"]
-    for msg in record.get("messages") or record.get("conversations") or []:
-        if msg.get("role", msg.get("from")) in ("assistant", "gpt"):
-            return msg.get("content", msg.get("value"))
-    return None
+def demo_config(path: str | None, overrides: list[str]) -> RunConfig:
+    """The demo's settings, then the user's config file over them, then the user's overrides."""
+    import yaml
 
+    data: dict[str, Any] = {}
+    for assignment in DEMO_SETTINGS:
+        apply_override(data, assignment)
 
-def reference_completions(inputs: list[str], output: str, multi_turn: str) -> int:
-    """Completion records whose responses are the datasets' own first answers (a stand-in)."""
-    rows = {}
-    for uri in inputs:
-        source = storage.basename(uri).rsplit(".", 1)[0]
-        for item in iter_records(uri):
-            if item.error is not None:
-                continue
-            try:
-                prompts = normalize(item.record, multi_turn)
-            except BadRecord:
-                continue
-            answer = _first_answer(item.record)
-            for p in prompts[:1]:
-                if answer:
-                    rows[p.id] = {**p.row(source), "text": answer, "reasoning": None,
-                                  "finish_reason": "stop"}
-    storage.write_text(storage.join(output, "completions.jsonl"),
-                       "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
-    return len(rows)
+    def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+        for key, value in new.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value
+
+    if path:
+        merge(data, yaml.safe_load(storage.read_bytes(path)) or {})
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return config_from_dict(data)
 
 
 def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """The pipeline on the bundled prompts and SmolLM2, in `workdir`, training afresh each time
+    (finished generation shards with the same settings are reused)."""
     import dataclasses
 
-    from dflash_ray.data.prompts import run_prompts
-    from dflash_ray.data.validate import run_validate
-    from dflash_ray.stages.tokenize import run_tokenize
-
-    work = Path(workdir).absolute()
-    started = time.time()
-    cfg = dataclasses.replace(
-        cfg, prompts=dataclasses.replace(cfg.prompts, tokenizer=SMOLLM2),
-        tokenize=dataclasses.replace(cfg.tokenize, tokenizer=SMOLLM2))
-    inputs = bundled_inputs()
-    prompts = run_prompts(inputs, str(work / "prompts"), cfg, progress=progress)
-    completions = reference_completions(inputs, str(work / "completions"), cfg.prompts.multi_turn)
-    tokenized = run_tokenize(str(work / "completions"), str(work / "tokenized"), cfg)
-    report = run_validate(str(work / "tokenized"), cfg, report_dir=str(work / "report"))
-    trained = _train_and_evaluate(work, cfg, progress)
-    return {
-        "stage": "demo", "workdir": str(work), "seconds": round(time.time() - started, 1),
-        "records": prompts["records"], "prompts": prompts["prompts"],
-        "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
-        "completions": completions, "completions_from": "bundled reference answers (generation stage not built yet)",
-        "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
-        "loss_tokens": report["stats"]["loss_tokens"],
-        "response_fraction": round(report["stats"]["response_fraction"], 4),
-        "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
-        "gate_passed": report["passed"], "failed_rules": report["failed_rules"],
-        "report": str(work / "report" / "report.md"),
-        **trained,
-    }
-
-
-# the demo's training: two streams share this machine's cores
-DEMO_TRAIN = ["train.num_streams=2", "train.actor_cpus=0.5", "train.num_layers=1", "train.num_anchors=32",
-              "train.epochs=3", "train.lr=2e-3", "train.checkpoint_every=1000", "train.heldout=8",
-              "train.eval_every=8", "evaluate.num_prompts=6", "evaluate.max_new_tokens=48"]
-
-
-def _train_and_evaluate(work: Path, cfg: RunConfig, progress: bool) -> dict[str, Any]:
-    import shutil
-
-    import torch
-
-    from dflash_ray.config import apply_override, config_from_dict
-    from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
-    from dflash_ray.drafter.model import DFlashDrafter
-    from dflash_ray.evaluate import run_evaluate
-    from dflash_ray.train.coordinator import drafter_config, run_train
-
-    data = cfg.to_dict()
-    for assignment in DEMO_TRAIN:
-        apply_override(data, assignment)
-    cfg = config_from_dict(data)
-    shutil.rmtree(work / "train", ignore_errors=True)  # the demo is a fresh run every time
-    train = run_train(SMOLLM2, str(work / "tokenized"), str(work / "train"), cfg, progress=progress)
-    export_checkpoint(train["checkpoint"], str(work / "drafter"), dtype="float32")
-    torch.manual_seed(cfg.train.seed)  # the same initialization training started from
-    untrained = DFlashDrafter(from_hf_config(drafter_config(SMOLLM2, cfg)))
-    save_drafter(untrained, work / "drafter-untrained", dtype=torch.float32)
-    before = run_evaluate(str(work / "drafter-untrained"), SMOLLM2, str(work / "prompts"), cfg)
-    after = run_evaluate(str(work / "drafter"), SMOLLM2, str(work / "prompts"), cfg)
-    return {
-        "training_steps": train["step"], "train_loss": train["loss"],
-        "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
-        "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
-        "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
-        "lossless": before["lossless"] and after["lossless"],
-        "plots": str(work / "train" / "metrics.png"), "drafter": str(work / "drafter"),
-    }
+    work = str(Path(workdir).absolute())
+    storage.delete_tree(storage.join(work, "train"))
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
+        cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2))
+    return {**run_pipeline(cfg, progress=progress), "stage": "demo"}

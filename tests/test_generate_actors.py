@@ -23,7 +23,7 @@ def prompts(tmp_path_factory, ray_cluster):
     from dflash_ray.demo import bundled_inputs
 
     out = str(tmp_path_factory.mktemp("prompts"))
-    run_prompts(bundled_inputs(), out, load_config(None, [f"prompts.tokenizer={SMOLLM2}"]), progress=False)
+    run_prompts(bundled_inputs(small=True), out, load_config(None, [f"prompts.tokenizer={SMOLLM2}"]), progress=False)
     return out
 
 

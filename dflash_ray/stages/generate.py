@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import os
 import time
 from typing import Any
 
@@ -88,11 +89,12 @@ class _Fleet:
         from dflash_ray.generation.actors import NAMESPACE, Generator
 
         self.pool, self.model, self.cfg, self.output = pool, model, cfg, output
-        env = {} if cfg.generator_gpus else {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                             "OMP_NUM_THREADS": str(max(1, int(cfg.generator_cpus)))}
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
+        if not cfg.generator_gpus:  # vllm-cpu: threads within the actor's CPUs, not pinned to cores
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
         self.cls = Generator
         self.options = {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "namespace": NAMESPACE,
-                        "runtime_env": {"env_vars": env} if env else None}
+                        "runtime_env": {"env_vars": env}}
         self.running: dict[Any, tuple[str, Any]] = {}  # run ref -> (generator id, actor)
         self.started = self.restarts = 0
         self.deaths: list[str] = []

@@ -1,0 +1,132 @@
+"""`dflash-ray pipeline`: every stage in order on one config, each output under `pipeline.workdir`.
+
+prompts → a few prompts kept aside for evaluation → generation by the target itself → Ray Data
+tokenization → validation gate (stops here when it fails) → online training → evaluation of the
+untrained and the trained drafter on the kept-aside prompts (real speculative decoding) → export.
+Each stage resumes as it does alone: finished generation shards are skipped and training continues
+from its newest complete checkpoint. `pipeline.min_tau_gain` makes the run fail unless training
+raised the acceptance length by that much.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from typing import Any
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import RunConfig
+from dflash_ray.errors import DFlashError, GateFailed
+
+
+def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int) -> int:
+    """Keep `eval_count` prompts (a seeded choice by id) out of generation and training."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ray.data import schema
+
+    rows = manifest.read_rows(prompts, list(schema.PROMPTS.names), 10**9)
+    order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
+    held = {r["id"] for r in order[:eval_count]}
+    for out, part in ((eval_out, [r for r in rows if r["id"] in held]),
+                      (train_out, [r for r in rows if r["id"] not in held])):
+        sink = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(part, schema=schema.PROMPTS), sink)
+        storage.write_bytes(storage.join(out, "prompts-00000.parquet"), sink.getvalue())
+        manifest.write_manifest(out, kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": len(part)}],
+                                summary={"prompts": len(part)})
+    return len(rows) - len(held)
+
+
+def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """prompts → (eval prompts kept aside) → generate → tokenize → validate → train → evaluate the
+    untrained and trained drafter → export, every output under `pipeline.workdir`."""
+    from dflash_ray.data.prompts import run_prompts
+    from dflash_ray.data.validate import run_validate
+    from dflash_ray.stages.generate import run_generate
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    pcfg = cfg.pipeline
+    for key in ("inputs", "workdir", "target"):
+        if not getattr(pcfg, key):
+            raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
+    work = pcfg.workdir
+    started = time.time()
+    timings: dict[str, float] = {}
+
+    def at(name: str) -> str:
+        return storage.join(work, name)
+
+    def timed(name: str, fn, *args, **kwargs):
+        t = time.time()
+        out = fn(*args, **kwargs)
+        timings[name] = round(time.time() - t, 1)
+        return out
+
+    prompts = timed("prompts", run_prompts, list(pcfg.inputs), at("prompts"), cfg, progress=progress)
+    split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
+    generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
+                      progress=progress)
+    tokenized = timed("tokenize", run_tokenize, at("completions"), at("tokenized"), cfg)
+    report = timed("validate", run_validate, at("tokenized"), cfg, report_dir=at("report"))
+    summary = {
+        "stage": "pipeline", "workdir": work, "target": pcfg.target,
+        "records": prompts["records"], "prompts": prompts["prompts"],
+        "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
+        "eval_prompts": pcfg.eval_prompts,
+        "completions": generated["completions"], "generation_rejected": generated["rejected_kinds"],
+        "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],
+        "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
+        "loss_tokens": report["stats"]["loss_tokens"],
+        "response_fraction": round(report["stats"]["response_fraction"], 4),
+        "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
+        "gate_passed": report["passed"], "failed_rules": report["failed_rules"],
+        "report": at("report/report.md"),
+    }
+    if not report["passed"]:
+        raise GateFailed(f"validation gate failed: {report['failed_rules']}", file=at("tokenized")
+                         ).with_summary(summary)
+    summary.update(_train_and_evaluate(work, cfg, progress, timed))
+    summary["stage_seconds"] = timings
+    summary["seconds"] = round(time.time() - started, 1)
+    gain = (summary["tau_trained"] or 0) - (summary["tau_untrained"] or 0)
+    summary["tau_gain"] = round(gain, 4)
+    summary["tau_gain_required"] = pcfg.min_tau_gain
+    if gain < pcfg.min_tau_gain:
+        raise DFlashError(f"the trained drafter's tau {summary['tau_trained']} beats the untrained one's "
+                          f"{summary['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
+                          field="pipeline.min_tau_gain").with_summary(summary)
+    return summary
+
+
+def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dict[str, Any]:
+    import tempfile
+
+    import torch
+
+    from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.train.coordinator import drafter_config, run_train
+
+    target = cfg.pipeline.target
+    train = timed("train", run_train, target, storage.join(work, "tokenized"), storage.join(work, "train"), cfg,
+                  progress=progress)
+    drafter = storage.join(work, "drafter")
+    export_checkpoint(train["checkpoint"], drafter, dtype="float32")
+    torch.manual_seed(cfg.train.seed)  # the same initialization training started from
+    untrained = tempfile.mkdtemp(prefix="dflash-untrained-")
+    save_drafter(DFlashDrafter(from_hf_config(drafter_config(target, cfg))), untrained, dtype=torch.float32)
+    eval_prompts = storage.join(work, "prompts-eval")
+    before = timed("evaluate_untrained", run_evaluate, untrained, target, eval_prompts, cfg)
+    after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg)
+    return {
+        "training_steps": train["step"], "train_loss": train["loss"],
+        "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
+        "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
+        "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
+        "lossless": before["lossless"] and after["lossless"],
+        "plots": storage.join(work, "train/metrics.png"), "drafter": drafter,
+    }
