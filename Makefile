@@ -28,6 +28,7 @@ bench: setup
 	$(BIN)/python -m bench.loss --json
 	$(BIN)/python -m bench.train --json
 	$(BIN)/python -m bench.speculative --json
+	$(BIN)/python -m bench.generate --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

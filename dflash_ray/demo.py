@@ -26,7 +26,7 @@ DEMO_FILES = SMALL_FILES + ("demo_mix.jsonl",)  # + code, math, explanations, ch
 DEMO_SETTINGS = [
     f"prompts.tokenizer={SMOLLM2}", f"tokenize.tokenizer={SMOLLM2}",
     "generate.name=demo", "generate.generators=1", "generate.generator_cpus=2", "generate.shard_size=32",
-    "generate.max_tokens=128", "generate.max_model_len=2048", "generate.truncated=keep",
+    "generate.max_tokens=256", "generate.max_model_len=2048", "generate.truncated=keep",
     "train.num_streams=2", "train.actor_cpus=0.5", "train.num_layers=1", "train.num_anchors=32",
     "train.epochs=2", "train.lr=2e-3", "train.checkpoint_every=1000", "train.heldout=8", "train.eval_every=20",
     "evaluate.max_new_tokens=64", "pipeline.min_tau_gain=0.1",

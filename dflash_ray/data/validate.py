@@ -112,10 +112,13 @@ def _distribution(values: np.ndarray) -> dict[str, float]:
 def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
     """Each rule with its measured value, its limit and whether the dataset passes it."""
     top = stats["loss_mask_sum"]["most_common"]
+    at_max = bool(top) and top[0]["value"] == stats["loss_mask_sum"]["max"]
     rules = [
         ("max_mode_share", top[0]["share"] if top else 0.0, gate.max_mode_share, "<=",
          f"one loss-mask sum value ({top[0]['value'] if top else '-'} tokens) holds "
-         f"{(top[0]['share'] if top else 0):.1%} of samples"),
+         f"{(top[0]['share'] if top else 0):.1%} of samples"
+         + (" and it is the longest response: answers cut at the generation's max_tokens? raise "
+            "generate.max_tokens, or set generate.truncated=reject" if at_max else "")),
         ("min_median_response", stats["loss_mask_sum"]["median"], gate.min_median_response, ">=",
          f"median response is {stats['loss_mask_sum']['median']:g} tokens"),
         ("max_no_loss_share", stats["no_loss_share"], gate.max_no_loss_share, "<=",
