@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash_ray import storage
 from dflash_ray.config import RunConfig, apply_override, config_from_dict
+from dflash_ray.errors import DFlashError
 from dflash_ray.pipeline import run_pipeline
 from dflash_ray.registry import SMOLLM2
 
@@ -70,4 +71,8 @@ def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str
     storage.delete_tree(storage.join(work, "train"))
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
         cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2))
-    return {**run_pipeline(cfg, progress=progress), "stage": "demo"}
+    try:
+        return {**run_pipeline(cfg, progress=progress), "stage": "demo"}
+    except DFlashError as e:
+        e.summary["stage"] = "demo"
+        raise
