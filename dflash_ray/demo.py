@@ -23,14 +23,17 @@ from dflash_ray.registry import SMOLLM2
 SMALL_FILES = ("demo_chats.jsonl", "demo_sharegpt.jsonl", "demo_alpaca.jsonl")  # 48 prompts, 4 bad records
 DEMO_FILES = SMALL_FILES + ("demo_mix.jsonl",)  # + code, math, explanations, chat, tool calls
 
-# The demo's settings on top of the user's config (their --set overrides still win over these).
+# The demo's settings under the user's config (their file and --set overrides win over these).
+# Generation is greedy because evaluation is: the drafter learns the very outputs it is scored on.
+# One generator with both cores: on 2 cores a second engine adds little (bench/RESULTS.md).
 DEMO_SETTINGS = [
     f"prompts.tokenizer={SMOLLM2}", f"tokenize.tokenizer={SMOLLM2}",
     "generate.name=demo", "generate.generators=1", "generate.generator_cpus=2", "generate.shard_size=32",
     "generate.max_tokens=256", "generate.max_model_len=2048", "generate.truncated=keep",
+    "generate.temperature=0",
     "train.num_streams=2", "train.actor_cpus=0.5", "train.num_layers=1", "train.num_anchors=32",
-    "train.epochs=2", "train.lr=2e-3", "train.checkpoint_every=1000", "train.heldout=8", "train.eval_every=20",
-    "evaluate.max_new_tokens=64", "pipeline.min_tau_gain=0.1",
+    "train.epochs=2", "train.lr=3e-3", "train.checkpoint_every=1000", "train.heldout=8", "train.eval_every=20",
+    "evaluate.max_new_tokens=64", "pipeline.min_tau_gain=0.05",
 ]
 
 

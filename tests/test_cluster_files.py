@@ -69,3 +69,14 @@ def test_rayjob_manifest_references_real_entrypoints_and_matching_versions():
         assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
         limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert int(limits["nvidia.com/gpu"]) in (4, 8)
+
+
+def test_every_job_entrypoint_runs_a_cli_subcommand_of_its_name():
+    from dflash_ray.cli import _parser
+
+    commands = set(_parser()._subparsers._group_actions[0].choices)
+    jobs = {p.stem for p in (ROOT / "jobs").glob("*.py") if not p.stem.startswith("_")}
+    assert {"prompts", "generate", "tokenize", "validate", "train", "export", "evaluate", "pipeline",
+            "scale", "status"} <= jobs
+    for name in jobs:
+        assert f'run("{name}")' in (ROOT / "jobs" / f"{name}.py").read_text() and name in commands, name
