@@ -84,6 +84,10 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
     on_storage = {storage.basename(f) for f in storage.list_files(output, ".parquet")}
     assert listed == on_storage  # nothing of the killed generator is left behind
 
+    stored = status(cfg, output)  # a finished run's figures, from storage
+    assert stored["complete"] and stored["shards_done"] == summary["shards"]
+    assert stored["completions"] == summary["completions"]
+
     again = run_generate(prompts, output, SMOLLM2, cfg, progress=False)
     assert again["shards_run"] == 0 and again["generators_started"] == 0
     assert again["completions"] == summary["completions"]
