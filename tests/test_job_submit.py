@@ -65,8 +65,13 @@ def _ray(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _submit(address: str, env, sid: str, *entry: str, wait: bool) -> subprocess.CompletedProcess:
-    return _ray(env, "job", "submit", "--address", address, "--submission-id", sid, "--working-dir", ".",
-                *([] if wait else ["--no-wait"]), "--", "python", *entry, check=False)
+    deadline = time.time() + 120
+    while True:  # a fresh head answers before its job agent is up: "No available agent to submit job"
+        done = _ray(env, "job", "submit", "--address", address, "--submission-id", sid, "--working-dir", ".",
+                    *([] if wait else ["--no-wait"]), "--", "python", *entry, check=False)
+        if "No available agent" not in done.stderr or time.time() > deadline:
+            return done
+        time.sleep(2)
 
 
 @pytest.mark.timeout(1800)

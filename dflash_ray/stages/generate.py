@@ -178,7 +178,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                disable=not progress)
     try:
         while True:
-            start_n, drain, late = ray.get(pool.reconcile.remote())
+            start_n, _, late = ray.get(pool.reconcile.remote())  # drained ones stop by themselves
             fleet.kill(late)
             fleet.start(start_n)
             status = ray.get(pool.status.remote())
