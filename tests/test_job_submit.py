@@ -39,7 +39,11 @@ def head():
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=2",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--temp-dir={temp}"],
+         f"--temp-dir={temp}",
+         # ports of their own: the session's other local cluster holds the default ones
+         *(f"--{name}-port={free_port()}" for name in (
+             "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+             "ray-client-server", "node-manager", "object-manager"))],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
