@@ -11,7 +11,6 @@ raised the acceptance length by that much.
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from typing import Any
 
@@ -22,19 +21,15 @@ from dflash_ray.errors import DFlashError, GateFailed
 
 def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int) -> int:
     """Keep `eval_count` prompts (a seeded choice by id) out of generation and training."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from dflash_ray.data import schema
+    from dflash_ray.data.prompts import shard_bytes
 
     rows = manifest.read_rows(prompts, list(schema.PROMPTS.names), 10**9)
     order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
     held = {r["id"] for r in order[:eval_count]}
     for out, part in ((eval_out, [r for r in rows if r["id"] in held]),
                       (train_out, [r for r in rows if r["id"] not in held])):
-        sink = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(part, schema=schema.PROMPTS), sink)
-        storage.write_bytes(storage.join(out, "prompts-00000.parquet"), sink.getvalue())
+        storage.write_bytes(storage.join(out, "prompts-00000.parquet"), shard_bytes(part))
         manifest.write_manifest(out, kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": len(part)}],
                                 summary={"prompts": len(part)})
     return len(rows) - len(held)

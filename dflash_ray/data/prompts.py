@@ -54,7 +54,7 @@ class PromptBudget:
                             "over_budget")
 
 
-def _shard_bytes(rows: list[dict[str, Any]]) -> bytes:
+def shard_bytes(rows: list[dict[str, Any]]) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema.PROMPTS), sink)
     return sink.getvalue()
@@ -76,7 +76,7 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
 
     def flush() -> None:
         name = f"prompts-{len(shards):05d}.parquet"
-        storage.write_bytes(storage.join(output, name), _shard_bytes(rows))
+        storage.write_bytes(storage.join(output, name), shard_bytes(rows))
         shards.append({"name": name, "rows": len(rows)})
         rows.clear()
 

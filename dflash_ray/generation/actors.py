@@ -17,10 +17,9 @@ import ray
 
 from dflash_ray import storage
 from dflash_ray.config import GenerateConfig
-from dflash_ray.generation.book import ShardBook
+from dflash_ray.generation.book import PROGRESS, ShardBook
 
 NAMESPACE = "dflash-ray"
-PROGRESS = "_progress.json"
 
 
 @ray.remote(num_cpus=0)

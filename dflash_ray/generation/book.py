@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+PROGRESS = "_progress.json"  # finished shards of a generation, on storage next to its output
+
 
 @dataclass(slots=True)
 class Lease:

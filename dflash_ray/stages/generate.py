@@ -31,8 +31,7 @@ from dflash_ray import manifest, storage
 from dflash_ray.cluster import connect
 from dflash_ray.config import GenerateConfig, RunConfig
 from dflash_ray.errors import DFlashError
-
-PROGRESS = "_progress.json"
+from dflash_ray.generation.book import PROGRESS
 
 
 def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
@@ -154,14 +153,15 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     todo = [u for u in units if u["index"] not in done]
     summary = {"stage": "generate", "output": output, "model": model, "backend": gcfg.backend,
                "shards": len(units), "shards_run": len(todo)}
-    if not todo and manifest.read_manifest(output) is not None:
+    committed = manifest.read_manifest(output) is not None
+    if not todo and committed:
         return {**summary, **_totals(done), "generators_started": 0, "restarts": 0,
                 "seconds": round(time.time() - started, 1), "tokens_per_s": None}
     if todo and not storage.is_s3(model):
         from dflash_ray.registry import resolve
 
         resolve(model)  # fail here on a bad model path, and convert a packaged model once
-    if manifest.read_manifest(output) is not None:
+    if committed:  # the old dataset stops being complete now
         storage.delete(storage.join(output, manifest.MANIFEST))
 
     connect(cfg.ray)
