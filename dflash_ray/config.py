@@ -53,6 +53,7 @@ class GenerateConfig:
     top_p: float = 0.95
     max_tokens: int = 4096
     seed: int = 0  # with the prompt id, fixes each prompt's sampling seed, whoever generates it
+    samples_per_prompt: int = 1  # completions per prompt (sampled, temperature > 0); ids "{id}#{i}" for i > 0
     enable_thinking: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)  # more template flags
     # engine

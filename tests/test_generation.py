@@ -141,3 +141,23 @@ def test_truncation_policy_keeps_or_rejects(qwen3_tokenizer):
         gen._record(result, row, [1, 2], out, 0)
         assert len(result.completions) == kept and len(result.rejects) == 1 - kept
         assert result.counts()["truncated_kept"] == kept
+
+
+def test_several_samples_per_prompt_get_their_own_ids_and_seeds(tiny_qwen3_dir, qwen3_tokenizer):
+    from dflash_ray.generation.engines import HFEngine
+    from dflash_ray.generation.shard import prompt_of
+    from dflash_ray.registry import stop_token_ids
+
+    cfg = GenerateConfig(backend="transformers", max_tokens=8, max_model_len=64, temperature=1.0,
+                         samples_per_prompt=3, truncated="keep")
+    engine = HFEngine(tiny_qwen3_dir, cfg, stop_token_ids(qwen3_tokenizer))
+    gen = ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0")
+    rows = [{"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
+            for i, c in enumerate(["hi", "word " * 200, "hello there"])]
+    result = gen.run(rows)
+    got = {c["id"]: c for c in result.completions} | {r["id"]: r for r in result.rejects}
+    assert set(got) == {"p0", "p0#1", "p0#2", "p1", "p2", "p2#1", "p2#2"}  # a bad prompt is rejected once
+    assert {prompt_of(i) for i in got} == {"p0", "p1", "p2"} and prompt_of("a#b") == "a#b"
+    seeds = {json.loads(c["sampling"])["seed"] for c in result.completions}
+    assert len(seeds) == len(result.completions) == 6
+    assert len({tuple(c["output_token_ids"]) for c in result.completions if c["id"].startswith("p2")}) > 1

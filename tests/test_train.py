@@ -152,3 +152,17 @@ def test_bf16_training_keeps_fp32_master_weights(target, data):
     assert all(p.dtype == torch.float32 for p in worker.drafter.parameters())
     assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0
     assert any(not torch.equal(a, p) for a, p in zip(before, worker.drafter.parameters()))
+
+
+def test_heldout_takes_whole_prompts(data):
+    from dflash_ray.train.coordinator import dataset_samples, sample_prompts, split_heldout
+
+    samples = dataset_samples(data)
+    assert sample_prompts(samples) == [f"s{i}" for i in range(16)]
+    unique = split_heldout(samples, 3, seed=0, prompts=sample_prompts(samples))
+    assert unique == split_heldout(samples, 3, seed=0) and len(unique[0]) == 3
+    prompts = [f"p{i // 3}" for i in range(16)]  # three completions of each prompt
+    held, train = split_heldout(samples, 4, seed=0, prompts=prompts)
+    held_prompts = {prompts[samples.index(s)] for s in held}
+    assert len(held) == 6 and len(held) + len(train) == 16
+    assert not held_prompts & {prompts[samples.index(s)] for s in train}

@@ -29,6 +29,17 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+def sample_id(prompt_id: str, sample: int) -> str:
+    """The record id of a prompt's `sample`-th completion: the prompt id itself for the first."""
+    return prompt_id if sample == 0 else f"{prompt_id}#{sample}"
+
+
+def prompt_of(record_id: str) -> str:
+    """The prompt id a record id came from (inverse of `sample_id`)."""
+    head, sep, tail = record_id.rpartition("#")
+    return head if sep and tail.isdigit() else record_id
+
+
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """(thinking, answer): the thinking block's content when the output has one."""
     if THINK_END not in text:
@@ -90,9 +101,11 @@ class ShardGenerator:
         ready: list[tuple[dict[str, Any], list[int]]] = []
         for row in rows:
             try:
-                ready.append((row, self.render(row)))
+                ids = self.render(row)
             except BadRecord as e:
                 result.rejects.append(_reject(row, e.kind, str(e)))
+                continue
+            ready += [({**row, "id": sample_id(row["id"], i)}, ids) for i in range(self.cfg.samples_per_prompt)]
         for start in range(0, len(ready), self.cfg.batch_size):
             batch = ready[start:start + self.cfg.batch_size]
             seeds = [prompt_seed(self.cfg.seed, row["id"]) for row, _ in batch]

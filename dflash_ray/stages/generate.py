@@ -54,7 +54,7 @@ def _plan_id(units: list[dict[str, Any]], model: str, cfg: GenerateConfig) -> st
     """What makes finished shards reusable: the same prompts in the same units, model and sampling."""
     body = {"units": [(storage.basename(u["uri"]), u["start"], u["count"]) for u in units], "model": model,
             "sampling": [cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.seed, cfg.enable_thinking,
-                         cfg.chat_template_kwargs, cfg.backend]}
+                         cfg.chat_template_kwargs, cfg.backend, cfg.samples_per_prompt]}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -146,6 +146,9 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     from dflash_ray.generation.actors import NAMESPACE, ShardPool
 
     gcfg = cfg.generate
+    if gcfg.samples_per_prompt < 1 or (gcfg.samples_per_prompt > 1 and gcfg.temperature <= 0):
+        raise DFlashError(f"{gcfg.samples_per_prompt} samples per prompt need at least one, and more than one "
+                          "needs temperature > 0 (greedy samples are all the same)", field="generate.samples_per_prompt")
     started = time.time()
     units = plan_units(manifest.dataset_files(prompts_uri, (".parquet",)), gcfg.shard_size)
     plan = _plan_id(units, model, gcfg)

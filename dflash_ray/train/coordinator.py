@@ -15,6 +15,7 @@ that dies is replaced: every actor restarts from the last checkpoint, up to `max
 
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import time
@@ -81,16 +82,41 @@ def dataset_samples(data: str) -> list[tuple[str, int]]:
     return [(uri, r) for uri in files for r in range(rows[uri])]
 
 
-def split_heldout(samples: list, count: int, seed: int) -> tuple[list, list]:
-    """A seeded choice of `count` held-out samples, and the rest (both in dataset order)."""
+def sample_prompts(samples: list[tuple[str, int]]) -> list[str]:
+    """The prompt each sample answers (several completions of one prompt share it)."""
+    import pyarrow.parquet as pq
+
+    from dflash_ray.generation.shard import prompt_of
+
+    ids: dict[str, list] = {}
+    for uri in dict.fromkeys(uri for uri, _ in samples):
+        fs, path = storage.arrow_filesystem(uri)
+        ids[uri] = pq.read_table(path, filesystem=fs, columns=["id"]).column("id").to_pylist()
+    return [prompt_of(str(ids[uri][row])) for uri, row in samples]
+
+
+def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | None = None) -> tuple[list, list]:
+    """A seeded choice of at least `count` held-out samples, and the rest (both in dataset order).
+
+    With `prompts`, whole prompts are held out: no completion of a held-out prompt is trained on.
+    """
     import torch
 
     if count <= 0:
         return [], samples
-    if count >= len(samples):
+    prompts = prompts or [str(i) for i in range(len(samples))]
+    sizes = collections.Counter(prompts)
+    unique = list(sizes)
+    chosen: set[str] = set()
+    held = 0
+    for i in torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed + 104729)).tolist():
+        if held >= count:
+            break
+        chosen.add(unique[i])
+        held += sizes[unique[i]]
+    if held >= len(samples):
         raise DFlashError(f"train.heldout={count} leaves no training sample out of {len(samples)}")
-    chosen = set(torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 104729))[:count].tolist())
-    return ([s for i, s in enumerate(samples) if i in chosen], [s for i, s in enumerate(samples) if i not in chosen])
+    return ([s for s, p in zip(samples, prompts) if p in chosen], [s for s, p in zip(samples, prompts) if p not in chosen])
 
 
 def _free_port() -> int:
@@ -110,7 +136,8 @@ class Coordinator:
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         tcfg = cfg.train
         samples = dataset_samples(data)
-        self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed)
+        prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
+        self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
         self.schedule = Schedule(train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed)
         total = tcfg.epochs * self.schedule.steps_per_epoch
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
