@@ -130,6 +130,10 @@ class TrainConfig:
     attention: Literal["sdpa", "flex"] = "sdpa"  # flex on GPU; its backward does not run on CPU
     # drafter architecture
     num_layers: int = 1
+    block_size: int = 16
+    layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
+    sliding_window: int = 2048  # context positions a sliding-attention layer sees
+    loss_decay: float | None = None  # gamma of the exp(-(k-1)/gamma) position weights; None: 7 * block_size / 16
     num_target_features: int = 5
     target_layer_ids: list | None = None
     mask_token_id: int | None = None  # None: the last vocabulary row that is not a special token

@@ -166,3 +166,17 @@ def test_heldout_takes_whole_prompts(data):
     held_prompts = {prompts[samples.index(s)] for s in held}
     assert len(held) == 6 and len(held) + len(train) == 16
     assert not held_prompts & {prompts[samples.index(s)] for s in train}
+
+
+def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(target):
+    from dflash_ray.errors import DFlashError
+
+    cfg = load_config(None, SETTINGS + ["train.num_layers=2", "train.block_size=8", "train.sliding_window=16",
+                                        'train.layer_types=["sliding_attention","full_attention"]'])
+    hf = drafter_config(target, cfg)
+    assert hf["block_size"] == 8 and hf["layer_types"] == ["sliding_attention", "full_attention"]
+    assert hf["sliding_window"] == 16
+    with pytest.raises(DFlashError) as e:
+        drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
+                                                             "train.num_layers=2"]))
+    assert "layer_types" in str(e.value) and "train" in str(e.value)

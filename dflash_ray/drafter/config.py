@@ -77,7 +77,7 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
                 target_layer_ids: list[int] | None = None, num_target_features: int = 5,
                 layer_types: list[str] | None = None, intermediate_size: int | None = None,
                 num_heads: int | None = None, num_kv_heads: int | None = None,
-                head_dim: int | None = None, sliding_window: int = 2048,
+                head_dim: int | None = None, sliding_window: int = 2048, block_size: int = BLOCK_SIZE,
                 special_token_ids: tuple[int, ...] = ()) -> DrafterConfig:
     """A drafter for `target_config` (any HF causal LM config; for multimodal ones, its text config).
 
@@ -101,7 +101,7 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
         num_target_layers=num_target_layers,
         target_layer_ids=list(ids),
         mask_token_id=mask_token_id,
-        layer_types=layer_types or ["full_attention"] * num_layers,
+        layer_types=layer_types or ["full_attention"] * num_layers, block_size=block_size,
         sliding_window=sliding_window,
         rope_theta=_rope_theta(text),
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),

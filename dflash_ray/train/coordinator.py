@@ -42,9 +42,13 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
                                 getattr(text, "pad_token_id", None)) if isinstance(t, int))
     mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else next(
         i for i in range(text.vocab_size - 1, -1, -1) if i not in special)
-    dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
-                       num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
-                       special_token_ids=special)
+    try:
+        dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
+                           num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
+                           layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
+                           block_size=tcfg.block_size, special_token_ids=special)
+    except ValueError as e:  # a drafter shape the target cannot have
+        raise DFlashError(str(e), field="train") from None
     import torch
 
     return to_hf_config(dcfg, getattr(torch, tcfg.dtype))

@@ -124,7 +124,7 @@ class DrafterWorker:
         with self._autocast():
             out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
                                batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
-                               generator=self.generator, attention=self.cfg.attention)
+                               generator=self.generator, attention=self.cfg.attention, gamma=self.cfg.loss_decay)
         params = list(self.drafter.parameters())
         self.opt.zero_grad(set_to_none=False)
         weight = out.loss.weight_sum.detach().float()
