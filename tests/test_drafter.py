@@ -55,6 +55,8 @@ def test_dense_mask_rule():
     assert sliding[1, S:].tolist() == [True, True, False, False] + [False] * 4  # causal within the block
     # query at position a + k = 4 sees context p with 4 - p < 3 and p < 3: only p = 2
     assert sliding[1, :S].tolist() == [False, False, True] + [False] * 6
+    # block query k = 3 (position 6) sees its block's positions 4..6 only: the window holds in the block too
+    assert sliding[3, S:].tolist() == [False, True, True, True] + [False] * 4 and not sliding[3, :S].any()
 
 
 def _tiny_drafter(layer_types=(FULL,), mask_token_id=5):

@@ -5,7 +5,7 @@ An anchor is a position a with loss_mask[a] = loss_mask[a+1] = 1. Its block is `
 at positions a..a+K-1; block position k predicts x[a+k] (labels are NOT shifted) and k = 0 is
 excluded. A query of block j sees context positions strictly before a_j, its own block, and no
 other block: bidirectional within the block for full-attention layers, causal for sliding ones
-(which also see only the last `sliding_window` positions).
+(which also see only the last `sliding_window` positions, of the context and the block alike).
 
 Anchor slots are fixed in number (`num_anchors`), with a keep mask, so shapes never change and a
 compiled attention never recompiles. A slot that is not kept attends to its own block only and
@@ -93,7 +93,7 @@ def _visible(q_idx, kv_idx, anchors_b, seq_len: int, block_size: int, layer_type
     block_ok = kv_block == j
     if layer_type == SLIDING:
         ctx_ok = ctx_ok & (a + k - kv_idx < window)
-        block_ok = block_ok & (kv_k <= k)
+        block_ok = block_ok & (kv_k <= k) & (k - kv_k < window)
     return (is_ctx & ctx_ok) | (~is_ctx & block_ok)
 
 

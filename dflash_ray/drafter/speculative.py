@@ -39,7 +39,7 @@ def _block_masks(drafter: DFlashDrafter, ctx_len: int, block: int) -> dict[str, 
     masks = {}
     for layer_type in set(drafter.cfg.layer_types):
         ctx = kv < ctx_len
-        blk = ~ctx if layer_type == FULL else (~ctx & (kv - ctx_len <= q))
+        blk = ~ctx if layer_type == FULL else (~ctx & (kv - ctx_len <= q) & (q - (kv - ctx_len) < drafter.cfg.sliding_window))
         if layer_type != FULL:
             ctx = ctx & (ctx_len + q - kv < drafter.cfg.sliding_window)
         masks[layer_type] = (ctx | blk)[None, None]
