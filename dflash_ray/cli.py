@@ -22,6 +22,16 @@ def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_prompts(args.input, args.output, cfg, progress=not args.json)
 
 
+def _cmd_selfprompt(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    from dflash_ray.stages.selfprompt import run_selfprompt
+
+    if args.count is not None:
+        cfg = dataclasses.replace(cfg, selfprompt=dataclasses.replace(cfg.selfprompt, count=args.count))
+    return run_selfprompt(args.model, args.output, cfg, progress=not args.json)
+
+
 def _cmd_generate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     import dataclasses
 
@@ -140,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
     p.add_argument("--output", required=True, metavar="URI")
     p.set_defaults(run=_cmd_prompts)
+
+    p = sub.add_parser("selfprompt", parents=[common], help="prompts the target writes itself (chat JSONL)")
+    p.add_argument("--model", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--count", type=int, metavar="N", help="candidates to sample (selfprompt.count)")
+    p.add_argument("--output", required=True, metavar="URI", help="folder; `dflash-ray prompts --input` reads it")
+    p.set_defaults(run=_cmd_selfprompt)
 
     p = sub.add_parser("generate", parents=[common], help="regenerate every response with the target itself")
     p.add_argument("--prompts", required=True, metavar="URI", help="prompt shards (from `dflash-ray prompts`)")

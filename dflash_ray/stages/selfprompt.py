@@ -1,0 +1,77 @@
+"""`dflash-ray selfprompt`: prompts the target writes itself, as a chat JSONL the prompts stage reads.
+
+The `selfprompt.count` candidates are split over `generate.generators` Ray tasks, each holding one
+engine with generate's resources and backend; every candidate's seed comes from its index, so the
+result does not depend on how many tasks ran. The driver drops cut, short and repeated messages
+(counted by reason) and writes `self-prompts.jsonl`, then the manifest. A rerun with the same
+settings finds the manifest and does nothing; other settings into the same output are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from dflash_ray import manifest, storage
+from dflash_ray.cluster import connect
+from dflash_ray.config import GenerateConfig, RunConfig, SelfPromptConfig
+from dflash_ray.errors import DFlashError
+
+FILE = "self-prompts.jsonl"
+
+
+def _write(model: str, gcfg: GenerateConfig, scfg: SelfPromptConfig, indices: list[int]) -> list[dict[str, Any]]:
+    from dflash_ray.generation.engines import make_engine
+    from dflash_ray.generation.selfprompt import write_prompts
+    from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
+
+    model_dir = resolve(model)
+    tokenizer = load_tokenizer(model_dir)
+    return write_prompts(make_engine(model_dir, gcfg, stop_token_ids(tokenizer)), tokenizer, scfg, indices)
+
+
+def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    import ray
+    from tqdm import tqdm
+
+    from dflash_ray.generation.selfprompt import select
+    from dflash_ray.stages.generate import engine_options
+
+    scfg = cfg.selfprompt
+    if scfg.count < 1:
+        raise DFlashError(f"{scfg.count} prompts to write; at least 1", field="selfprompt.count")
+    started = time.time()
+    settings = {"model": model, "backend": cfg.generate.backend, **dataclasses.asdict(scfg)}
+    made = manifest.read_manifest(output)
+    if made is not None:
+        if made.get("config") != settings:
+            raise DFlashError("holds prompts written with other settings; choose another --output or delete it",
+                              file=storage.join(output, manifest.MANIFEST))
+        return {**made["summary"], "reused": True, "seconds": round(time.time() - started, 1)}
+    if not storage.is_s3(model):
+        from dflash_ray.registry import resolve
+
+        resolve(model)  # fail here on a bad model path, and convert a packaged model once
+    gcfg = dataclasses.replace(cfg.generate, temperature=scfg.temperature, top_p=scfg.top_p,
+                               max_tokens=scfg.max_tokens, seed=scfg.seed)
+    connect(cfg.ray)
+    tasks = max(1, min(gcfg.generators, scfg.count))
+    write = ray.remote(_write).options(**engine_options(gcfg), max_retries=gcfg.max_restarts)
+    refs = [write.remote(model, gcfg, scfg, list(range(t, scfg.count, tasks))) for t in range(tasks)]
+    candidates: list[dict[str, Any]] = []
+    with tqdm(total=scfg.count, desc="selfprompt", unit="prompt", disable=not progress) as bar:
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            part = ray.get(ready[0])
+            candidates += part
+            bar.update(len(part))
+    records, dropped = select(candidates, scfg)
+    storage.write_text(storage.join(output, FILE), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    summary = {"stage": "selfprompt", "output": output, "file": storage.join(output, FILE), "model": model,
+               "candidates": len(candidates), "prompts": len(records), "dropped": dropped}
+    manifest.write_manifest(output, kind="prompts-jsonl", files=[{"name": FILE, "rows": len(records)}],
+                            summary=summary, config=settings)
+    return {**summary, "reused": False, "seconds": round(time.time() - started, 1)}
