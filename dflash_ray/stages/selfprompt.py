@@ -22,14 +22,16 @@ from dflash_ray.errors import DFlashError
 FILE = "self-prompts.jsonl"
 
 
-def _write(model: str, gcfg: GenerateConfig, scfg: SelfPromptConfig, indices: list[int]) -> list[dict[str, Any]]:
+def _write(model: str, gcfg: GenerateConfig, scfg: SelfPromptConfig, indices: list[int]):
+    """A streaming task: one engine, each batch's candidates returned as soon as they exist."""
     from dflash_ray.generation.engines import make_engine
     from dflash_ray.generation.selfprompt import write_prompts
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
 
     model_dir = resolve(model)
     tokenizer = load_tokenizer(model_dir)
-    return write_prompts(make_engine(model_dir, gcfg, stop_token_ids(tokenizer)), tokenizer, scfg, indices)
+    engine = make_engine(model_dir, gcfg, stop_token_ids(tokenizer))
+    yield from write_prompts(engine, tokenizer, scfg, indices, gcfg.batch_size)
 
 
 def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -58,16 +60,15 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
                                max_tokens=scfg.max_tokens, seed=scfg.seed)
     connect(cfg.ray)
     tasks = max(1, min(gcfg.generators, scfg.count))
-    write = ray.remote(_write).options(**engine_options(gcfg), max_retries=gcfg.max_restarts)
-    refs = [write.remote(model, gcfg, scfg, list(range(t, scfg.count, tasks))) for t in range(tasks)]
+    write = ray.remote(_write).options(**engine_options(gcfg), num_returns="streaming")
+    streams = [write.remote(model, gcfg, scfg, list(range(t, scfg.count, tasks))) for t in range(tasks)]
     candidates: list[dict[str, Any]] = []
     with tqdm(total=scfg.count, desc="selfprompt", unit="prompt", disable=not progress) as bar:
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            part = ray.get(ready[0])
-            candidates += part
-            bar.update(len(part))
+        for stream in streams:  # the others keep running meanwhile
+            for ref in stream:
+                part = ray.get(ref)
+                candidates += part
+                bar.update(len(part))
     records, dropped = select(candidates, scfg)
     storage.write_text(storage.join(output, FILE), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     summary = {"stage": "selfprompt", "output": output, "file": storage.join(output, FILE), "model": model,
