@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             if type(e).__module__.startswith("botocore"):  # S3: no bucket, no credentials, denied
                 raise DFlashError(f"S3: {e}") from None
-            if args.json:  # an unexpected failure still ends with a summary line; the traceback goes to stderr
+            if args.json and not isinstance(e, DFlashError):  # an unexpected failure still ends with a summary line
                 print(json.dumps({"stage": args.command, "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:],
                                   "exit_code": 1}), file=out, flush=True)
             raise
