@@ -2,7 +2,8 @@
 
 prompts (plus those the target writes itself when `selfprompt.count` > 0) → a few prompts kept
 aside for evaluation → generation by the target itself → Ray Data tokenization → validation gate
-(stops here when it fails) → online training → evaluation of the untrained and the trained drafter on the kept-aside prompts (real speculative decoding) → export.
+(stops here when it fails) → online training → evaluation of the untrained and the trained
+drafter on the kept-aside prompts (real speculative decoding) → export.
 Each stage resumes as it does alone: finished generation shards are skipped and training continues
 from its newest complete checkpoint. `pipeline.min_tau_gain` makes the run fail unless training
 raised the acceptance length by that much.

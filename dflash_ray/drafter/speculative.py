@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dflash_ray.drafter.blocks import FULL
 from dflash_ray.drafter.model import DFlashDrafter
+from dflash_ray.drafter.step import attention_masks
 from dflash_ray.target.capture import capture
 
 
@@ -29,21 +29,6 @@ class Generation:
     @property
     def tau(self) -> float:
         return sum(self.acceptance) / max(len(self.acceptance), 1)
-
-
-def _block_masks(drafter: DFlashDrafter, ctx_len: int, block: int) -> dict[str, torch.Tensor]:
-    """One block at the end of the context: it sees all of the context (within the window for
-    sliding layers) and itself (bidirectional for full layers, causal for sliding ones)."""
-    q = torch.arange(block)[:, None]
-    kv = torch.arange(ctx_len + block)[None, :]
-    masks = {}
-    for layer_type in set(drafter.cfg.layer_types):
-        ctx = kv < ctx_len
-        blk = ~ctx if layer_type == FULL else (~ctx & (kv - ctx_len <= q) & (q - (kv - ctx_len) < drafter.cfg.sliding_window))
-        if layer_type != FULL:
-            ctx = ctx & (ctx_len + q - kv < drafter.cfg.sliding_window)
-        masks[layer_type] = (ctx | blk)[None, None]
-    return masks
 
 
 @torch.no_grad()
@@ -86,7 +71,7 @@ def speculative_greedy(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         block_ids[0, 0] = out_tokens[-1]
         positions = torch.arange(n, n + K)[None]
         hidden = drafter(context.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions,
-                         _block_masks(drafter, n, K))
+                         attention_masks(drafter, torch.tensor([[n]]), n, "sdpa"))  # one block after the context
         drafts = (hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()).argmax(-1)
         block_ids[0, 1:] = drafts
         with capture(target, layer_ids, stop_after_last=False) as captured:

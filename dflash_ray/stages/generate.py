@@ -79,6 +79,14 @@ def _finished_shards(output: str, plan: str) -> dict[int, dict[str, Any]]:
     return done
 
 
+def check_model(model: str) -> None:
+    """Fail on the driver on a bad model path, and convert a packaged model once, before any engine starts."""
+    if not storage.is_s3(model):
+        from dflash_ray.registry import resolve
+
+        resolve(model)
+
+
 def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
     """Ray options of an actor or task that holds one engine: its resources and environment."""
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
@@ -164,10 +172,8 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     if not todo and committed:
         return {**summary, **_totals(done), "generators_started": 0, "restarts": 0,
                 "seconds": round(time.time() - started, 1), "tokens_per_s": None}
-    if todo and not storage.is_s3(model):
-        from dflash_ray.registry import resolve
-
-        resolve(model)  # fail here on a bad model path, and convert a packaged model once
+    if todo:
+        check_model(model)
     if committed:  # the old dataset stops being complete now
         storage.delete(storage.join(output, manifest.MANIFEST))
 

@@ -39,7 +39,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     from tqdm import tqdm
 
     from dflash_ray.generation.selfprompt import select
-    from dflash_ray.stages.generate import engine_options
+    from dflash_ray.stages.generate import check_model, engine_options
 
     scfg = cfg.selfprompt
     if scfg.count < 1:
@@ -52,10 +52,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
             raise DFlashError("holds prompts written with other settings; choose another --output or delete it",
                               file=storage.join(output, manifest.MANIFEST))
         return {**made["summary"], "reused": True, "seconds": round(time.time() - started, 1)}
-    if not storage.is_s3(model):
-        from dflash_ray.registry import resolve
-
-        resolve(model)  # fail here on a bad model path, and convert a packaged model once
+    check_model(model)
     gcfg = dataclasses.replace(cfg.generate, temperature=scfg.temperature, top_p=scfg.top_p,
                                max_tokens=scfg.max_tokens, seed=scfg.seed)
     connect(cfg.ray)
