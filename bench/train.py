@@ -53,14 +53,14 @@ def _fused(target: str, data: str, settings: list[str], steps: int) -> float:
     import torch
 
     from dflash_ray.config import load_config
-    from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config
+    from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config, drafter_init
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     cfg = load_config(None, settings)
     torch.set_num_threads(1)
     dcfg = drafter_config(target, cfg)
     tw = TargetWorker(target, dcfg["dflash_config"]["target_layer_ids"], cfg.train)
-    dw = DrafterWorker(target, _json.dumps(dcfg), cfg.train, 0, 1)
+    dw = DrafterWorker(target, _json.dumps(dcfg), drafter_init(target, cfg), cfg.train, 0, 1)
     dw.set_total_steps(steps)
     schedule = Schedule(dataset_samples(data), 1, 1, 0)
     times = []

@@ -143,6 +143,7 @@ class TrainConfig:
     attention: Literal["sdpa", "flex"] = "sdpa"  # flex on GPU; its backward does not run on CPU
     # drafter architecture
     num_layers: int = 1
+    init: Literal["auto", "target", "random"] = "auto"  # copies of the target's next layers, or random
     block_size: int = 16
     layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
     sliding_window: int = 2048  # context positions a sliding-attention layer sees

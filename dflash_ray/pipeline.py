@@ -112,18 +112,20 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
     import torch
 
     from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
-    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.drafter.init import initial_drafter
     from dflash_ray.evaluate import run_evaluate
-    from dflash_ray.train.coordinator import drafter_config, run_train
+    from dflash_ray.registry import resolve
+    from dflash_ray.train.coordinator import drafter_config, drafter_init, run_train
 
     target = cfg.pipeline.target
     train = timed("train", run_train, target, storage.join(work, "tokenized"), storage.join(work, "train"), cfg,
                   progress=progress)
     drafter = storage.join(work, "drafter")
     export_checkpoint(train["checkpoint"], drafter, dtype="float32")
-    torch.manual_seed(cfg.train.seed)  # the same initialization training started from
-    untrained = tempfile.mkdtemp(prefix="dflash-untrained-")
-    save_drafter(DFlashDrafter(from_hf_config(drafter_config(target, cfg))), untrained, dtype=torch.float32)
+    untrained = tempfile.mkdtemp(prefix="dflash-untrained-")  # the drafter training started from
+    start = initial_drafter(from_hf_config(drafter_config(target, cfg)), resolve(target), drafter_init(target, cfg),
+                            cfg.train.seed)
+    save_drafter(start, untrained, dtype=torch.float32)
     eval_prompts = storage.join(work, "prompts-eval")
     before = timed("evaluate_untrained", run_evaluate, untrained, target, eval_prompts, cfg)
     after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg)

@@ -58,7 +58,7 @@ def test_averaged_gradient_equals_the_union_gradient(ray_cluster, target, data):
     union = feats.features([(f"{data}/part-0.parquet", 0), (f"{data}/part-0.parquet", 5)])
 
     actor = ray.remote(DrafterWorker).options(num_cpus=0.5)
-    workers = [actor.remote(target, drafter_json, cfg.train, rank, 2) for rank in range(2)]
+    workers = [actor.remote(target, drafter_json, "target", cfg.train, rank, 2) for rank in range(2)]
     port = 29500 + int(torch.randint(0, 2000, ()))
     ray.get([w.init_group.remote("127.0.0.1", port) for w in workers])
     ray.get([w.averaged_gradients.remote(batch) for w, batch in zip(workers, (a, b))])
@@ -66,7 +66,7 @@ def test_averaged_gradient_equals_the_union_gradient(ray_cluster, target, data):
     for w in workers:
         ray.kill(w)
 
-    single = DrafterWorker(target, drafter_json, cfg.train, 0, 1)
+    single = DrafterWorker(target, drafter_json, "target", cfg.train, 0, 1)
     single.averaged_gradients(union)
     torch.testing.assert_close(averaged[0], averaged[1], rtol=0, atol=0)
     torch.testing.assert_close(averaged[0], single.flat_grad(), rtol=1e-5, atol=1e-7)
@@ -144,7 +144,7 @@ def test_bf16_training_keeps_fp32_master_weights(target, data):
     import json
 
     cfg = load_config(None, SETTINGS + ["train.dtype=bfloat16"])
-    worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), cfg.train, 0, 1)
+    worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random", cfg.train, 0, 1)
     batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
     assert batch["features"].dtype == torch.bfloat16
     before = [p.detach().clone() for p in worker.drafter.parameters()]

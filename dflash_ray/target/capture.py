@@ -76,9 +76,9 @@ def target_features(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[i
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
 
-def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and LM head, read from its safetensors alone (the rest of the
-    target is never loaded). A tied head returns the embedding twice."""
+def read_tensors(target_dir: str | Path, want) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors whose names `want(name)` accepts, read from the target's safetensors
+    alone (sharded or not); nothing else of the target is loaded."""
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
@@ -88,14 +88,19 @@ def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Ten
     else:
         with safe_open(target_dir / "model.safetensors", "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
-    embed_key = next((k for k in weight_map if k.endswith("embed_tokens.weight") and "mtp" not in k), None)
-    head_key = next((k for k in weight_map if k.endswith("lm_head.weight")), None)
-    if embed_key is None:
+    out = {}
+    for file in sorted({weight_map[k] for k in weight_map if want(k)}):
+        with safe_open(target_dir / file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if want(k)})
+    return out
+
+
+def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head. A tied head returns the embedding twice."""
+    tensors = read_tensors(target_dir, lambda k: (k.endswith("embed_tokens.weight") and "mtp" not in k)
+                           or k.endswith("lm_head.weight"))
+    embed = next((v for k, v in sorted(tensors.items()) if k.endswith("embed_tokens.weight")), None)
+    if embed is None:
         raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(target_dir / weight_map[key], "pt") as f:
-            return f.get_tensor(key)
-
-    embed = read(embed_key)
-    return embed, (read(head_key) if head_key else embed)
+    head = next((v for k, v in tensors.items() if k.endswith("lm_head.weight")), embed)
+    return embed, head

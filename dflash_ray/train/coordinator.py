@@ -54,6 +54,19 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
     return to_hf_config(dcfg, getattr(torch, tcfg.dtype))
 
 
+def drafter_init(target: str, cfg: RunConfig) -> str:
+    """How the drafter starts ("target" or "random"), checked on the driver before any actor."""
+    from transformers import AutoConfig
+
+    from dflash_ray.drafter.init import init_mode
+    from dflash_ray.registry import resolve
+
+    try:
+        return init_mode(AutoConfig.from_pretrained(resolve(target)), cfg.train.init)
+    except ValueError as e:
+        raise DFlashError(str(e), field="train.init") from None
+
+
 class Schedule:
     """Which samples each stream trains on at each step: a seeded permutation per epoch."""
 
@@ -147,6 +160,7 @@ class Coordinator:
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
         self.drafter_cfg_json = json.dumps(drafter_config(target, cfg))
         self.layer_ids = json.loads(self.drafter_cfg_json)["dflash_config"]["target_layer_ids"]
+        self.init = drafter_init(target, cfg)
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []
         self._gauges: dict[str, Any] = {}
@@ -172,7 +186,7 @@ class Coordinator:
             ).remote(self.target, self.layer_ids, tcfg))
             self.drafters.append(drafter_cls.options(
                 **opts, name=f"{self.run_name}-drafter-{s}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
-            ).remote(self.target, self.drafter_cfg_json, tcfg, s, tcfg.num_streams))
+            ).remote(self.target, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
         address = ray.util.get_node_ip_address()
         port = _free_port()
         ray.get([d.init_group.remote(address, port) for d in self.drafters])

@@ -76,18 +76,18 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
 
 
 class DrafterWorker:
-    def __init__(self, target: str, drafter_cfg_json: str, cfg: TrainConfig, rank: int, world: int):
+    def __init__(self, target: str, drafter_cfg_json: str, init: str, cfg: TrainConfig, rank: int, world: int):
         from dflash_ray.drafter.export import from_hf_config
-        from dflash_ray.drafter.model import DFlashDrafter
+        from dflash_ray.drafter.init import initial_drafter
         from dflash_ray.registry import resolve
         from dflash_ray.target.capture import load_embed_and_head
 
         torch.set_num_threads(cfg.torch_threads)
         self.cfg, self.rank, self.world = cfg, rank, world
-        torch.manual_seed(cfg.seed)  # every rank starts from the same weights
-        self.drafter = DFlashDrafter(from_hf_config(json.loads(drafter_cfg_json)))
+        target_dir = resolve(target)
+        self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init, cfg.seed)
         self.dtype = getattr(torch, cfg.dtype)
-        embed, head = load_embed_and_head(resolve(target))
+        embed, head = load_embed_and_head(target_dir)
         self.embed, self.head = embed.to(self.dtype), head.to(self.dtype)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
