@@ -61,14 +61,14 @@ def test_a_llama_target_keeps_unit_qk_norms(tmp_path):
     assert torch.equal(drafter.layers[0].self_attn.q_norm.weight, torch.ones(8))
 
 
-def test_auto_copies_only_layers_the_drafter_can_hold(tiny_qwen3_dir, tiny_qwen35_dir):
-    from dflash_ray.train.coordinator import drafter_init
+def test_auto_copies_only_layers_the_drafter_can_hold_and_forcing_it_fails_before_training(tiny_qwen3_dir, tiny_qwen35_dir):
+    from dflash_ray.train.coordinator import run_train
 
     qwen3, hybrid = AutoConfig.from_pretrained(tiny_qwen3_dir), AutoConfig.from_pretrained(tiny_qwen35_dir)
     assert init_mode(qwen3, "auto") == "target" and init_mode(qwen3, "random") == "random"
     assert init_mode(hybrid, "auto") == "random"
     with pytest.raises(DFlashError, match="qwen3_5") as err:
-        drafter_init(tiny_qwen35_dir, load_config(None, ["train.init=target"]))
+        run_train(tiny_qwen35_dir, "file:///nowhere", "file:///nowhere-out", load_config(None, ["train.init=target"]))
     assert err.value.field == "train.init"
 
 

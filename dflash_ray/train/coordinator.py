@@ -362,6 +362,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
 
     from dflash_ray.cluster import connect
 
+    drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here, naming the field
     connect(cfg.ray)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2).remote(
