@@ -25,11 +25,6 @@ _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+
 _NORM = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?norm\.weight$")
 
 
-def can_copy(target_config) -> bool:
-    text = getattr(target_config, "text_config", None) or target_config
-    return getattr(text, "model_type", None) in COPYABLE
-
-
 def source_layers(drafter: DFlashDrafter) -> list[int]:
     """The target layer each drafter layer starts from (while the target has layers left)."""
     cfg = drafter.cfg
@@ -79,12 +74,12 @@ def init_mode(target_config, init: str) -> str:
     """"target" or "random" for the `train.init` setting ("auto": the target's layers where they fit)."""
     if init == "random":
         return "random"
-    if can_copy(target_config):
+    model_type = getattr(getattr(target_config, "text_config", None) or target_config, "model_type", None)
+    if model_type in COPYABLE:
         return "target"
     if init == "target":
-        text = getattr(target_config, "text_config", None) or target_config
         raise ValueError(f"init 'target' copies decoder layers of {', '.join(COPYABLE)} targets; "
-                         f"this target is '{getattr(text, 'model_type', None)}' (use init 'auto' or 'random')")
+                         f"this target is '{model_type}' (use init 'auto' or 'random')")
     return "random"
 
 

@@ -148,7 +148,9 @@ OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "ch
 
 
 class Coordinator:
-    def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str):
+    def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str, drafter_cfg: dict,
+                 init: str):
+        """`drafter_cfg` and `init`: `drafter_config` and `drafter_init`, computed on the driver."""
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         tcfg = cfg.train
@@ -158,9 +160,9 @@ class Coordinator:
         self.schedule = Schedule(train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed)
         total = tcfg.epochs * self.schedule.steps_per_epoch
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
-        self.drafter_cfg_json = json.dumps(drafter_config(target, cfg))
-        self.layer_ids = json.loads(self.drafter_cfg_json)["dflash_config"]["target_layer_ids"]
-        self.init = drafter_init(target, cfg)
+        self.drafter_cfg_json = json.dumps(drafter_cfg)
+        self.layer_ids = drafter_cfg["dflash_config"]["target_layer_ids"]
+        self.init = init
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []
         self._gauges: dict[str, Any] = {}
@@ -362,11 +364,11 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
 
     from dflash_ray.cluster import connect
 
-    drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here, naming the field
+    drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
     connect(cfg.ray)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2).remote(
-        target, data, output, cfg, run_name)
+        target, data, output, cfg, run_name, drafter_cfg, init)
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
     try:
