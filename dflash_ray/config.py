@@ -139,8 +139,8 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     clip: float = 1.0
     seed: int = 0
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["sdpa", "flex"] = "sdpa"  # flex on GPU; its backward does not run on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU actors, fp32 on CPU ones
+    attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: compiled flex on GPU, the dense SDPA mask on CPU
     # drafter architecture
     num_layers: int = 1
     init: Literal["auto", "target", "random"] = "auto"  # copies of the target's next layers, or random
@@ -152,8 +152,11 @@ class TrainConfig:
     target_layer_ids: list | None = None
     mask_token_id: int | None = None  # None: the last vocabulary row that is not a special token
     # placement and recovery
+    colocate: bool = False  # target and drafter of a stream in one actor on one device: no feature transfer
     actor_cpus: float = 1.0  # per actor; each target+drafter pair is packed on one node
-    actor_gpus: float = 0.0
+    actor_gpus: float = 0.0  # per actor; > 0 places the target (bf16) and the drafter on the GPU Ray gives it
+    node_resource: str = ""  # a custom resource of the training nodes that every stream actor asks for
+    coordinator_resource: str = ""  # a custom resource of the node the coordinator must run on (the head's)
     torch_threads: int = 1
     max_in_flight: int = 1  # target batches computed ahead of their drafter, per stream
     heldout: int = 0  # samples kept out of training (a seeded choice) for the held-out tau

@@ -85,6 +85,13 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path):
     step_b, weights_b = _final_weights(sliced)
     assert step_a == step_b == 8 and weights_a == weights_b  # bitwise
     assert storage.exists(storage.join(sliced, "metrics.png"))
+    assert whole["rendezvous"].startswith(ray.util.get_node_ip_address() + ":")  # drafter rank 0's node
+
+    # a colocated stream (target and drafter in one actor, features never copied) trains the same weights
+    colocated = run_train(target, data, str(tmp_path / "colocated"), load_config(None, SETTINGS + ["train.colocate=true"]),
+                          progress=False)
+    assert colocated["step"] == 8
+    assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
 
 
 @pytest.mark.parametrize("role", ["target", "drafter"])

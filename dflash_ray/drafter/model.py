@@ -75,10 +75,24 @@ class Attention(nn.Module):
         if isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:  # a flex_attention BlockMask
-            from torch.nn.attention.flex_attention import flex_attention
-
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+            out = flex_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+_COMPILED_FLEX = None
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """Flex attention, compiled on CUDA (uncompiled it materializes the scores and is slow); the CPU
+    runs it eagerly, forward only (its backward is not implemented there)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention as eager
+
+    if not q.is_cuda:
+        return eager(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(eager, dynamic=False)
+    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 class MLP(nn.Module):

@@ -3,8 +3,10 @@
 The coordinator owns the run: a deterministic, seeded sample order per epoch, split over the
 streams; each stream's target computes the features of step t+1 while its drafter trains on step
 t (`max_in_flight` batches ahead, so memory stays flat). Features go from a target to its drafter as
-an object reference the drafter resolves itself; gradients are averaged among the drafters by
-all-reduce (gloo on CPU). The coordinator only handles sample ids, references and figures.
+an object reference the drafter resolves itself; with `train.colocate` a stream is one actor and its
+features never leave the device. Gradients are averaged among the drafters by all-reduce (NCCL
+between GPUs, gloo on the CPU), whose rendezvous is drafter rank 0's own node. The coordinator only
+handles sample ids, references and figures.
 
 Checkpoints every `checkpoint_every` steps and at the end: drafter rank 0 writes the weights and
 optimizer state, the coordinator adds the run state (step, every drafter's anchor RNG) and commits
@@ -25,7 +27,8 @@ from dflash_ray import manifest, storage
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint
-from dflash_ray.train.workers import DrafterWorker, TargetWorker
+from dflash_ray.train.devices import placement
+from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
 
 def drafter_config(target: str, cfg: RunConfig) -> dict:
@@ -49,9 +52,16 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
                            block_size=tcfg.block_size, special_token_ids=special)
     except ValueError as e:  # a drafter shape the target cannot have
         raise DFlashError(str(e), field="train") from None
-    import torch
+    return to_hf_config(dcfg, planned_placement(cfg).dtype)
 
-    return to_hf_config(dcfg, getattr(torch, tcfg.dtype))
+
+def planned_placement(cfg: RunConfig):
+    """The placement the stream actors will choose, checked on the driver (which may hold no GPU)."""
+    tcfg = cfg.train
+    try:
+        return placement(tcfg.actor_gpus, 1 if tcfg.actor_gpus > 0 else 0, tcfg.dtype, tcfg.attention)
+    except ValueError as e:
+        raise DFlashError(str(e), field="train.attention") from None
 
 
 def drafter_init(target: str, cfg: RunConfig) -> str:
@@ -142,9 +152,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rendezvous(_worker) -> tuple[str, int]:
+    """Run inside drafter rank 0 (`__ray_call__`): its node's address and a port free there, where
+    its process group store will listen."""
+    import ray
+
+    return ray.util.get_node_ip_address(), _free_port()
+
+
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
-               "keep_checkpoints", "max_restarts", "eval_every"}
+               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource",
+               "coordinator_resource"}
 
 
 class Coordinator:
@@ -165,6 +184,7 @@ class Coordinator:
         self.init = init
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []
+        self.rendezvous: tuple[str, int] | None = None
         self._gauges: dict[str, Any] = {}
 
     # -- actors -----------------------------------------------------------------------------
@@ -174,24 +194,30 @@ class Coordinator:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         tcfg = self.cfg.train
-        bundle = {"CPU": tcfg.actor_cpus, **({"GPU": tcfg.actor_gpus} if tcfg.actor_gpus else {})}
-        target_cls = ray.remote(TargetWorker)
-        drafter_cls = ray.remote(DrafterWorker)
+        resources = {tcfg.node_resource: 0.001} if tcfg.node_resource else {}
+        bundle = {"CPU": tcfg.actor_cpus, **({"GPU": tcfg.actor_gpus} if tcfg.actor_gpus else {}), **resources}
+        opts = {"num_cpus": tcfg.actor_cpus, "num_gpus": tcfg.actor_gpus, "resources": resources}
         self.targets, self.drafters, self.groups = [], [], []
         for s in range(tcfg.num_streams):
-            pg = placement_group([bundle, bundle], strategy="STRICT_PACK")
+            pg = placement_group([bundle] if tcfg.colocate else [bundle, bundle], strategy="STRICT_PACK")
             ray.get(pg.ready())
             self.groups.append(pg)
-            opts = {"num_cpus": tcfg.actor_cpus, "num_gpus": tcfg.actor_gpus}
-            self.targets.append(target_cls.options(
-                **opts, name=f"{self.run_name}-target-{s}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-            ).remote(self.target, self.layer_ids, tcfg))
-            self.drafters.append(drafter_cls.options(
-                **opts, name=f"{self.run_name}-drafter-{s}", scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
-            ).remote(self.target, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
-        address = ray.util.get_node_ip_address()
-        port = _free_port()
-        ray.get([d.init_group.remote(address, port) for d in self.drafters])
+
+            def at(index: int, role: str) -> dict:
+                return {**opts, "name": f"{self.run_name}-{role}-{s}", "scheduling_strategy":
+                        PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+
+            if tcfg.colocate:  # the stream's one actor is its target and its drafter
+                self.drafters.append(ray.remote(ColocatedWorker).options(**at(0, "stream")).remote(
+                    self.target, self.layer_ids, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
+                continue
+            self.targets.append(ray.remote(TargetWorker).options(**at(0, "target")).remote(
+                self.target, self.layer_ids, tcfg))
+            self.drafters.append(ray.remote(DrafterWorker).options(**at(1, "drafter")).remote(
+                self.target, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
+        # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
+        self.rendezvous = ray.get(self.drafters[0].__ray_call__.remote(_rendezvous))
+        ray.get([d.init_group.remote(*self.rendezvous) for d in self.drafters])
         ray.get([d.set_total_steps.remote(self.total_steps) for d in self.drafters])
 
     def _stop_actors(self) -> None:
@@ -245,7 +271,10 @@ class Coordinator:
             return None
         bs = self.cfg.train.batch_size
         batches = [self.heldout[i:i + bs] for i in range(0, len(self.heldout), bs)]
-        taus = ray.get([self.drafters[0].evaluate.remote(self.targets[0].features.remote(b)) for b in batches])
+        if self.cfg.train.colocate:
+            taus = ray.get([self.drafters[0].evaluate_samples.remote(b) for b in batches])
+        else:
+            taus = ray.get([self.drafters[0].evaluate.remote(self.targets[0].features.remote(b)) for b in batches])
         flat = [t for part in taus for t in part]
         return sum(flat) / len(flat) if flat else None
 
@@ -283,14 +312,19 @@ class Coordinator:
 
         while self.step < self.total_steps:
             start = time.perf_counter()
-            for k in range(tcfg.max_in_flight + 1):
-                submit(self.step + k)
-            refs = [ahead[s].pop(self.step) for s in range(len(self.drafters))]
-            ready_at = time.perf_counter()
-            ray.wait(refs, num_returns=len(refs))
-            wait_s = time.perf_counter() - ready_at
-            # each drafter resolves its own stream's features: they never pass through here
-            stats = ray.get([d.train_step.remote(self.step, ref) for d, ref in zip(self.drafters, refs)])
+            if tcfg.colocate:  # each stream computes its own features in place
+                wait_s = 0.0
+                stats = ray.get([d.train_samples.remote(self.step, self.schedule.batch_for(self.step, s))
+                                 for s, d in enumerate(self.drafters)])
+            else:
+                for k in range(tcfg.max_in_flight + 1):
+                    submit(self.step + k)
+                refs = [ahead[s].pop(self.step) for s in range(len(self.drafters))]
+                ready_at = time.perf_counter()
+                ray.wait(refs, num_returns=len(refs))
+                wait_s = time.perf_counter() - ready_at
+                # each drafter resolves its own stream's features: they never pass through here
+                stats = ray.get([d.train_step.remote(self.step, ref) for d, ref in zip(self.drafters, refs)])
             self.step += 1
             self._record(stats, wait_s, time.perf_counter() - start)
             if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == self.total_steps):
@@ -325,6 +359,7 @@ class Coordinator:
         heldout = [m for m in self.metrics if m.get("heldout_tau") is not None]
         return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
                 "restarts": self.restarts, "loss": last.get("loss"), "tau": last.get("tau"),
+                "rendezvous": f"{self.rendezvous[0]}:{self.rendezvous[1]}" if self.rendezvous else None,
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
                 "seconds": round(time.perf_counter() - started, 1),
@@ -367,7 +402,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
     connect(cfg.ray)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2).remote(
+    where = {"resources": {cfg.train.coordinator_resource: 0.001}} if cfg.train.coordinator_resource else {}
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2, **where).remote(
         target, data, output, cfg, run_name, drafter_cfg, init)
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None

@@ -1,10 +1,12 @@
-"""The two roles of a training stream, as plain classes (Ray makes them actors at launch).
+"""The roles of a training stream, as plain classes (Ray makes them actors at launch).
 
 `TargetWorker` reads its samples from the tokenized dataset and returns the frozen target's
 context features for them. `DrafterWorker` owns the drafter, the frozen embedding and LM head, the
 optimizer and schedule and the anchor RNG; it computes the loss and gradients on the features it is
-given, averages gradients with the other streams' drafters (torch.distributed, gloo on CPU), and
-steps. Neither imports Ray.
+given, averages gradients with the other streams' drafters (torch.distributed: NCCL between GPUs,
+gloo on the CPU), and steps. `ColocatedWorker` is both in one process, on one device: the features
+never leave it. Each places itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU).
+None imports Ray.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from dflash_ray import storage
 from dflash_ray.config import TrainConfig
+from dflash_ray.train.devices import actor_placement, synchronize
 
 Sample = tuple[str, int]  # (tokenized file URI, row in it)
 
@@ -45,7 +48,12 @@ class TargetWorker:
 
         torch.set_num_threads(cfg.torch_threads)
         self.layer_ids = layer_ids
-        self.model = AutoModelForCausalLM.from_pretrained(resolve(target), dtype=getattr(torch, cfg.dtype)).eval()
+        self.place = actor_placement(cfg)
+        # a target too big for one GPU spreads its layers over the GPUs the actor holds
+        spread = {"device_map": "auto"} if self.place.num_devices > 1 else {}
+        self.model = AutoModelForCausalLM.from_pretrained(resolve(target), dtype=self.place.dtype, **spread).eval()
+        if not spread:
+            self.model.to(self.place.device)
         self._file, self._table = None, None
 
     def _row(self, uri: str, row: int) -> dict[str, list[int]]:
@@ -57,12 +65,19 @@ class TargetWorker:
             self._file = uri
         return {k: self._table[k][row].as_py() for k in ("input_ids", "loss_mask")}
 
-    def features(self, samples: list[Sample]) -> dict[str, Any]:
+    def features(self, samples: list[Sample], to_host: bool = True) -> dict[str, Any]:
+        """The batch and its features; `to_host=False` leaves them on the device (colocated)."""
         from dflash_ray.target.capture import target_features
 
         start = time.perf_counter()
         ids, mask, attn = pad_batch([self._row(uri, row) for uri, row in samples])
-        feats = target_features(self.model, ids, self.layer_ids, attention_mask=attn)
+        device = self.place.device
+        feats = target_features(self.model, ids.to(device), self.layer_ids, attention_mask=attn.to(device))
+        if to_host:
+            feats = feats.cpu()
+        else:
+            ids, mask = ids.to(device), mask.to(device)
+        synchronize(device)
         return {"input_ids": ids, "loss_mask": mask, "features": feats, "seconds": time.perf_counter() - start}
 
 
@@ -84,29 +99,33 @@ class DrafterWorker:
 
         torch.set_num_threads(cfg.torch_threads)
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.place = actor_placement(cfg)
+        self.dtype, device = self.place.dtype, self.place.device
         target_dir = resolve(target)
-        self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init, cfg.seed)
-        self.dtype = getattr(torch, cfg.dtype)
+        # fp32 master weights on the device; the frozen embedding and head in the compute dtype beside them
+        self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init,
+                                       cfg.seed).to(device)
         embed, head = load_embed_and_head(target_dir)
-        self.embed, self.head = embed.to(self.dtype), head.to(self.dtype)
+        self.embed = embed.to(device, self.dtype)
+        self.head = self.embed if head is embed else head.to(device, self.dtype)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # anchors are drawn on the CPU on every device, so a run's anchors do not depend on where it runs
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
         self.total_steps = 1
-        self.group_ready = False
 
     def _autocast(self):
         """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
-        device = "cuda" if next(self.drafter.parameters()).is_cuda else "cpu"
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+        return torch.autocast(self.place.device.split(":")[0], dtype=torch.bfloat16,
+                              enabled=self.dtype == torch.bfloat16)
 
     # -- collective -------------------------------------------------------------------------
     def init_group(self, address: str, port: int) -> None:
+        """Join the drafters' all-reduce group; `address` is rank 0's own node (it hosts the store)."""
         import torch.distributed as dist
 
         if self.world > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=self.rank,
+            dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                     world_size=self.world)
-        self.group_ready = True
 
     def set_total_steps(self, total: int) -> None:
         self.total_steps = total
@@ -121,10 +140,12 @@ class DrafterWorker:
 
         from dflash_ray.drafter.step import forward_loss
 
+        device = self.place.device
         with self._autocast():
-            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
-                               batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
-                               generator=self.generator, attention=self.cfg.attention, gamma=self.cfg.loss_decay)
+            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
+                               batch["input_ids"].to(device), batch["loss_mask"].to(device),
+                               num_anchors=self.cfg.num_anchors, generator=self.generator,
+                               attention=self.place.attention, gamma=self.cfg.loss_decay)
         params = list(self.drafter.parameters())
         self.opt.zero_grad(set_to_none=False)
         weight = out.loss.weight_sum.detach().float()
@@ -145,9 +166,11 @@ class DrafterWorker:
         evaluations at different steps score the same blocks."""
         from dflash_ray.drafter.step import forward_loss
 
+        device = self.place.device
         with self._autocast():
-            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(self.dtype),
-                               batch["input_ids"], batch["loss_mask"], num_anchors=self.cfg.num_anchors,
+            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
+                               batch["input_ids"].to(device), batch["loss_mask"].to(device),
+                               num_anchors=self.cfg.num_anchors,
                                generator=torch.Generator().manual_seed(self.cfg.seed), attention="sdpa")
         return out.tau.tolist()
 
@@ -159,17 +182,20 @@ class DrafterWorker:
         from dflash_ray.drafter.loss import per_position_accuracy
 
         start = time.perf_counter()
-        out, loss, positions = self.averaged_gradients(batch)
+        out, loss, positions = self.averaged_gradients(batch)  # reads figures back: the device is idle after
+        stepping = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)
         lr = lr_at(step, self.total_steps, self.cfg.lr, self.cfg.warmup_ratio)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
         acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
-        return {"loss": loss, "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
-                "acc_k1": float(acc[1]), "grad_norm": float(grad_norm), "lr": lr,
-                "drafter_seconds": time.perf_counter() - start, "target_seconds": batch["seconds"],
-                "tokens": int(batch["loss_mask"].numel()), "positions": positions}
+        stats = {"loss": loss, "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
+                 "acc_k1": float(acc[1]), "grad_norm": float(grad_norm), "lr": lr}  # floats: synchronized
+        done = time.perf_counter()
+        return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
+                "target_seconds": batch["seconds"], "tokens": int(batch["loss_mask"].numel()),
+                "positions": positions}
 
     # -- state ------------------------------------------------------------------------------
     def rng_state(self) -> bytes:
@@ -209,3 +235,19 @@ class DrafterWorker:
         self.opt.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True))
         rng = json.loads(files["state.json"])["rng"][self.rank]
         self.set_rng_state(bytes.fromhex(rng))
+
+
+class ColocatedWorker(DrafterWorker):
+    """A whole stream in one process: the target and the drafter on one device (one GPU, or the
+    CPU). The features go straight from the target's hooks into the drafter's step, with no copy."""
+
+    def __init__(self, target: str, layer_ids: list[int], drafter_cfg_json: str, init: str, cfg: TrainConfig,
+                 rank: int, world: int):
+        super().__init__(target, drafter_cfg_json, init, cfg, rank, world)
+        self.target = TargetWorker(target, layer_ids, cfg)
+
+    def train_samples(self, step: int, samples: list[Sample]) -> dict[str, float]:
+        return self.train_step(step, self.target.features(samples, to_host=False))
+
+    def evaluate_samples(self, samples: list[Sample]) -> list[float]:
+        return self.evaluate(self.target.features(samples, to_host=False))
