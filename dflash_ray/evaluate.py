@@ -38,13 +38,20 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
     taus: list[float] = []
     g = torch.Generator().manual_seed(ecfg.seed)
     for row in manifest.read_rows(uri, ["input_ids", "loss_mask"], ecfg.num_heldout):
-        ids, mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
+        ids, mask = torch.tensor([row["input_ids"]], device=head.device), torch.tensor([row["loss_mask"]], device=head.device)
         feats = target_features(target, ids, drafter.cfg.target_layer_ids)
         with torch.no_grad():
             out = forward_loss(drafter, embed, head, feats.to(embed.dtype), ids, mask,
                                num_anchors=ecfg.num_anchors, generator=g)
         taus += out.tau.tolist()
     return sum(taus) / len(taus) if taus else None
+
+
+def evaluation_device(setting: str, cuda_available: bool) -> str:
+    """`auto`: the GPU when this process sees one (the target, drafter and decoding loop all go there)."""
+    if setting == "cuda" and not cuda_available:
+        raise DFlashError("evaluate.device=cuda but CUDA sees no GPU here", field="evaluate.device")
+    return "cuda" if setting == "cuda" or (setting == "auto" and cuda_available) else "cpu"
 
 
 def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -83,11 +90,12 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     ecfg = cfg.evaluate
     dtype = getattr(torch, ecfg.dtype)
+    device = evaluation_device(ecfg.device, torch.cuda.is_available())
     target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
     tokenizer = load_tokenizer(tokenizer_name or target_uri)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    drafter = load_drafter(drafter_dir).to(dtype).eval()
-    embed, head = (t.to(dtype) for t in load_embed_and_head(target_dir))
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    drafter = load_drafter(drafter_dir).to(device, dtype).eval()
+    embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
     eos = set(stop_token_ids(tokenizer))
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
@@ -113,7 +121,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         return round(sum(xs) / len(xs), 4) if xs else None
 
     summary = {
-        "stage": "evaluate", "drafter": drafter_uri, "target": target_uri, "prompts": len(rows),
+        "stage": "evaluate", "drafter": drafter_uri, "target": target_uri, "device": device, "prompts": len(rows),
         "tokens": tokens, "tau": mean(all_steps), "verify_steps": len(all_steps),
         "tau_per_source": {s: mean(v) for s, v in sorted(per_source.items())},
         "tau_ngram": mean(ngram_steps),

@@ -20,6 +20,12 @@ from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 
 
+def train_flops_per_token(target_params: float, drafter_params: float, head_params: float,
+                          block_tokens_per_token: float) -> float:
+    """Model FLOPs of one training step per sequence token (attention scores left out)."""
+    return 2 * target_params + (6 * drafter_params + 4 * head_params) * block_tokens_per_token
+
+
 def cluster_gpus(uri: str) -> tuple[int, int]:
     """(generation GPUs, training GPUs) at the node types' max_workers in a cluster launcher YAML."""
     try:
@@ -52,7 +58,7 @@ def run_plan(cfg: RunConfig) -> dict[str, Any]:
         train_rate, source = p.training_tokens_per_s_per_gpu, "measured (plan.training_tokens_per_s_per_gpu)"
     else:
         block_tokens_per_token = min(p.anchors, seq_len) * p.block_size / seq_len
-        flops = 2 * p.target_params + 6 * p.drafter_params * block_tokens_per_token
+        flops = train_flops_per_token(p.target_params, p.drafter_params, p.head_params, block_tokens_per_token)
         train_rate = p.gpu_tflops * 1e12 * p.mfu / flops
         source = f"FLOP model: {flops / 1e9:.0f} GFLOP per token at {p.mfu:.0%} of {p.gpu_tflops:.0f} TFLOP/s"
     train_gpu_h = p.train_tokens * p.epochs / train_rate / 3600

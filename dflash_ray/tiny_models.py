@@ -10,17 +10,26 @@ from pathlib import Path
 
 
 def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 151936,
-               seed: int = 0) -> str:
-    """A random Qwen3 causal LM saved as safetensors; returns its folder."""
+               seed: int = 0, intermediate_size: int | None = None, num_heads: int = 4, num_kv_heads: int = 2,
+               head_dim: int | None = None, device: str = "cpu", dtype: str = "float32") -> str:
+    """A random Qwen3 causal LM saved as safetensors; returns its folder. The defaults are tiny; the
+    GPU check builds one at a real target's width (on the GPU, in bf16, which is much faster)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=hidden_size // 4, max_position_embeddings=4096, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    model = Qwen3ForCausalLM(config).eval()
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size,
+                         intermediate_size=intermediate_size or 2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=4096,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out_dir, safe_serialization=True)
     return str(out_dir)
 

@@ -74,8 +74,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_kv)
         if isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:  # a flex_attention BlockMask
-            out = flex_attention(q, k, v, mask)
+        else:  # a flex_attention BlockMask; it wants one dtype where autocast left the normed q, k in fp32
+            out = flex_attention(q.to(v.dtype), k.to(v.dtype), v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 

@@ -37,8 +37,9 @@ def target_greedy(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
     from transformers import DynamicCache
 
     start = time.perf_counter()
+    device = target.device
     cache = DynamicCache()
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=device)
     out_tokens: list[int] = []
     while len(out_tokens) < max_new_tokens:
         logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
@@ -46,7 +47,7 @@ def target_greedy(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
         out_tokens.append(token)
         if token in eos_ids:
             break
-        ids = torch.tensor([[token]])
+        ids = torch.tensor([[token]], device=device)
     return Generation(out_tokens, seconds=time.perf_counter() - start)
 
 
@@ -58,20 +59,22 @@ def speculative_greedy(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
     cfg = drafter.cfg
     K, layer_ids = cfg.block_size, cfg.target_layer_ids
     start = time.perf_counter()
+    device = target.device  # the drafter, embedding and head live beside the target
     cache = DynamicCache()
     with capture(target, layer_ids, stop_after_last=False) as captured:
-        logits = target(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True).logits
+        logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache,
+                        use_cache=True).logits
         context = torch.cat([captured[i] for i in layer_ids], -1)  # [1, n, F]
     out_tokens = [int(logits[0, -1].argmax())]
     acceptance: list[int] = []
     dtype = next(drafter.parameters()).dtype
     while len(out_tokens) < max_new_tokens and out_tokens[-1] not in eos_ids:
         n = context.shape[1]  # committed tokens the target has processed; the last one has not
-        block_ids = torch.full((1, K), cfg.mask_token_id)
+        block_ids = torch.full((1, K), cfg.mask_token_id, device=device)
         block_ids[0, 0] = out_tokens[-1]
-        positions = torch.arange(n, n + K)[None]
+        positions = torch.arange(n, n + K, device=device)[None]
         hidden = drafter(context.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions,
-                         attention_masks(drafter, torch.tensor([[n]]), n, "sdpa"))  # one block after the context
+                         attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa"))  # one block after the context
         drafts = (hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()).argmax(-1)
         block_ids[0, 1:] = drafts
         with capture(target, layer_ids, stop_after_last=False) as captured:

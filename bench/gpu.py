@@ -1,0 +1,382 @@
+"""`make gpu-check`: the GPU paths of training and decoding, on one GPU, Ray-free, random weights.
+
+    python -m bench.gpu --json                      # CUDA: Qwen3.6-27B width, the reference drafter
+    python -m bench.gpu --device cpu --tiny --json  # the same checks at toy sizes (in the test suite)
+
+One JSON line per check, each with "ok":
+- fused_ce: the fused linear + CE (Triton on CUDA) against the naive fp32-logits reference: relative
+  error of loss and gradient, peak memory ratio, time ratio.
+- flex_attention: the DFlash block mask through compiled flex attention against the dense SDPA mask,
+  full and sliding layers: output and gradient error, fwd+bwd time ratio (forward only on the CPU).
+- train_step: one colocated stream (`ColocatedWorker`: target and drafter on one device, the code the
+  Ray actor runs): tokens/s, step split (target / drafter / optimizer), peak memory, model FLOP
+  utilisation by the project's FLOP model (`plan.train_flops_per_token`).
+- speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
+  target's own greedy output; its acceptance length.
+- ray_free: nothing above imported Ray or vLLM (the GPU machine has neither).
+
+It runs from a source checkout without installing the project (the GPU machine gets the working tree
+only): `kernels/` is mapped to `dflash_ray.kernels` as the installed package maps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _map_kernels() -> None:
+    if importlib.util.find_spec("dflash_ray") is None:
+        sys.path.insert(0, str(ROOT))
+    try:
+        importlib.util.find_spec("dflash_ray.kernels")
+        found = importlib.util.find_spec("dflash_ray.kernels") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        spec = importlib.util.spec_from_file_location("dflash_ray.kernels", ROOT / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["dflash_ray.kernels"] = module
+        spec.loader.exec_module(module)
+
+
+_map_kernels()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    target_layers: int
+    layer_ids: list
+    drafter_layers: int
+    layer_types: list
+    sliding_window: int
+    anchors: int
+    seq_len: int
+    steps: int  # timed training steps, after `warmup`
+    warmup: int
+    spec_hidden: int  # the speculative-decoding target (fp32, narrower: exact greedy comparisons)
+    spec_vocab: int
+    spec_tokens: int
+    spec_train_steps: int
+    block: int = 16
+    extra: dict = field(default_factory=dict)
+
+
+# Qwen3.6-27B's width (hidden 5120, 32/8 heads of 128, intermediate 17408, vocabulary 248,320) with
+# six target layers; the reference drafter: 5 layers (4 sliding + 1 full, window 2048), 512 anchors.
+FULL_SIZES = Sizes(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, vocab=248320,
+                   target_layers=6, layer_ids=[1, 2, 3, 4, 5], drafter_layers=5,
+                   layer_types=[SLIDING] * 4 + [FULL], sliding_window=2048, anchors=512, seq_len=3072,
+                   steps=4, warmup=2, spec_hidden=1024, spec_vocab=32000, spec_tokens=64,
+                   spec_train_steps=100)
+TINY_SIZES = Sizes(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, target_layers=4,
+                   layer_ids=[0, 1, 2], drafter_layers=2, layer_types=[SLIDING, FULL], sliding_window=32,
+                   anchors=16, seq_len=96, steps=2, warmup=1, spec_hidden=64, spec_vocab=512, spec_tokens=24,
+                   spec_train_steps=30)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str, reps: int = 3) -> float:
+    """Median seconds of `fn()` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _peak(fn, device: str) -> int | None:
+    """Peak bytes allocated by `fn()` above what was allocated before (None on the CPU)."""
+    if not device.startswith("cuda"):
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_fused_ce(sz: Sizes, device: str) -> dict:
+    from dflash_ray.drafter.loss import naive_loss
+    from dflash_ray.kernels.fused_ce import _use_triton, fused_linear_weighted_ce
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    N = sz.anchors * (sz.block - 1)
+    hidden = torch.randn(N, sz.hidden, generator=g).to(device, dtype)
+    head = (torch.randn(sz.vocab, sz.hidden, generator=g) * 0.02).to(device, dtype)
+    labels = torch.randint(0, sz.vocab, (N,), generator=g).to(device)
+    weights = (torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.1)).to(device)
+    results = {}
+    for name, fn in (("naive", naive_loss), ("fused", fused_linear_weighted_ce)):
+        h = hidden.clone().requires_grad_(True)
+
+        def run(h=h, fn=fn):
+            h.grad = None
+            loss, _ = fn(h, head, labels, weights)
+            loss.backward()
+            return loss
+
+        peak = _peak(run, device)
+        loss = run()
+        results[name] = {"loss": loss.detach(), "grad": h.grad.detach().clone(), "peak": peak,
+                         "seconds": _timed(run, device)}
+    n, f = results["naive"], results["fused"]
+    loss_err, grad_err = _rel(f["loss"], n["loss"]), _rel(f["grad"], n["grad"])
+    tol = (1e-3, 3e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    return {"check": "fused_ce", "ok": loss_err < tol[0] and grad_err < tol[1], "rows": N, "vocab": sz.vocab,
+            "triton": _use_triton(hidden), "loss_rel_err": loss_err, "grad_rel_err": grad_err,
+            "peak_bytes_naive": n["peak"], "peak_bytes_fused": f["peak"],
+            "peak_memory_ratio_naive_over_fused": n["peak"] / f["peak"] if f["peak"] else None,
+            "time_ratio_naive_over_fused": n["seconds"] / f["seconds"]}
+
+
+def _anchors(sz: Sizes, device: str) -> torch.Tensor:
+    from dflash_ray.drafter.blocks import sample_anchors
+
+    mask = torch.zeros(1, sz.seq_len, dtype=torch.long)
+    mask[:, sz.seq_len // 4:] = 1
+    anchors, _ = sample_anchors(mask, sz.anchors, torch.Generator().manual_seed(0))
+    return anchors.to(device)
+
+
+def check_flex_attention(sz: Sizes, device: str) -> dict:
+    from dflash_ray.drafter.blocks import dense_mask, flex_block_mask
+    from dflash_ray.drafter.model import flex_attention
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    anchors = _anchors(sz, device)
+    Q, KV = sz.anchors * sz.block, sz.seq_len + sz.anchors * sz.block
+    g = torch.Generator().manual_seed(1)
+    q0 = torch.randn(1, sz.heads, Q, sz.head_dim, generator=g).to(device, dtype)
+    k0 = torch.randn(1, sz.kv_heads, KV, sz.head_dim, generator=g).to(device, dtype)
+    v0 = torch.randn(1, sz.kv_heads, KV, sz.head_dim, generator=g).to(device, dtype)
+    dout = torch.randn(1, sz.heads, Q, sz.head_dim, generator=g).to(device, dtype)
+    out = {"check": "flex_attention", "compiled": cuda, "queries": Q, "keys": KV, "backward": cuda}
+    ok = True
+    for layer_type in (FULL, SLIDING):
+        dense = dense_mask(anchors, sz.seq_len, sz.block, layer_type, sz.sliding_window)
+        block = flex_block_mask(anchors, sz.seq_len, sz.block, layer_type, sz.sliding_window)
+        runs = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
+                "flex": lambda q, k, v: flex_attention(q, k, v, block)}
+        res = {}
+        for name, attn in runs.items():
+            q, k, v = (t.clone().requires_grad_(cuda) for t in (q0, k0, v0))
+
+            def step(q=q, k=k, v=v, attn=attn):
+                o = attn(q, k, v)
+                if cuda:
+                    for t in (q, k, v):
+                        t.grad = None
+                    o.backward(dout)
+                return o
+
+            o = step()
+            res[name] = {"out": o.detach(), "grads": [t.grad for t in (q, k, v)] if cuda else [],
+                         "seconds": _timed(step, device)}
+        tag = "full" if layer_type == FULL else "sliding"
+        out[f"{tag}_out_rel_err"] = _rel(res["flex"]["out"], res["sdpa"]["out"])
+        if cuda:
+            out[f"{tag}_grad_rel_err"] = max(_rel(a, b) for a, b in zip(res["flex"]["grads"], res["sdpa"]["grads"]))
+        out[f"{tag}_time_ratio_sdpa_over_flex"] = res["sdpa"]["seconds"] / res["flex"]["seconds"]
+        tol = 2e-2 if cuda else 1e-5
+        ok = ok and out[f"{tag}_out_rel_err"] < tol and out.get(f"{tag}_grad_rel_err", 0.0) < 2 * tol
+    out["ok"] = ok
+    return out
+
+
+def _dataset(folder: Path, sz: Sizes, rows: int) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    g = torch.Generator().manual_seed(2)
+    prompt = sz.seq_len // 4
+    table = pa.Table.from_pylist([{"input_ids": torch.randint(0, sz.vocab - 2, (sz.seq_len,), generator=g).tolist(),
+                                   "loss_mask": [0] * prompt + [1] * (sz.seq_len - prompt)} for _ in range(rows)])
+    path = folder / "part-0.parquet"
+    pq.write_table(table, path)
+    return str(path)
+
+
+def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> dict:
+    from transformers import AutoConfig
+
+    from dflash_ray.config import TrainConfig
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import to_hf_config
+    from dflash_ray.plan import train_flops_per_token
+    from dflash_ray.tiny_models import tiny_qwen3
+    from dflash_ray.train.workers import ColocatedWorker
+
+    cuda = device.startswith("cuda")
+    started = time.perf_counter()
+    target = tiny_qwen3(tmp / "target", num_layers=sz.target_layers, hidden_size=sz.hidden, vocab_size=sz.vocab,
+                        intermediate_size=sz.intermediate, num_heads=sz.heads, num_kv_heads=sz.kv_heads,
+                        head_dim=sz.head_dim, device=device, dtype="bfloat16" if cuda else "float32")
+    if cuda:
+        torch.cuda.empty_cache()
+    built = time.perf_counter() - started
+    cfg = TrainConfig(actor_gpus=1 if cuda else 0, num_anchors=sz.anchors, num_layers=sz.drafter_layers,
+                      layer_types=sz.layer_types, sliding_window=sz.sliding_window, target_layer_ids=sz.layer_ids,
+                      init="random", colocate=True, torch_threads=torch.get_num_threads())
+    dcfg = from_target(AutoConfig.from_pretrained(target), mask_token_id=sz.vocab - 1, num_layers=sz.drafter_layers,
+                       target_layer_ids=sz.layer_ids, layer_types=sz.layer_types, sliding_window=sz.sliding_window)
+    worker = ColocatedWorker(target, sz.layer_ids, json.dumps(to_hf_config(dcfg, torch.bfloat16)), "random", cfg, 0, 1)
+    total = sz.warmup + sz.steps
+    worker.set_total_steps(total)
+    data = _dataset(tmp, sz, 2)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    stats, walls = [], []
+    for step in range(total):
+        _sync(device)
+        start = time.perf_counter()
+        stats.append(worker.train_samples(step, [(data, step % 2)]))
+        _sync(device)
+        walls.append(time.perf_counter() - start)
+    timed, wall = stats[sz.warmup:], sum(walls[sz.warmup:]) / sz.steps
+
+    def mean(key):
+        return sum(s[key] for s in timed) / len(timed)
+
+    place = worker.place
+    layers = worker.target.model.model.layers
+    target_params = sum(p.numel() for layer in layers[: max(sz.layer_ids) + 1] for p in layer.parameters())
+    drafter_params = sum(p.numel() for p in worker.drafter.parameters())
+    head_params = worker.head.numel()
+    kept = min(sz.anchors, sz.seq_len * 3 // 4 - 1)
+    flops = train_flops_per_token(target_params, drafter_params, head_params, kept * sz.block / sz.seq_len) * sz.seq_len
+    losses = [s["loss"] for s in stats]
+    return {"check": "train_step", "ok": all(map(torch.isfinite, torch.tensor(losses))) and timed[-1]["grad_norm"] > 0,
+            "device": place.device, "dtype": str(place.dtype).removeprefix("torch."), "attention": place.attention,
+            "seq_len": sz.seq_len, "anchors": sz.anchors, "drafter_layers": sz.drafter_layers,
+            "target_params_run": target_params, "drafter_params": drafter_params, "head_params": head_params,
+            "step_seconds": wall, "tokens_per_s": sz.seq_len / wall,
+            "target_seconds": mean("target_seconds"), "drafter_seconds": mean("drafter_seconds") - mean("optimizer_seconds"),
+            "optimizer_seconds": mean("optimizer_seconds"), "first_step_seconds": walls[0],
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "model_tflops_per_step": flops / 1e12,
+            "mfu": flops / wall / (peak_tflops * 1e12) if cuda else None, "peak_tflops": peak_tflops,
+            "losses": [round(x, 4) for x in losses], "target_build_seconds": built}
+
+
+def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
+    from dflash_ray.drafter.step import forward_loss
+    from dflash_ray.target.capture import load_embed_and_head, target_features
+    from dflash_ray.tiny_models import tiny_qwen3
+
+    path = tiny_qwen3(tmp / "spec", num_layers=4, hidden_size=sz.spec_hidden, vocab_size=sz.spec_vocab, seed=3,
+                      num_heads=max(4, sz.spec_hidden // 128), num_kv_heads=2)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    embed, head = (t.to(device, torch.float32) for t in load_embed_and_head(path))
+    cfg = from_target(target.config, mask_token_id=sz.spec_vocab - 1, num_layers=1, target_layer_ids=[0, 1, 2])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).to(device)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, sz.spec_vocab - 2, (8,), generator=g).tolist() for _ in range(3)]
+    refs = [target_greedy(target, p, sz.spec_tokens, set()) for p in prompts]
+    # a few steps on the target's own continuations, so drafts get accepted and the check means something
+    seqs = torch.tensor([p + r.token_ids for p, r in zip(prompts, refs)], device=device)
+    mask = torch.zeros_like(seqs)
+    mask[:, 8:] = 1
+    feats = target_features(target, seqs, cfg.target_layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(sz.spec_train_steps):
+        out = forward_loss(drafter, embed, head, feats, seqs, mask, num_anchors=24, generator=g)
+        opt.zero_grad()
+        out.loss.loss.backward()
+        opt.step()
+    drafter.eval()
+    spec = [speculative_greedy(target, drafter, embed, head, p, sz.spec_tokens, set()) for p in prompts]
+    equal = [s.token_ids == r.token_ids for s, r in zip(spec, refs)]
+    steps = [a for s in spec for a in s.acceptance]
+    return {"check": "speculative", "ok": all(equal), "device": str(target.device), "prompts": len(prompts),
+            "equal_outputs": sum(equal), "tau": sum(steps) / len(steps),
+            "speedup": sum(r.seconds for r in refs) / sum(s.seconds for s in spec)}
+
+
+def check_ray_free() -> dict:
+    loaded = [m for m in ("ray", "vllm") if m in sys.modules]
+    return {"check": "ray_free", "ok": not loaded, "imported": loaded}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (the CPU twin in the test suite)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    parser.add_argument("--json", action="store_true", help="one JSON line per check (always the case)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"check": "setup", "ok": False, "error": "no CUDA device: use --device cpu --tiny"}))
+        return 1
+    sz = TINY_SIZES if args.tiny else FULL_SIZES
+    header = {"check": "setup", "ok": True, "device": args.device, "tiny": args.tiny, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    print(json.dumps(header), flush=True)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        checks = {"fused_ce": lambda: check_fused_ce(sz, args.device),
+                  "flex_attention": lambda: check_flex_attention(sz, args.device),
+                  "train_step": lambda: check_train_step(sz, args.device, Path(tmp), args.peak_tflops),
+                  "speculative": lambda: check_speculative(sz, args.device, Path(tmp)),
+                  "ray_free": check_ray_free}
+        for name, run in checks.items():
+            if args.only and name not in args.only:
+                continue
+            start = time.perf_counter()
+            try:
+                result = run()
+            except Exception as e:  # a failed check reports itself; the others still run
+                result = {"check": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+            result["seconds"] = round(time.perf_counter() - start, 2)
+            ok = ok and result["ok"]
+            print(json.dumps(result), flush=True)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
