@@ -187,3 +187,87 @@ def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(tar
         drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
                                                              "train.num_layers=2"]))
     assert "layer_types" in str(e.value) and "train" in str(e.value)
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """A head on 127.0.0.1 (resource `head_node`) and a worker node on 127.0.0.2 (`train_node`), both
+    on this machine, token auth on; stopped by the process groups they started."""
+    import os
+    import secrets
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import free_port
+
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+
+    def own_ports():  # the session's other local cluster holds the default ones
+        return [f"--{name}-port={free_port()}" for name in (
+            "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+            "node-manager", "object-manager")]
+
+    temp = f"/tmp/ray2n-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
+    head = subprocess.Popen(
+        [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+         "--num-cpus=0", '--resources={"head_node": 1}', "--include-dashboard=false", f"--temp-dir={temp}",
+         f"--ray-client-server-port={free_port()}", *own_ports()],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs = [head]
+    try:
+        address = f"127.0.0.1:{port}"
+        worker = subprocess.Popen(
+            [str(bin_dir / "ray"), "start", "--block", f"--address={address}", "--node-ip-address=127.0.0.2",
+             "--num-cpus=2", '--resources={"train_node": 4}', *own_ports()],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        procs.append(worker)
+        probe = ("import ray; ray.init(address='%s'); "
+                 "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
+        deadline = time.time() + 120
+        while True:
+            done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+            if done.stdout.strip().endswith("2"):
+                break
+            assert time.time() < deadline, f"the two nodes did not come up: {done.stderr[-2000:]}"
+            time.sleep(2)
+        yield address, env
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(900)
+def test_rendezvous_is_drafter_rank_0s_node_on_a_two_node_cluster(two_nodes, target, data, tmp_path):
+    """The coordinator on the head, the streams on another node: the drafters' process group meets
+    at rank 0's node (127.0.0.2), not the coordinator's, and 3 steps of 2 streams train."""
+    import json
+    import subprocess
+    import sys
+
+    address, env = two_nodes
+    out = str(tmp_path / "two-nodes")
+    args = ["train", "--data", data, "--target", target, "--output", out, "--json", "--stop-after-step", "3",
+            *[x for s in SETTINGS + [f"ray.address={address}", "train.node_resource=train_node",
+                                     "train.coordinator_resource=head_node"] for x in ("--set", s)]]
+    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 3
+    assert summary["rendezvous"].startswith("127.0.0.2:"), summary
+    assert summary["coordinator_node"] != "127.0.0.2", summary  # the head (it reports the machine's address)

@@ -339,6 +339,7 @@ class Coordinator:
                 return
 
     def run(self, stop_after_step: int | None = None) -> dict[str, Any]:
+        import ray
         from ray.exceptions import RayActorError
 
         started = time.perf_counter()
@@ -360,6 +361,7 @@ class Coordinator:
         return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
                 "restarts": self.restarts, "loss": last.get("loss"), "tau": last.get("tau"),
                 "rendezvous": f"{self.rendezvous[0]}:{self.rendezvous[1]}" if self.rendezvous else None,
+                "coordinator_node": ray.util.get_node_ip_address(),
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
                 "seconds": round(time.perf_counter() - started, 1),
