@@ -10,7 +10,8 @@ One JSON line per check, each with "ok":
   full and sliding layers: output and gradient error, fwd+bwd time ratio (forward only on the CPU).
 - train_step: one colocated stream (`ColocatedWorker`: target and drafter on one device, the code the
   Ray actor runs): tokens/s, step split (target / drafter / optimizer), peak memory, model FLOP
-  utilisation by the project's FLOP model (`plan.train_flops_per_token`).
+  utilisation by the project's FLOP model (`plan.train_flops_per_token`); and what the paired
+  path's trip of one batch's features through host memory (device → host → device) costs against it.
 - speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
   target's own greedy output; its acceptance length.
 - ray_free: nothing above imported Ray or vLLM (the GPU machine has neither).
@@ -274,6 +275,11 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     def mean(key):
         return sum(s[key] for s in timed) / len(timed)
 
+    # the paired (non-colocated) path moves each batch's features through host memory: time that trip
+    feats = worker.target.features([(data, 0)], to_host=False)["features"]
+    host = feats.cpu()
+    to_host_s = _timed(lambda: feats.cpu(), device)
+    to_device_s = _timed(lambda: host.to(device), device)
     place = worker.place
     layers = worker.target.model.model.layers
     target_params = sum(p.numel() for layer in layers[: max(sz.layer_ids) + 1] for p in layer.parameters())
@@ -292,7 +298,10 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "model_tflops_per_step": flops / 1e12,
             "mfu": flops / wall / (peak_tflops * 1e12) if cuda else None, "peak_tflops": peak_tflops,
-            "losses": [round(x, 4) for x in losses], "target_build_seconds": built}
+            "losses": [round(x, 4) for x in losses], "target_build_seconds": built,
+            "feature_bytes": feats.numel() * feats.element_size(), "feature_to_host_seconds": to_host_s,
+            "feature_to_device_seconds": to_device_s,
+            "feature_host_trip_share_of_step": (to_host_s + to_device_s) / wall}
 
 
 def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:

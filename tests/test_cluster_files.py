@@ -26,7 +26,7 @@ def test_cluster_yaml_is_a_launchable_aws_config():
     head = types[cfg["head_node_type"]]
     assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] == 0  # no work on the head
     workers = {name: t for name, t in types.items() if name != cfg["head_node_type"]}
-    assert {"gen_b200", "gen_h200", "train_4gpu"} <= set(workers)
+    assert {"gen_b200", "gen_h200", "train_h200"} <= set(workers)
     for name, t in workers.items():
         assert isinstance(t["min_workers"], int) and 0 <= t["min_workers"] <= t["max_workers"], name
         assert t["node_config"]["InstanceType"], name
@@ -64,7 +64,7 @@ def test_rayjob_manifest_references_real_entrypoints_and_matching_versions():
         for c in pod["spec"]["containers"]:
             assert c["image"].startswith(f"rayproject/ray:{ray.__version__}-")
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
-    assert {"gen-h200", "train-4gpu"} <= set(groups)
+    assert {"gen-h200", "train-h200"} <= set(groups)
     for g in groups.values():
         assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
         limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]

@@ -18,7 +18,7 @@ def _plan(capsys, *args: str) -> dict:
 
 def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys):
     out = _plan(capsys, "--cluster", str(ROOT / "cluster.yaml"))
-    # gen_b200 + gen_h200: 4 nodes x 8 GPUs each; train_4gpu: 4 nodes x 4 GPUs
+    # gen_b200 + gen_h200: 4 nodes x 8 GPUs each; train_h200: 2 nodes x 8 GPUs
     assert out["generation"]["gpus"] == 64 and out["training"]["gpus"] == 16
     # 1.64B tokens at 400 tok/s per GPU: 1,139 GPU-hours, over 64 GPUs
     assert abs(out["generation"]["gpu_hours"] - 1.64e9 / 400 / 3600) < 0.1
