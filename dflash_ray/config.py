@@ -212,9 +212,107 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
+    def __post_init__(self):
+        check(self)  # also when a command line flag replaces a field (`dataclasses.replace`)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+
+# -- ranges and cross-field rules: checked whenever a RunConfig is built, before anything runs ----------
+
+def _at_least(low: float) -> tuple[Any, str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _above(low: float) -> tuple[Any, str]:
+    return (lambda v: v > low), f"> {low}"
+
+
+def _within(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> tuple[Any, str]:
+    def ok(v):
+        return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    return ok, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+SHARE = _within(0, 1)
+# dotted field -> (test, allowed range); a None value (the field's "auto") is not tested
+RANGES: dict[str, tuple[Any, str]] = {
+    "ray.num_cpus": _at_least(1), "ray.object_store_memory": _at_least(1),
+    "storage.max_attempts": _at_least(1), "storage.backoff_s": _at_least(0),
+    "prompts.max_prompt_tokens": _at_least(0),  # 0: no budget
+    "prompts.shard_size": _at_least(1),
+    "selfprompt.count": _at_least(0), "selfprompt.temperature": _at_least(0),
+    "selfprompt.top_p": _within(0, 1, low_open=True), "selfprompt.max_tokens": _at_least(1),
+    "selfprompt.min_chars": _at_least(0),
+    "generate.generators": _at_least(1), "generate.generator_cpus": _at_least(0),
+    "generate.generator_gpus": _at_least(0), "generate.shard_size": _at_least(1),
+    "generate.temperature": _at_least(0), "generate.top_p": _within(0, 1, low_open=True),
+    "generate.max_tokens": _at_least(1), "generate.samples_per_prompt": _at_least(1),
+    "generate.max_model_len": _at_least(1), "generate.tensor_parallel_size": _at_least(1),
+    "generate.memory_utilization": _within(0, 1, low_open=True), "generate.batch_size": _at_least(1),
+    "generate.repeat_max_period": _at_least(1), "generate.repeat_min_span": _at_least(1),
+    "generate.max_tool_calls": _at_least(0), "generate.lease_timeout_s": _above(0),
+    "generate.max_restarts": _at_least(0),
+    "tokenize.max_seq_len": _at_least(2), "tokenize.batch_size": _at_least(1), "tokenize.concurrency": _at_least(1),
+    "validate.gate.max_mode_share": SHARE, "validate.gate.min_median_response": _at_least(0),
+    "validate.gate.max_no_loss_share": SHARE, "validate.gate.max_empty_thinking_share": SHARE,
+    "validate.num_examples": _at_least(0), "validate.num_feature_layers": _at_least(1),
+    "validate.hidden_size": _at_least(1),
+    "evaluate.num_prompts": _at_least(1), "evaluate.max_new_tokens": _at_least(1),
+    "evaluate.num_anchors": _at_least(1), "evaluate.num_heldout": _at_least(1),
+    "evaluate.ngram_min": _at_least(1), "evaluate.ngram_max": _at_least(1),
+    "train.num_streams": _at_least(1), "train.batch_size": _at_least(1), "train.epochs": _at_least(1),
+    "train.max_steps": _at_least(0), "train.num_anchors": _at_least(1), "train.lr": _above(0),
+    "train.weight_decay": _at_least(0), "train.warmup_ratio": _within(0, 1, high_open=True),
+    "train.clip": _above(0), "train.num_layers": _at_least(1), "train.block_size": _at_least(2),
+    "train.sliding_window": _at_least(1), "train.loss_decay": _above(0), "train.num_target_features": _at_least(1),
+    "train.mask_token_id": _at_least(0), "train.actor_cpus": _above(0), "train.actor_gpus": _at_least(0),
+    "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
+    "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
+    "train.max_restarts": _at_least(0),
+    "pipeline.eval_prompts": _at_least(0),
+    "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
+    "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
+    "plan.generation_tokens_per_s_per_gpu": _above(0), "plan.training_tokens_per_s_per_gpu": _at_least(0),
+    "plan.anchors": _at_least(1), "plan.block_size": _at_least(2), "plan.gpu_tflops": _above(0),
+    "plan.mfu": _within(0, 1, low_open=True),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _value(cfg: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def check(cfg: RunConfig) -> None:
+    """Refuse values out of range and settings that contradict each other, naming the field."""
+    for dotted, (ok, allowed) in RANGES.items():
+        value = _value(cfg, dotted)
+        if value is not None and not ok(value):
+            raise DFlashError(f"{value!r} is out of range; allowed: {allowed}", field=dotted)
+    ev, tr = cfg.evaluate, cfg.train
+    if ev.ngram_min > ev.ngram_max:
+        raise DFlashError(f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
+                          field="evaluate.ngram_min")
+    ids = tr.target_layer_ids
+    if ids is not None and (not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
+                            or any(a >= b for a, b in zip(ids, ids[1:]))):
+        raise DFlashError(f"{ids!r}: allowed: a non-empty, sorted list of unique non-negative layer indices",
+                          field="train.target_layer_ids")
+    if tr.layer_types is not None:
+        bad = [t for t in tr.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise DFlashError(f"unknown {bad}; allowed entries: {list(LAYER_TYPES)}", field="train.layer_types")
+        if len(tr.layer_types) != tr.num_layers:
+            raise DFlashError(f"{len(tr.layer_types)} entries for train.num_layers={tr.num_layers}; allowed: one "
+                              "per drafter layer", field="train.layer_types")
+    bad_inputs = [x for x in cfg.pipeline.inputs if not isinstance(x, str) or not x]
+    if bad_inputs:
+        raise DFlashError(f"{bad_inputs!r}: allowed: a list of file or folder URIs", field="pipeline.inputs")
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
@@ -226,9 +324,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # `X | None`: the error X gives
+            return _coerce(value, options[0], where)
+        for arg in options:
             try:
                 return _coerce(value, arg, where)
             except DFlashError:
@@ -260,6 +359,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, dict):
             return value
         raise DFlashError(f"expected a mapping, got {value!r}", field=where)
+    if tp is list:  # a bare string would be read character by character
+        if isinstance(value, list):
+            return value
+        raise DFlashError(f"expected a list such as [a, b], got {value!r}", field=where)
     if tp is str:
         if isinstance(value, str):
             return value

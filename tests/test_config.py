@@ -41,3 +41,99 @@ def test_config_is_frozen():
     cfg = load_config()
     with pytest.raises(AttributeError):
         cfg.seed = 3
+
+
+@pytest.mark.parametrize("override, field, allowed", [
+    ("train.checkpoint_every=0", "train.checkpoint_every", ">= 1"),
+    ("train.num_anchors=0", "train.num_anchors", ">= 1"),
+    ("train.num_streams=0", "train.num_streams", ">= 1"),
+    ("train.batch_size=0", "train.batch_size", ">= 1"),
+    ("train.epochs=0", "train.epochs", ">= 1"),
+    ("train.lr=0", "train.lr", "> 0"),
+    ("train.lr=-1e-3", "train.lr", "> 0"),
+    ("train.warmup_ratio=1", "train.warmup_ratio", "[0, 1)"),
+    ("train.warmup_ratio=-0.1", "train.warmup_ratio", "[0, 1)"),
+    ("train.clip=0", "train.clip", "> 0"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints", ">= 1"),
+    ("train.max_in_flight=-1", "train.max_in_flight", ">= 0"),
+    ("train.heldout=-1", "train.heldout", ">= 0"),
+    ("train.eval_every=-5", "train.eval_every", ">= 0"),
+    ("train.block_size=1", "train.block_size", ">= 2"),
+    ("train.sliding_window=0", "train.sliding_window", ">= 1"),
+    ("train.actor_cpus=0", "train.actor_cpus", "> 0"),
+    ("train.actor_gpus=-1", "train.actor_gpus", ">= 0"),
+    ("train.target_layer_ids=[3,1]", "train.target_layer_ids", "sorted"),
+    ("train.target_layer_ids=[1,1]", "train.target_layer_ids", "unique"),
+    ("train.target_layer_ids=[-1,2]", "train.target_layer_ids", "non-negative"),
+    ("train.target_layer_ids=[1.5]", "train.target_layer_ids", "non-negative"),
+    ("train.target_layer_ids=5", "train.target_layer_ids", "list"),
+    ("train.layer_types=[full]", "train.layer_types", "sliding_attention"),
+    ("train.layer_types=sliding_attention", "train.layer_types", "list"),
+    ("train.layer_types=[full_attention,full_attention]", "train.layer_types", "one per drafter layer"),
+    ("generate.generators=0", "generate.generators", ">= 1"),
+    ("generate.shard_size=0", "generate.shard_size", ">= 1"),
+    ("generate.batch_size=0", "generate.batch_size", ">= 1"),
+    ("generate.max_tokens=0", "generate.max_tokens", ">= 1"),
+    ("generate.max_model_len=0", "generate.max_model_len", ">= 1"),
+    ("generate.temperature=-0.5", "generate.temperature", ">= 0"),
+    ("generate.top_p=0", "generate.top_p", "(0, 1]"),
+    ("generate.top_p=1.5", "generate.top_p", "(0, 1]"),
+    ("generate.samples_per_prompt=0", "generate.samples_per_prompt", ">= 1"),
+    ("generate.memory_utilization=0", "generate.memory_utilization", "(0, 1]"),
+    ("generate.memory_utilization=1.2", "generate.memory_utilization", "(0, 1]"),
+    ("tokenize.max_seq_len=1", "tokenize.max_seq_len", ">= 2"),
+    ("tokenize.batch_size=0", "tokenize.batch_size", ">= 1"),
+    ("evaluate.num_prompts=0", "evaluate.num_prompts", ">= 1"),
+    ("evaluate.num_heldout=0", "evaluate.num_heldout", ">= 1"),
+    ("evaluate.ngram_min=5", "evaluate.ngram_min", "ngram_max"),
+    ("prompts.shard_size=0", "prompts.shard_size", ">= 1"),
+    ("prompts.max_prompt_tokens=-1", "prompts.max_prompt_tokens", ">= 0"),  # 0: no budget
+    ("pipeline.eval_prompts=-1", "pipeline.eval_prompts", ">= 0"),
+    ("pipeline.inputs=somepath", "pipeline.inputs", "list"),
+    ("validate.gate.max_mode_share=1.5", "validate.gate.max_mode_share", "[0, 1]"),
+])
+def test_out_of_range_values_are_refused_before_anything_runs(override, field, allowed):
+    with pytest.raises(DFlashError) as e:
+        load_config(None, [override])
+    assert e.value.field == field and f"'{field}'" in str(e.value) and allowed in str(e.value)
+
+
+def test_edges_of_the_ranges_are_allowed():
+    cfg = load_config(None, ["train.warmup_ratio=0", "train.max_in_flight=0", "generate.top_p=1",
+                             "generate.temperature=0", "generate.memory_utilization=1", "tokenize.max_seq_len=2",
+                             "train.target_layer_ids=[0,3,7]", "train.num_layers=2",
+                             "train.layer_types=[sliding_attention,full_attention]", "pipeline.inputs=[a.jsonl]",
+                             "evaluate.ngram_min=3", "evaluate.ngram_max=3", "prompts.max_prompt_tokens=0"])
+    assert cfg.train.target_layer_ids == [0, 3, 7] and cfg.pipeline.inputs == ["a.jsonl"]
+
+
+def test_a_range_error_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  keep_checkpoints: 0\n")
+    with pytest.raises(DFlashError) as e:
+        load_config(str(path))
+    assert str(path) in str(e.value) and "train.keep_checkpoints" in str(e.value)
+
+
+def test_fields_replaced_by_command_line_flags_are_checked_too(tmp_path, capsys):
+    from dflash_ray.cli import main
+
+    # `--generators` replaces generate.generators after the config is loaded: still refused before any run
+    assert main(["generate", "--prompts", str(tmp_path / "p"), "--output", str(tmp_path / "o"), "--model", "m",
+                 "--generators", "0"]) == 2
+    assert "generate.generators" in capsys.readouterr().err
+
+
+def test_train_command_exits_2_at_once_naming_the_field(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "train", "--data", str(tmp_path / "data"),
+                           "--target", str(tmp_path / "target"), "--output", str(tmp_path / "out"),
+                           "--set", "train.checkpoint_every=0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "train.checkpoint_every" in proc.stderr and ">= 1" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.perf_counter() - start < 60  # no Ray, no model loaded
+    assert not (tmp_path / "out").exists()
