@@ -27,6 +27,13 @@ class DFlashError(Exception):
         return self
 
 
+class MissingObject(DFlashError, FileNotFoundError):
+    """A file or object that does not exist: a bad input, and still a FileNotFoundError for the
+    callers to whom a missing object means "not written yet"."""
+
+    __str__ = Exception.__str__  # the message, not OSError's "[Errno None] ..."
+
+
 class GateFailed(DFlashError):
     """The validation gate refused a dataset: the message names each failed rule and its numbers."""
 

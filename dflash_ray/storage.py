@@ -8,14 +8,20 @@ S3 endpoint, region and credentials come from the standard AWS environment varia
 (`AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`, `AWS_ACCESS_KEY_ID`, ...) or an instance profile, never
 from config files. Transient S3 errors (throttling, 5xx, dropped connections) are retried with
 exponential backoff by botocore's standard retry mode; `AWS_MAX_ATTEMPTS` sets the number of tries.
+Failures a retry cannot fix (no such bucket, access denied, no credentials, an endpoint that does
+not answer) are raised as `DFlashError` naming the URI and what to set; a missing object as
+`MissingObject`, which is also a `FileNotFoundError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
 from pathlib import Path
+
+from dflash_ray.errors import DFlashError, MissingObject
 
 S3_PREFIX = "s3://"
 DEFAULT_MAX_ATTEMPTS = 8
@@ -59,13 +65,95 @@ def s3_client():
     return _s3_client(os.getpid())
 
 
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                    "TokenRefreshRequired", "InvalidClientTokenId"}
+CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an "
+                    "instance profile or IAM role provides credentials")
+
+
+def _endpoint() -> str:
+    return s3_client().meta.endpoint_url
+
+
+def _missing(uri: str) -> MissingObject:
+    err = MissingObject("no such S3 object", file=uri)
+    err.filename = uri
+    return err
+
+
+_BUCKETS_SEEN: set[str] = set()  # only a bucket known to exist is remembered
+
+
+def _bucket_exists(bucket: str) -> bool:
+    from botocore.exceptions import ClientError
+
+    if bucket not in _BUCKETS_SEEN:
+        try:
+            s3_client().head_bucket(Bucket=bucket)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in _MISSING | {"NoSuchBucket"}:
+                return False
+            raise
+        _BUCKETS_SEEN.add(bucket)
+    return True
+
+
+def _no_bucket(uri: str) -> DFlashError:
+    bucket, _ = split_s3(uri)
+    return DFlashError(f"S3 bucket '{bucket}' does not exist at {_endpoint()}: create it or correct the URI "
+                       "(AWS_ENDPOINT_URL selects a non-AWS S3 service)", file=uri)
+
+
+def _classify(uri: str, action: str, error: Exception) -> Exception | None:
+    """The clear error for an S3 failure a retry cannot fix; None for any other."""
+    from botocore.exceptions import (ClientError, ConnectTimeoutError, EndpointConnectionError,
+                                     NoCredentialsError, PartialCredentialsError, ProxyConnectionError)
+
+    bucket, _ = split_s3(uri)
+    if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
+        return DFlashError(f"no usable AWS credentials for S3 ({error}): {CREDENTIALS_HINT}", file=uri)
+    if isinstance(error, (EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError)):
+        return DFlashError(f"the S3 endpoint {_endpoint()} does not answer ({error}): set AWS_ENDPOINT_URL to "
+                           "the S3 service's address (unset for AWS itself) and check the network", file=uri)
+    if not isinstance(error, ClientError):
+        return None
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    if code == "NoSuchBucket":
+        return _no_bucket(uri)
+    if code in _MISSING:
+        return _missing(uri)
+    if code in _DENIED:
+        return DFlashError(f"access denied ({code}) by {_endpoint()}: the credentials in use need s3:{action} "
+                           f"on bucket '{bucket}' (grant it, or {CREDENTIALS_HINT} that hold it)", file=uri)
+    if code in _BAD_CREDENTIALS:
+        return DFlashError(f"the S3 service rejected the credentials ({code}): {CREDENTIALS_HINT}, valid "
+                           f"for {_endpoint()}", file=uri)
+    return None
+
+
+@contextlib.contextmanager
+def _s3_errors(uri: str, action: str):
+    """Raise the clear error for an S3 failure inside the block; let any other pass unchanged."""
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except (ClientError, BotoCoreError, S3UploadFailedError) as e:
+        cause = e.__context__ if isinstance(e, S3UploadFailedError) else e  # the upload's ClientError
+        clear = _classify(uri, action, cause) if cause is not None else None
+        if clear is None:
+            raise
+        raise clear from None
+
+
 def read_bytes(uri: str) -> bytes:
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        try:
+        with _s3_errors(uri, "GetObject"):
             return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        except s3_client().exceptions.NoSuchKey:
-            raise FileNotFoundError(uri) from None
     return local_path(uri).read_bytes()
 
 
@@ -81,7 +169,8 @@ def write_bytes(uri: str, data: bytes) -> None:
         bucket, key = split_s3(uri)
         # upload_fileobj switches to multipart for large payloads; the object appears only when
         # the upload completes.
-        s3_client().upload_fileobj(io.BytesIO(data), bucket, key)
+        with _s3_errors(uri, "PutObject"):
+            s3_client().upload_fileobj(io.BytesIO(data), bucket, key)
         return
     path = local_path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +194,8 @@ def upload_file(src: str | Path, uri: str) -> None:
     """Copy a local file to `uri` atomically (used for files too large to hold in memory)."""
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        s3_client().upload_file(str(src), bucket, key)
+        with _s3_errors(uri, "PutObject"):
+            s3_client().upload_file(str(src), bucket, key)
         return
     import shutil
 
@@ -118,17 +208,25 @@ def upload_file(src: str | Path, uri: str) -> None:
 
 def exists(uri: str) -> bool:
     if is_s3(uri):
-        bucket, key = split_s3(uri)
-        from botocore.exceptions import ClientError
-
         try:
-            s3_client().head_object(Bucket=bucket, Key=key)
+            _head(uri)
             return True
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
+        except MissingObject:
+            return False
     return local_path(uri).exists()
+
+
+def _head(uri: str) -> dict:
+    """The object's metadata; a 404 says nothing of which is missing, the object or its bucket."""
+    bucket, key = split_s3(uri)
+    try:
+        with _s3_errors(uri, "GetObject"):
+            return s3_client().head_object(Bucket=bucket, Key=key)
+    except MissingObject:
+        with _s3_errors(uri, "ListBucket"):
+            if not _bucket_exists(bucket):
+                raise _no_bucket(uri) from None
+        raise
 
 
 def list_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
@@ -142,8 +240,9 @@ def list_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
         bucket, key = split_s3(prefix)
         key = key.rstrip("/") + "/" if key else ""
         paginator = s3_client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
-            names += [obj["Key"][len(key):] for obj in page.get("Contents", [])]
+        with _s3_errors(prefix, "ListBucket"):
+            for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
+                names += [obj["Key"][len(key):] for obj in page.get("Contents", [])]
     else:
         folder = local_path(prefix)
         if not folder.is_dir():
@@ -160,8 +259,9 @@ def list_dirs(prefix: str) -> list[str]:
         key = key.rstrip("/") + "/" if key else ""
         names = []
         paginator = s3_client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
-            names += [p["Prefix"][len(key):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        with _s3_errors(prefix, "ListBucket"):
+            for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
+                names += [p["Prefix"][len(key):].rstrip("/") for p in page.get("CommonPrefixes", [])]
     else:
         folder = local_path(prefix)
         names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
@@ -173,10 +273,11 @@ def delete_tree(prefix: str) -> None:
     if is_s3(prefix):
         bucket, key = split_s3(prefix)
         paginator = s3_client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/"):
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if objects:
-                s3_client().delete_objects(Bucket=bucket, Delete={"Objects": objects})
+        with _s3_errors(prefix, "DeleteObject"):
+            for page in paginator.paginate(Bucket=bucket, Prefix=key.rstrip("/") + "/"):
+                objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if objects:
+                    s3_client().delete_objects(Bucket=bucket, Delete={"Objects": objects})
     else:
         import shutil
 
@@ -185,15 +286,15 @@ def delete_tree(prefix: str) -> None:
 
 def size(uri: str) -> int:
     if is_s3(uri):
-        bucket, key = split_s3(uri)
-        return int(s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"])
+        return int(_head(uri)["ContentLength"])
     return local_path(uri).stat().st_size
 
 
 def delete(uri: str) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        s3_client().delete_object(Bucket=bucket, Key=key)
+        with _s3_errors(uri, "DeleteObject"):
+            s3_client().delete_object(Bucket=bucket, Key=key)
     else:
         local_path(uri).unlink(missing_ok=True)
 

@@ -1,6 +1,7 @@
 import http.client
 import http.server
 import threading
+import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -126,3 +127,97 @@ def test_s3_transient_errors_are_retried(s3_bucket, monkeypatch):
     finally:
         server.shutdown()
         storage._s3_client.cache_clear()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Change the AWS environment for one test: the S3 client is rebuilt from it, and again after."""
+    import boto3
+
+    storage._s3_client.cache_clear()
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # a session keeps the credentials it found
+    yield monkeypatch
+    monkeypatch.undo()
+    storage._s3_client.cache_clear()
+
+
+def test_s3_missing_bucket_and_missing_object_name_the_uri(s3_bucket):
+    from dflash_ray.errors import MissingObject
+
+    uri = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/data/x.bin"
+    calls = {"read": lambda: storage.read_bytes(uri), "write": lambda: storage.write_bytes(uri, b"x"),
+             "exists": lambda: storage.exists(uri), "size": lambda: storage.size(uri),
+             "list": lambda: storage.list_files(uri.rsplit("/", 1)[0])}
+    for name, call in calls.items():
+        with pytest.raises(DFlashError) as e:
+            call()
+        assert "does not exist" in str(e.value) and uri.split("/")[2] in str(e.value), name
+        assert "AWS_ENDPOINT_URL" in str(e.value) and not isinstance(e.value, FileNotFoundError), name
+    missing = storage.join(s3_bucket, "nothing-here.json")
+    assert not storage.exists(missing)  # an existing bucket: a missing object is just absent
+    for call in (lambda: storage.read_bytes(missing), lambda: storage.size(missing)):
+        with pytest.raises(MissingObject, match="nothing-here.json") as e:
+            call()
+        assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, DFlashError)
+
+
+def test_s3_without_credentials_says_what_to_set(s3_bucket, s3_env, tmp_path):
+    uri = storage.join(s3_bucket, "x.txt")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        s3_env.delenv(name, raising=False)
+    s3_env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    s3_env.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    s3_env.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance profile to wait for here
+    for call in (lambda: storage.read_bytes(uri), lambda: storage.write_text(uri, "x")):
+        with pytest.raises(DFlashError, match="AWS_ACCESS_KEY_ID.*instance profile") as e:
+            call()
+        assert uri in str(e.value)
+
+
+def test_s3_unreachable_endpoint_says_what_to_set(s3_bucket, s3_env):
+    from conftest import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    s3_env.setenv("AWS_ENDPOINT_URL", endpoint)
+    s3_env.setenv("AWS_MAX_ATTEMPTS", "1")
+    uri = storage.join(s3_bucket, "x.txt")
+    with pytest.raises(DFlashError, match="does not answer.*AWS_ENDPOINT_URL") as e:
+        storage.read_bytes(uri)
+    assert uri in str(e.value) and endpoint in str(e.value)
+
+
+class _Denied(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint that refuses everything, as a bucket policy without rights for these credentials does."""
+
+    def _handle(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b"" if self.command == "HEAD" else (
+            b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
+        self.send_response(403)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _handle
+
+    def log_message(self, *args):
+        pass
+
+
+def test_s3_access_denied_names_the_uri_the_right_and_the_bucket(s3_bucket, s3_env):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Denied)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    s3_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    uri = storage.join(s3_bucket, "run", "x.txt")
+    bucket = s3_bucket[len("s3://"):]
+    try:
+        for call, right in ((lambda: storage.read_bytes(uri), "s3:GetObject"), (lambda: storage.exists(uri), "s3:GetObject"),
+                            (lambda: storage.write_text(uri, "x"), "s3:PutObject"),
+                            (lambda: storage.list_dirs(storage.join(s3_bucket, "run")), "s3:ListBucket")):
+            with pytest.raises(DFlashError, match="access denied") as e:
+                call()
+            assert right in str(e.value) and f"'{bucket}'" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)
+    finally:
+        server.shutdown()
