@@ -73,7 +73,9 @@ class GenerateConfig:
     max_model_len: int = 8192
     dtype: str = "auto"
     tensor_parallel_size: int = 1
-    memory_utilization: float | None = None  # None: 0.9 of a GPU, 0.1 of host memory on CPU
+    # None: 0.9 of a GPU; on CPU a KV cache for batch_size sequences of max_model_len, within the node's
+    # free memory. Set: vLLM's share of the GPU, or on CPU of the NUMA node (less its processes' footprint)
+    memory_utilization: float | None = None
     engine_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (speculative_config, ...)
     batch_size: int = 64  # prompts per engine call; the generator heartbeats between calls
     # degenerate outputs
@@ -82,8 +84,10 @@ class GenerateConfig:
     repeat_min_span: int = 192  # ... covering at least this many final tokens (and 3 periods)
     max_tool_calls: int = 4  # more <tool_call> blocks than this in one answer is a loop
     # recovery
-    lease_timeout_s: float = 1800.0  # a shard held this long without a heartbeat goes back
-    max_restarts: int = 8  # generator deaths survived before the run fails
+    lease_timeout_s: float = 1800.0  # a shard held this long without a heartbeat goes back; an engine
+    # still starting after this long stops the run
+    max_restarts: int = 8  # generator deaths survived before the run fails; a death before the first
+    # shard, or a second of the same error, fails it at once
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

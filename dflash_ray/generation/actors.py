@@ -29,6 +29,7 @@ class ShardPool:
         from ray.util import metrics
 
         self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s)
+        self.asked: set[str] = set()  # generators that asked for work: their engine started
         self.output, self.plan = output, plan
         tags = {"run": cfg.name}
         self.m_prompts = metrics.Counter("dflash_generate_prompts_done", "prompts generated", tag_keys=("run",))
@@ -45,6 +46,7 @@ class ShardPool:
 
     def _publish(self) -> dict[str, Any]:
         status = self.book.status()
+        status["generators_starting"] = [g for g in status["generators"] if g not in self.asked]
         self.m_queue.set(status["queue_depth"])
         self.m_alive.set(status["generators_alive"])
         if status["tokens_per_s"] is not None:
@@ -60,12 +62,14 @@ class ShardPool:
         self.book.register(gid)
         self._publish()
 
-    def exited(self, gid: str) -> list[int]:
+    def exited(self, gid: str) -> tuple[list[int], bool]:
+        """(its shards, back in the queue; whether it had started: asked for work)."""
         back = self.book.exited(gid)
         self._publish()
-        return back
+        return back, gid in self.asked
 
     def lease(self, gid: str) -> dict[str, Any] | None:
+        self.asked.add(gid)
         unit = self.book.lease(gid)
         self._publish()
         return unit

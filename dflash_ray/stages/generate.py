@@ -7,6 +7,10 @@ pool's target, and then only reconciles: it starts generators when the target gr
 whose lease timed out, and fails once more than `max_restarts` generators died. Each generator
 writes its shard's files itself (tokens never cross the object store), then reports to the pool.
 
+Failures a restart would repeat stop the run at once, with the cause in the error: a generator that
+dies before it asks for its first shard (its engine did not start), two generators that raise the
+same error (figures aside), or an engine still starting after `lease_timeout_s`.
+
 Restart: `_progress.json` lists finished shards; a rerun with the same prompts and shard size
 skips them, and a rerun of a finished job starts no actor at all. The output is a dataset only once
 `_manifest.json` (written last) lists the winning file of every shard.
@@ -24,6 +28,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -95,8 +100,29 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
     return {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "runtime_env": {"env_vars": env}}
 
 
+POOL_TIMEOUT_S = 120.0  # a call to the pool actor; it answers at once unless it is gone
+
+
+def failure_cause(e: Exception) -> str:
+    """One line for a generator's failure: the error it raised (the engine's own, for a start failure),
+    or how Ray says it died."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    m = re.match(r"([\w.]*(?:Error|Exception)): (.*)", last)
+    if m:  # "builtins.ValueError: ..." -> "ValueError: ..."; our own errors speak for themselves
+        kind = m.group(1).rsplit(".", 1)[-1]
+        return (m.group(2) if kind == "DFlashError" else f"{kind}: {m.group(2)}")[:1500]
+    return f"{type(e).__name__}: {last}"[:1500]
+
+
+def same_error(cause: str) -> str:
+    """What two failures share when they are the same error: the text without its figures and ids."""
+    return re.sub(r"\d+(?:\.\d+)?", "#", cause)
+
+
 class _Fleet:
-    """The driver's generator actors: start, drain, notice deaths."""
+    """The driver's generator actors: start, drain, notice deaths, and stop the run on a failure
+    that restarting would repeat."""
 
     def __init__(self, pool, model: str, cfg: GenerateConfig, output: str):
         import ray
@@ -107,8 +133,11 @@ class _Fleet:
         self.cls = Generator
         self.options = {**engine_options(cfg), "namespace": NAMESPACE}
         self.running: dict[Any, tuple[str, Any]] = {}  # run ref -> (generator id, actor)
+        self.started_at: dict[str, float] = {}
         self.started = self.restarts = 0
         self.deaths: list[str] = []
+        self.errors: dict[str, str] = {}  # same_error(cause) -> the generator that raised it first
+        self.killed: set[str] = set()
         self.ray = ray
 
     def start(self, n: int) -> None:
@@ -117,28 +146,61 @@ class _Fleet:
             self.started += 1
             actor = self.cls.options(name=f"{self.cfg.name}-{gid}", **self.options).remote(
                 gid, self.model, self.cfg, self.output, self.pool)
-            self.ray.get(self.pool.register.remote(gid))
+            self.ray.get(self.pool.register.remote(gid), timeout=POOL_TIMEOUT_S)
+            self.started_at[gid] = time.monotonic()
             self.running[actor.run.remote()] = (gid, actor)
 
     def kill(self, gids: list[str]) -> None:
         for ref, (gid, actor) in list(self.running.items()):
             if gid in gids:
+                self.killed.add(gid)
                 self.ray.kill(actor)
 
-    def poll(self, timeout: float) -> None:
-        """Wait up to `timeout` for generators to end; a dead one's shard goes back to the queue."""
+    def check_starting(self, starting: list[str]) -> None:
+        """A generator whose engine has not asked for work within `lease_timeout_s` is stuck starting."""
+        now = time.monotonic()
+        for gid in starting:
+            waited = now - self.started_at.get(gid, now)
+            if waited > self.cfg.lease_timeout_s:
+                self.stop()
+                raise DFlashError(f"generator {gid} did not start its engine in {waited:.0f} s; see its actor log",
+                                  field="generate.lease_timeout_s")
+
+    def poll(self, timeout: float, *, final: bool = False) -> None:
+        """Wait up to `timeout` for generators to end; a dead one's shard goes back to the queue.
+        Raises on a failure that a restart would repeat, or past `max_restarts` (not once all is done)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
         if not self.running:
             time.sleep(timeout)
             return
         ready, _ = self.ray.wait(list(self.running), num_returns=len(self.running), timeout=timeout)
+        fatal = None
         for ref in ready:
             gid, _ = self.running.pop(ref)
+            error = None
             try:
                 self.ray.get(ref)
-            except Exception as e:  # the actor died (killed, OOM, node lost) or its loop raised
-                self.restarts += 1
-                self.deaths.append(f"{gid}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:500]}")
-            self.ray.get(self.pool.exited.remote(gid))
+            except Exception as e:  # the actor died (killed, OOM, node lost) or its code raised
+                error = e
+            _, had_started = self.ray.get(self.pool.exited.remote(gid), timeout=POOL_TIMEOUT_S)
+            if error is None:
+                continue
+            self.restarts += 1
+            cause = failure_cause(error)
+            self.deaths.append(f"{gid}: {cause}")
+            raised = isinstance(error, RayTaskError) or (isinstance(error, RayActorError) and error.actor_init_failed)
+            if not had_started and gid not in self.killed:
+                fatal = fatal or f"generator {gid} failed before its first shard: {cause}"
+            elif raised and gid not in self.killed:
+                first = self.errors.setdefault(same_error(cause), gid)
+                if first != gid:
+                    fatal = fatal or f"generators {first} and {gid} failed with the same error: {cause}"
+        if final:
+            return
+        if fatal:
+            self.stop()
+            raise DFlashError(f"{fatal} (stopped at once: restarting would fail the same way)")
         if self.restarts > self.cfg.max_restarts:
             self.stop()
             raise DFlashError(f"{self.restarts} generator actors died (max_restarts {self.cfg.max_restarts}); "
@@ -191,18 +253,22 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                disable=not progress)
     try:
         while True:
-            start_n, _, late = ray.get(pool.reconcile.remote())  # drained ones stop by themselves
+            # drained generators stop by themselves; late ones are killed and replaced
+            start_n, _, late = ray.get(pool.reconcile.remote(), timeout=POOL_TIMEOUT_S)
             fleet.kill(late)
             fleet.start(start_n)
-            status = ray.get(pool.status.remote())
+            status = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
             bar.n = status["prompts_done"]
             bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
             if status["finished"]:
                 break
+            fleet.check_starting(status["generators_starting"])
             fleet.poll(timeout=1.0)
-        final = ray.get(pool.status.remote())
-        done = ray.get(pool.done.remote())
-        fleet.poll(timeout=5.0)  # idle generators return now that no shard is left
+        final = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
+        done = ray.get(pool.done.remote(), timeout=POOL_TIMEOUT_S)
+        fleet.poll(timeout=5.0, final=True)  # idle generators return now that no shard is left
+    except DFlashError as e:
+        raise e.with_summary({"stage": "generate", "deaths": fleet.deaths})
     finally:
         bar.close()
         fleet.stop()
