@@ -2,7 +2,9 @@
 
 The manifest is written last and lists every data file with its row count and byte size, so a
 reader uses exactly the files of one finished run: leftovers of a crashed run are never read, and a
-truncated file is caught by its size before it is used.
+truncated file is caught by its size before it is used. A rerun writes its files under new names
+and replaces the manifest only once they are all written (`commit`), so a rerun that fails leaves
+the previous dataset whole.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def read_manifest(folder: str) -> dict[str, Any] | None:
     uri = storage.join(folder, MANIFEST)
     try:
         return json.loads(storage.read_text(uri))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no folder, or a file given as one
         return None
     except json.JSONDecodeError as e:
         raise DFlashError(f"corrupt manifest: {e}", file=uri) from None
@@ -44,6 +46,8 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl")) 
 
     A folder without a manifest (user data, not written by this project) is read whole.
     """
+    if not storage.is_s3(uri) and not storage.local_path(uri).exists():
+        raise DFlashError("no such file or folder", file=uri)
     if storage.is_s3(uri) or not storage.local_path(uri).is_dir():
         if str(uri).endswith(suffixes) and storage.exists(uri):
             return [str(uri)]
@@ -62,6 +66,25 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl")) 
                               f"{actual if actual is not None else 'no file'}", file=path)
         files.append(path)
     return files
+
+
+def commit(folder: str, *, kind: str, files: list[dict[str, Any]], summary: dict[str, Any],
+           config: dict[str, Any] | None, prefix: str) -> str:
+    """Make a finished run the dataset: write its manifest (replacing an earlier run's in one
+    atomic write), then delete the data files of earlier runs, named `{prefix}*` but not listed."""
+    uri = write_manifest(folder, kind=kind, files=files, summary=summary, config=config)
+    listed = {entry["name"] for entry in files}
+    for stale in storage.list_files(folder, ".parquet"):
+        name = storage.basename(stale)
+        if name.startswith(prefix) and name not in listed:
+            storage.delete(stale)
+    return uri
+
+
+def report_uri(folder: str, name: str) -> str:
+    """Where a run that fails leaves its report (quarantine, rejects): `name`, unless a finished
+    dataset is in `folder`, whose own report it must not replace; then `_failed-{name}`."""
+    return storage.join(folder, name if read_manifest(folder) is None else f"_failed-{name}")
 
 
 def read_rows(uri: str, columns: list[str], limit: int) -> list[dict[str, Any]]:

@@ -30,10 +30,33 @@ class Sample:
     truncated: bool = False
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _token_ids(values: Any, field: str) -> np.ndarray:
+    """Token ids as a record holds them (a JSONL record can hold anything): ints in int32 range."""
+    if not isinstance(values, (list, tuple, np.ndarray)):
+        raise BadRecord(f"{field}: must be a list of token ids, got {type(values).__name__}", "bad_field")
+    try:
+        ids = np.asarray(values)
+    except ValueError:  # ragged nesting
+        ids = np.zeros((0, 0))
+    if ids.ndim == 1 and ids.size == 0:
+        return ids.astype(np.int32)
+    if ids.ndim == 1 and ids.dtype.kind in "iu" and ids.min() >= 0 and ids.max() <= INT32_MAX:
+        return ids.astype(np.int32)
+    for i, v in enumerate(values):  # the first bad one, for the reason
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= INT32_MAX:
+            raise BadRecord(f"{field}[{i}]: {v!r} is not a token id (an integer from 0 to {INT32_MAX})",
+                            "bad_field")
+    raise BadRecord(f"{field}: not a flat list of token ids", "bad_field")
+
+
 def replay(prompt_ids: list[int], output_ids: list[int]) -> Sample:
-    ids = np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int32)
+    prompt = _token_ids(prompt_ids, "prompt_token_ids")
+    ids = np.concatenate([prompt, _token_ids(output_ids, "output_token_ids")])
     mask = np.zeros(len(ids), dtype=np.int8)
-    mask[len(prompt_ids):] = 1
+    mask[len(prompt):] = 1
     return Sample(ids, mask)
 
 
@@ -41,7 +64,29 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRecord("messages: missing or empty", "missing_field")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRecord(f"messages[{i}].role: missing or not a string", "missing_field")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise BadRecord(f"messages[{i}].content: must be a string, got {type(content).__name__}", "bad_field")
+        out.append({"role": m["role"], "content": content or ""})
+    return out
+
+
+def _tools(record: dict[str, Any]) -> list | None:
+    raw = record.get("tools")
+    if not raw:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise BadRecord(f"tools: not valid JSON ({e.msg} at column {e.colno})", "bad_field") from None
+    if not isinstance(raw, list):
+        raise BadRecord(f"tools: must be a JSON list of tool schemas, got {type(raw).__name__}", "bad_field")
+    return raw
 
 
 def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> Sample:
@@ -51,7 +96,9 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     if not isinstance(text, str):
         raise BadRecord("text: missing (and no token ids to replay)", "missing_field")
     reasoning = record.get("reasoning")
-    tools = json.loads(record["tools"]) if record.get("tools") else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise BadRecord(f"reasoning: must be a string, got {type(reasoning).__name__}", "bad_field")
+    tools = _tools(record)
     kwargs = {"tools": tools, "tokenize": False, "enable_thinking": enable_thinking}
     reply = {"role": "assistant", "content": text}
     if reasoning is not None:
@@ -87,7 +134,11 @@ def apply_length_policy(sample: Sample, cfg: TokenizeConfig) -> Sample:
     return cut
 
 
-def tokenize_record(tokenizer, record: dict[str, Any], cfg: TokenizeConfig) -> Sample:
+def tokenize_record(tokenizer, record: Any, cfg: TokenizeConfig) -> Sample:
+    if not isinstance(record, dict):
+        raise BadRecord(f"record is a JSON {type(record).__name__}, not an object", "unknown_schema")
+    if record.get("id") is None or record["id"] == "":
+        raise BadRecord("id: missing", "missing_field")
     prompt_ids, output_ids = record.get("prompt_token_ids"), record.get("output_token_ids")
     if prompt_ids is not None and output_ids is not None:
         sample = replay(prompt_ids, output_ids)
@@ -105,15 +156,19 @@ class TokenizeBatch:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer)
 
-    def __call__(self, rows: list[dict[str, Any]]) -> tuple[dict[str, list], list[dict[str, str]]]:
-        """Returns the tokenized columns and the rejected rows (id, kind, reason)."""
+    def __call__(self, rows: list[Any], where: list[dict[str, Any]] | None = None
+                 ) -> tuple[dict[str, list], list[dict[str, Any]]]:
+        """Returns the tokenized columns and the rejected rows (id, kind, reason, and the row's
+        `where`: its file and line)."""
         out: dict[str, list] = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "seq_len", "truncated")}
         rejects = []
-        for row in rows:
+        for i, row in enumerate(rows):
             try:
                 sample = tokenize_record(self.tokenizer, row, self.cfg)
             except BadRecord as e:
-                rejects.append({"id": str(row.get("id")), "kind": e.kind, "reason": str(e)})
+                rid = row.get("id") if isinstance(row, dict) else None
+                rejects.append({"id": None if rid is None else str(rid), **(where[i] if where else {}),
+                                "kind": e.kind, "reason": str(e)})
                 continue
             out["id"].append(str(row["id"]))
             out["source"].append(str(row.get("source") or ""))

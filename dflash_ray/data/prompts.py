@@ -1,9 +1,11 @@
 """`dflash-ray prompts`: raw chat datasets → normalized, deduplicated prompt shards.
 
-Output folder: `prompts-NNNNN.parquet` (schema `PROMPTS`), `quarantine.jsonl` (one line per bad
-record: file, line, kind, reason, raw record) and `_manifest.json`, written last. One bad record
-never stops the run; every record ends up either in a shard, in quarantine, or counted as a
-duplicate.
+Output folder: `prompts-RUN-NNNNN.parquet` (schema `PROMPTS`), `quarantine.jsonl` (one line per
+bad record: file, line (and item, for an element of a JSON array), kind, reason, raw record) and
+`_manifest.json`, written last. One bad record never stops the run, nor does a file that cannot be
+read (one quarantine entry): every record read ends up either in a shard, in quarantine, or counted
+as a duplicate (`records` = `records_ok` + `quarantined`). A run that yields no prompt is an error.
+A rerun replaces an earlier run's output only when it is complete (see `manifest.commit`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import uuid
 from typing import Any, Iterable
 
 import pyarrow as pa
@@ -21,6 +24,7 @@ from dflash_ray.config import RunConfig
 from dflash_ray.data import schema
 from dflash_ray.data.formats import BadRecord, Prompt, normalize
 from dflash_ray.data.records import SUFFIXES, RawRecord, iter_records, raw_preview
+from dflash_ray.errors import DFlashError
 
 QUARANTINE = "quarantine.jsonl"
 
@@ -64,8 +68,7 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
     pcfg = cfg.prompts
     files = input_files(inputs)
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
-    if manifest.read_manifest(output) is not None:  # a rerun: the old dataset stops being complete now
-        storage.delete(storage.join(output, manifest.MANIFEST))
+    prefix = f"prompts-{uuid.uuid4().hex[:8]}"  # this run's shards: an earlier run's stay whole until commit
 
     seen: set[str] = set()
     rows: list[dict[str, Any]] = []
@@ -75,16 +78,15 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
     counts = collections.Counter()
 
     def flush() -> None:
-        name = f"prompts-{len(shards):05d}.parquet"
+        name = f"{prefix}-{len(shards):05d}.parquet"
         storage.write_bytes(storage.join(output, name), shard_bytes(rows))
         shards.append({"name": name, "rows": len(rows)})
         rows.clear()
 
     def quarantined(item: RawRecord, error: BadRecord) -> None:
         kinds[error.kind] += 1
-        quarantine.append(json.dumps({"file": item.file, "line": item.line, "kind": error.kind,
-                                      "reason": str(error), "record": raw_preview(item)},
-                                     ensure_ascii=False))
+        quarantine.append(json.dumps({**item.where(), "kind": error.kind, "reason": str(error),
+                                      "record": raw_preview(item)}, ensure_ascii=False))
 
     from tqdm import tqdm
 
@@ -105,6 +107,7 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
             except BadRecord as error:
                 quarantined(item, error)
                 continue
+            counts["records_ok"] += 1
             for prompt in prompts:
                 if prompt.id in seen:
                     counts["duplicates"] += 1
@@ -114,14 +117,24 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
                 if len(rows) >= pcfg.shard_size:
                     flush()
     bar.close()
-    if rows or not shards:
-        flush()
-    storage.write_text(storage.join(output, QUARANTINE), "".join(line + "\n" for line in quarantine))
     summary = {
         "stage": "prompts", "output": output, "input_files": len(files),
-        "records": counts["records"], "prompts": len(seen), "duplicates": counts["duplicates"],
-        "quarantined": len(quarantine), "quarantine_kinds": dict(sorted(kinds.items())),
-        "quarantine_file": storage.join(output, QUARANTINE), "shards": len(shards),
+        # every record read is quarantined or makes prompts: records = records_ok + quarantined
+        "records": counts["records"], "records_ok": counts["records_ok"], "prompts": len(seen),
+        "duplicates": counts["duplicates"], "quarantined": len(quarantine),
+        "quarantine_kinds": dict(sorted(kinds.items())), "quarantine_file": storage.join(output, QUARANTINE),
+        "shards": len(shards) + bool(rows),
     }
-    manifest.write_manifest(output, kind="prompts", files=shards, summary=summary, config=cfg.to_dict())
+    report = "".join(line + "\n" for line in quarantine)
+    if not seen:
+        summary["quarantine_file"] = manifest.report_uri(output, QUARANTINE)
+        storage.write_text(summary["quarantine_file"], report)
+        kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
+        raise DFlashError(f"no prompts out of {counts['records']} records in {len(files)} files "
+                          f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
+                          f"{summary['quarantine_file']}", file=", ".join(inputs)).with_summary(summary)
+    if rows:
+        flush()
+    storage.write_text(storage.join(output, QUARANTINE), report)
+    manifest.commit(output, kind="prompts", files=shards, summary=summary, config=cfg.to_dict(), prefix="prompts-")
     return summary

@@ -1,7 +1,15 @@
-"""Read records one at a time from JSONL, JSON-array and Parquet files, local or on S3.
+"""Read records one at a time from JSONL, JSON and Parquet files, local or on S3.
 
 A record that cannot be decoded (invalid UTF-8, malformed JSON) comes back with its error instead
-of stopping the read, so the caller can quarantine it with its file and line.
+of stopping the read, so the caller can quarantine it with its file and line; so does a file that
+cannot be read at all (a corrupt Parquet file), as one entry. The readers are tolerant of the
+layouts people actually save:
+- `.jsonl`: one record per line; a line holding a JSON array of objects yields each of them. A
+  file whose first line is not JSON on its own (a pretty-printed array saved as `.jsonl`) is read
+  as a JSON document, which reads true JSONL the same way.
+- `.json`: a document of top-level values, read value by value: an array yields its elements, an
+  object is one record, and several values in a row (a JSONL file saved as `.json`) are each read.
+  A broken element is skipped up to its closing bracket and reported alone; the others go on.
 """
 
 from __future__ import annotations
@@ -16,15 +24,23 @@ from dflash_ray.data.formats import BadRecord
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 RAW_PREVIEW = 2000  # characters of a bad record kept in quarantine
+_WHITESPACE = " \t\n\r"
 
 
 @dataclass(slots=True)
 class RawRecord:
     file: str
-    line: int  # 1-based line (JSONL), element (JSON array) or row (Parquet)
+    line: int  # 1-based line where the record starts (JSONL, JSON) or row (Parquet)
     record: Any = None
     error: BadRecord | None = None
     raw: str = ""
+    item: int | None = None  # 1-based element of the JSON array the record came from
+
+    def where(self) -> dict[str, Any]:
+        out = {"file": self.file, "line": self.line}
+        if self.item is not None:
+            out["item"] = self.item
+        return out
 
 
 def iter_records(uri: str) -> Iterator[RawRecord]:
@@ -33,51 +49,183 @@ def iter_records(uri: str) -> Iterator[RawRecord]:
         return
     data = storage.read_bytes(uri)
     if uri.endswith(".json"):
-        yield from _json_array(uri, data)
-        return
+        yield from json_document(uri, data)
+    else:
+        yield from json_lines(uri, data)
+
+
+def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]:
+    """JSONL: one record per line (or a line's array of objects)."""
+    first = sniff
     for number, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
+            first = False
             yield RawRecord(uri, number, error=BadRecord(f"invalid UTF-8 at byte {e.start}", "invalid_utf8"),
                             raw=line[:RAW_PREVIEW].decode("utf-8", "replace"))
             continue
         try:
-            yield RawRecord(uri, number, record=json.loads(text), raw=text)
+            value = json.loads(text)
         except json.JSONDecodeError as e:
-            yield RawRecord(uri, number, error=BadRecord(f"malformed JSON: {e.msg} at column {e.colno}",
+            if first and _is_utf8(data):  # a JSON document under a .jsonl name?
+                yield from json_document(uri, data)
+                return
+            yield RawRecord(uri, number, error=BadRecord(f"malformed JSON: {e.msg} (column {e.colno})",
                                                          "malformed_json"), raw=text[:RAW_PREVIEW])
+            first = False
+            continue
+        first = False
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for item, record in enumerate(value, start=1):
+                yield RawRecord(uri, number, record=record, item=item)
+        else:
+            yield RawRecord(uri, number, record=value, raw=text)
 
 
-def _json_array(uri: str, data: bytes) -> Iterator[RawRecord]:
+def _is_utf8(data: bytes) -> bool:
     try:
-        items = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        yield RawRecord(uri, 1, error=BadRecord(f"unreadable JSON file: {e}", "malformed_json"))
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+class _Lines:
+    """1-based line of a text offset; offsets are asked in increasing order."""
+
+    def __init__(self, text: str):
+        self.text, self.pos, self.line = text, 0, 1
+
+    def at(self, pos: int) -> int:
+        self.line += self.text.count("\n", self.pos, pos)
+        self.pos = pos
+        return self.line
+
+
+def _skip(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _element_end(text: str, start: int) -> int:
+    """Offset of the `,` or `]` that closes the array element starting at `start`.
+
+    Brackets are matched outside strings; a closing bracket that matches no open one is taken for
+    the element's typo and passed over. A raw newline ends a string (JSON strings cannot hold one),
+    so an unterminated quote swallows one line at most. The end of the text when the brackets
+    never balance.
+    """
+    stack: list[str] = []
+    in_string, escaped = False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch in '"\n':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]":
+            if stack and stack[-1] == ch:
+                stack.pop()
+            elif not stack and ch == "]":
+                return i
+        elif ch == "," and not stack:
+            return i
+    return len(text)
+
+
+def _next_line_element(text: str, start: int, decoder: json.JSONDecoder) -> int:
+    """Offset of the first later line that opens a whole element (for a broken element whose
+    brackets never balance), or the end of the text."""
+    pos = text.find("\n", start)
+    while pos >= 0:
+        q = pos + 1
+        while q < len(text) and text[q] in " \t":
+            q += 1
+        if q < len(text) and text[q] in "{[":
+            try:
+                end = _skip(text, decoder.raw_decode(text, q)[1])
+                if end >= len(text) or text[end] in ",]":
+                    return q
+            except json.JSONDecodeError:
+                pass
+        pos = text.find("\n", q)
+    return len(text)
+
+
+def _malformed(uri: str, line: int, e: json.JSONDecodeError, raw: str, item: int | None = None) -> RawRecord:
+    return RawRecord(uri, line, error=BadRecord(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+                                                    "malformed_json"),
+                     raw=raw[:RAW_PREVIEW], item=item)
+
+
+def json_document(uri: str, data: bytes) -> Iterator[RawRecord]:
+    """A JSON document read value by value (see the module docstring)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:  # bad bytes: read it line by line, so only their lines are lost
+        yield from json_lines(uri, data, sniff=False)
         return
-    if not isinstance(items, list):
-        yield RawRecord(uri, 1, error=BadRecord("a .json file must hold a list of records", "unknown_schema"))
-        return
-    for number, item in enumerate(items, start=1):
-        yield RawRecord(uri, number, record=item)
+    decoder, lines, pos, n = json.JSONDecoder(), _Lines(text), 0, len(text)
+    while (pos := _skip(text, pos)) < n:
+        if text[pos] != "[":
+            try:
+                value, end = decoder.raw_decode(text, pos)
+                yield RawRecord(uri, lines.at(pos), record=value)
+            except json.JSONDecodeError as e:  # a top-level value: resume on the next line
+                end = text.find("\n", pos)
+                end = n if end < 0 else end
+                yield _malformed(uri, lines.at(pos), e, text[pos:end])
+            pos = end
+            continue
+        pos, item = pos + 1, 0
+        while (pos := _skip(text, pos)) < n and text[pos] != "]":
+            item += 1
+            try:
+                value, end = decoder.raw_decode(text, pos)
+                yield RawRecord(uri, lines.at(pos), record=value, item=item)
+            except json.JSONDecodeError as e:
+                end = _element_end(text, pos)
+                if end == len(text):  # its brackets never balance: resume at a later whole element
+                    end = _next_line_element(text, pos, decoder)
+                end = max(end, pos + 1)
+                yield _malformed(uri, lines.at(pos), e, text[pos:end], item)
+            pos = _skip(text, end)
+            if pos < n and text[pos] == ",":
+                pos += 1
+        pos += 1  # past the closing bracket (an unclosed array just ends with the text)
 
 
 def _parquet(uri: str) -> Iterator[RawRecord]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    number = 0
-    table_file = pq.ParquetFile(io.BytesIO(storage.read_bytes(uri)))
-    for batch in table_file.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            number += 1
-            yield RawRecord(uri, number, record=row)
+    data, number = storage.read_bytes(uri), 0
+    try:
+        for batch in pq.ParquetFile(io.BytesIO(data)).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield RawRecord(uri, number, record=row)
+    except (pa.ArrowException, OSError) as e:  # corrupt or truncated: the file's rest is one entry
+        what = "not a readable Parquet file" if number == 0 else f"unreadable after row {number}"
+        yield RawRecord(uri, number + 1, error=BadRecord(f"{what}: {e}", "corrupt_file"))
 
 
 def raw_preview(item: RawRecord) -> str:
     if item.raw:
         return item.raw[:RAW_PREVIEW]
+    if item.record is None:
+        return ""
     try:
         return json.dumps(item.record, ensure_ascii=False, default=str)[:RAW_PREVIEW]
     except (TypeError, ValueError):

@@ -6,8 +6,11 @@ tokenizes it, writes one output file atomically under a name fixed by the unit (
 rewrites the same file) and returns only a small summary row: rows, tokens, rejects. The tokens
 never travel through the object store, and no write task competes with the actors for CPUs.
 The `_manifest.json`, written last from those rows, lists exactly this run's files, so a crashed
-run's leftovers are never read. Rejected rows (over-long under `drop`, missing fields, template
-errors) go to `rejected.jsonl` with their reason.
+run's leftovers are never read, and a rerun replaces an earlier dataset only once it is complete.
+A bad row never stops the run: rejected rows (malformed JSON, missing or ill-typed fields, over-long
+under `drop`, template errors) go to `rejected.jsonl` with their file, line (row, for Parquet) and
+reason; a file or row group that cannot be read is one entry standing for its rows. Every row in is
+written or rejected (`rows_in` = `rows_out` + `rejected`); a run that writes no sample is an error.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dflash_ray.cluster import connect
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data import schema
 from dflash_ray.data.masking import TokenizeBatch
+from dflash_ray.data.records import json_lines
 from dflash_ray.errors import DFlashError
 
 REJECTED = "rejected.jsonl"
@@ -61,8 +65,9 @@ class _TokenizeUnit:
 
     def __call__(self, unit: dict[str, Any]) -> dict[str, Any]:
         tables, rejects = [], []
-        for rows in _unit_rows(unit["uri"], int(unit["row_group"]), self.batch_size):
-            columns, batch_rejects = self.tokenize(rows)
+        for rows, where, unreadable in _unit_rows(unit, self.batch_size):
+            rejects += unreadable
+            columns, batch_rejects = self.tokenize(rows, where)
             tables.append(to_table(columns))
             rejects += batch_rejects
         table = pa.concat_tables(tables) if tables else schema.TOKENIZED.empty_table()
@@ -76,39 +81,71 @@ class _TokenizeUnit:
                 "rejects": json.dumps(rejects)}
 
 
-def _unit_rows(uri: str, row_group: int, batch_size: int) -> Iterator[list[dict[str, Any]]]:
+def _unreadable(uri: str, reason: str, rows: int, **where: Any) -> dict[str, Any]:
+    """The reject entry of a file (or row group) that cannot be read; it stands for `rows` rows."""
+    return {"id": None, "file": uri, **where, "rows": rows, "kind": "corrupt_file", "reason": reason}
+
+
+def _unit_rows(unit: dict[str, Any], batch_size: int) -> Iterator[tuple[list, list[dict], list[dict]]]:
+    """A unit's rows in batches: (rows, where each row is, rejects of rows that cannot be read)."""
+    uri = unit["uri"]
     if uri.endswith(".jsonl"):
-        lines = [json.loads(x) for x in storage.read_text(uri).splitlines() if x.strip()]
-        for start in range(0, len(lines), batch_size):
-            yield lines[start:start + batch_size]
+        rows, where, bad = [], [], []
+        for item in json_lines(uri, storage.read_bytes(uri)):
+            if item.error is not None:
+                bad.append({"id": None, **item.where(), "kind": item.error.kind, "reason": str(item.error)})
+            else:
+                rows.append(item.record)
+                where.append(item.where())
+            if len(rows) >= batch_size:
+                yield rows, where, bad
+                rows, where, bad = [], [], []
+        yield rows, where, bad
         return
     fs, path = storage.arrow_filesystem(uri)
-    with fs.open_input_file(path) as f:
-        table = pq.ParquetFile(f).read_row_group(row_group)
+    group, first = int(unit["row_group"]), int(unit["first_row"])
+    try:
+        with fs.open_input_file(path) as f:
+            table = pq.ParquetFile(f).read_row_group(group)
+    except (pa.ArrowException, OSError) as e:
+        yield [], [], [_unreadable(uri, f"row group {group} unreadable: {e}", int(unit["rows"]), row_group=group)]
+        return
     for batch in table.to_batches(max_chunksize=batch_size):
-        yield batch.to_pylist()
+        yield batch.to_pylist(), [{"file": uri, "line": first + k + 1} for k in range(batch.num_rows)], []
+        first += batch.num_rows
 
 
-def work_units(files: list[str]) -> tuple[list[dict[str, Any]], int]:
-    """One unit per Parquet row group (per JSONL file), and the number of input rows.
+def work_units(files: list[str]) -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]]:
+    """One unit per Parquet row group (per JSONL file), the number of input rows, and the rejects
+    of files that cannot be read (each counts as one row).
 
     The driver hands Ray Data this explicit list rather than using a Ray Data reader: the reader's
     file-listing task would wait for a CPU that the tokenizer actors hold.
     """
-    units, rows = [], 0
+    units, rows, unreadable = [], 0, []
     for uri in files:
         if uri.endswith(".jsonl"):
-            units.append({"index": len(units), "uri": uri, "row_group": 0})
-            rows += sum(1 for x in storage.read_text(uri).splitlines() if x.strip())
+            count = sum(1 for _ in json_lines(uri, storage.read_bytes(uri)))
+            units.append({"index": len(units), "uri": uri, "row_group": 0, "first_row": 0, "rows": count})
+            rows += count
         elif uri.endswith(".parquet"):
             fs, path = storage.arrow_filesystem(uri)
-            with fs.open_input_file(path) as f:
-                meta = pq.ParquetFile(f).metadata
-            units += [{"index": len(units) + g, "uri": uri, "row_group": g} for g in range(meta.num_row_groups)]
+            try:
+                with fs.open_input_file(path) as f:
+                    meta = pq.ParquetFile(f).metadata
+            except (pa.ArrowException, OSError) as e:
+                unreadable.append(_unreadable(uri, f"not a readable Parquet file: {e}", 1))
+                rows += 1
+                continue
+            first = 0
+            for g in range(meta.num_row_groups):
+                count = meta.row_group(g).num_rows
+                units.append({"index": len(units), "uri": uri, "row_group": g, "first_row": first, "rows": count})
+                first += count
             rows += meta.num_rows
         else:
             raise DFlashError("completions must be .parquet or .jsonl files", file=uri)
-    return units, rows
+    return units, rows, unreadable
 
 
 def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
@@ -117,35 +154,46 @@ def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
 
     tcfg = cfg.tokenize
     files = manifest.dataset_files(input_uri, (".parquet", ".jsonl"))
-    units, num_rows_in = work_units(files)
+    units, num_rows_in, rejects = work_units(files)
     connect(cfg.ray)
-    if manifest.read_manifest(output) is not None:  # a rerun: the old dataset stops being complete now
-        storage.delete(storage.join(output, manifest.MANIFEST))
 
-    prefix = f"tokenized-{uuid.uuid4().hex[:12]}"
-    workers = min(len(units), tcfg.concurrency or max(1, int(ray.cluster_resources().get("CPU", 1))))
-    ds = ray.data.from_items(units, override_num_blocks=len(units)).map(
-        _TokenizeUnit, fn_constructor_kwargs={"cfg": tcfg, "output": output, "prefix": prefix},
-        num_cpus=1, compute=ray.data.ActorPoolStrategy(size=workers))
-    results = sorted(ds.take_all(), key=lambda r: r["name"])
+    prefix = f"tokenized-{uuid.uuid4().hex[:12]}"  # this run's files: an earlier run's stay whole until commit
+    results = []
+    if units:
+        workers = min(len(units), tcfg.concurrency or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        ds = ray.data.from_items(units, override_num_blocks=len(units)).map(
+            _TokenizeUnit, fn_constructor_kwargs={"cfg": tcfg, "output": output, "prefix": prefix},
+            num_cpus=1, compute=ray.data.ActorPoolStrategy(size=workers))
+        results = sorted(ds.take_all(), key=lambda r: r["name"])
 
-    rejects = [r for res in results for r in json.loads(res["rejects"])]
-    storage.write_text(storage.join(output, REJECTED),
-                       "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
+    rejects += [r for res in results for r in json.loads(res["rejects"])]
     entries = [{"name": r["name"], "rows": int(r["rows"])} for r in results]
     num_rows_out = sum(e["rows"] for e in entries)
+    num_rejected = sum(int(r.get("rows", 1)) for r in rejects)
+    kinds: collections.Counter[str] = collections.Counter()
+    for r in rejects:
+        kinds[r["kind"]] += int(r.get("rows", 1))
     summary = {
         "stage": "tokenize", "output": output, "tokenizer": tcfg.tokenizer,
-        "rows_in": num_rows_in, "rows_out": num_rows_out, "rejected": len(rejects),
-        "rejected_kinds": dict(collections.Counter(r["kind"] for r in rejects)),
+        "rows_in": num_rows_in, "rows_out": num_rows_out, "rejected": num_rejected,
+        "rejected_kinds": dict(kinds), "rejected_file": storage.join(output, REJECTED),
         "truncated": sum(int(r["truncated"]) for r in results),
         "tokens": sum(int(r["tokens"]) for r in results), "files": len(entries),
     }
-    if num_rows_in != num_rows_out + len(rejects):
-        raise DFlashError(f"{num_rows_in} rows in, {num_rows_out} written and {len(rejects)} "
+    if num_rows_in != num_rows_out + num_rejected:
+        raise DFlashError(f"{num_rows_in} rows in, {num_rows_out} written and {num_rejected} "
                           "rejected: rows were lost", file=input_uri)
-    manifest.write_manifest(output, kind="tokenized", files=entries, summary=summary, config=cfg.to_dict())
-    for stale in storage.list_files(output, ".parquet"):  # files of earlier runs, no longer listed
-        if not storage.basename(stale).startswith(prefix):
-            storage.delete(stale)
+    report = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects)
+    if num_rows_out == 0:
+        for entry in entries:  # this run's empty files
+            storage.delete(storage.join(output, entry["name"]))
+        summary["rejected_file"] = manifest.report_uri(output, REJECTED)
+        storage.write_text(summary["rejected_file"], report)
+        kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
+        raise DFlashError(f"no samples out of {num_rows_in} rows ({num_rejected} rejected, by kind "
+                          f"{kinds_text}); the reasons are in {summary['rejected_file']}",
+                          file=input_uri).with_summary(summary)
+    storage.write_text(storage.join(output, REJECTED), report)
+    manifest.commit(output, kind="tokenized", files=entries, summary=summary, config=cfg.to_dict(),
+                    prefix="tokenized-")
     return summary
