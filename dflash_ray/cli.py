@@ -183,7 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_tokenize)
 
     p = sub.add_parser("validate", parents=[common], help="loss-mask statistics and the validation gate")
-    p.add_argument("--input", required=True, metavar="URI")
+    p.add_argument("--input", required=True, metavar="URI",
+                   help="tokenized dataset (input_ids, loss_mask): a Parquet file, a folder of Parquet files "
+                        "(from `dflash-ray tokenize` or not), or a Hugging Face `save_to_disk` folder")
     p.add_argument("--report", metavar="DIR", help="write report.json, report.md and PNG histograms here")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the one that tokenized the data")
     p.set_defaults(run=_cmd_validate)

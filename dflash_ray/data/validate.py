@@ -3,7 +3,9 @@
 The seed project trained for days on data where 87% of samples had a loss-mask sum of exactly 6
 (`<think>\\n\\n</think>\\n\\nOK.<|im_end|>`); nobody had decoded a sample. This stage streams over
 the whole dataset, computes the distributions that expose such data, decodes samples of the
-dominant mode and at random, and refuses the dataset when a gate rule (in config) fails.
+dominant mode and at random, and refuses the dataset when a gate rule (in config) fails. It reads
+any tokenized dataset, this project's or another's (see `dflash_ray.data.tokenized`): only
+`input_ids` and `loss_mask` are needed; per-source figures appear when there is a `source` column.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from dflash_ray import manifest, storage
+from dflash_ray import storage
 from dflash_ray.config import GateConfig, RunConfig
+from dflash_ray.data.tokenized import TokenizedData, iter_batches, open_tokenized, read_table
 from dflash_ray.errors import DFlashError
 
 TOP_VALUES = 5
@@ -66,7 +68,7 @@ def _empty_thinking(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, thin
     return count
 
 
-def _scan(files: list[str], tokenizer) -> _Scan:
+def _scan(data: TokenizedData, tokenizer) -> _Scan:
     think = tokenizer.convert_tokens_to_ids("<think>") if "<think>" in tokenizer.get_vocab() else -1
     think_end = tokenizer.convert_tokens_to_ids("</think>") if think >= 0 else -1
     blank = {i for t, i in tokenizer.get_vocab().items()
@@ -74,27 +76,33 @@ def _scan(files: list[str], tokenizer) -> _Scan:
     sums, lens, locations = [], [], []
     empty, sources = 0, collections.Counter()
     source_loss: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    columns = ["input_ids", "loss_mask"] + (["source"] if "source" in data.columns else [])
     from tqdm import tqdm
 
-    for uri in tqdm(files, desc="validate", unit=" files"):
-        fs, path = storage.arrow_filesystem(uri)
+    for uri in tqdm(data.files, desc="validate", unit=" files"):
         rows = 0
-        with fs.open_input_file(path) as f:
-            pf = pq.ParquetFile(f)
-            for batch in pf.iter_batches(batch_size=4096, columns=["source", "input_ids", "loss_mask", "seq_len"]):
-                moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
-                _, ivalues = _offsets_values(batch.column("input_ids"))
-                csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
-                batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
-                sums.append(batch_sums)
-                lens.append(batch.column("seq_len").to_numpy().astype(np.int64))
-                empty += _empty_thinking(ivalues, mvalues, moffsets, think, think_end, blank)
-                batch_sources = batch.column("source").to_pylist()
+        for batch in iter_batches(uri, columns):
+            moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
+            ioffsets, ivalues = _offsets_values(batch.column("input_ids"))
+            if not np.array_equal(moffsets, ioffsets):
+                i = int(np.flatnonzero(np.diff(moffsets) != np.diff(ioffsets))[0])
+                raise DFlashError(f"input_ids has {ioffsets[i + 1] - ioffsets[i]} tokens but loss_mask "
+                                  f"{moffsets[i + 1] - moffsets[i]}", file=uri, record=rows + i + 1, field="loss_mask")
+            if mvalues.size and (mvalues.min() < 0 or mvalues.max() > 1):
+                i = int(np.searchsorted(moffsets, np.flatnonzero((mvalues < 0) | (mvalues > 1))[0], "right")) - 1
+                raise DFlashError("loss_mask values must be 0 or 1", file=uri, record=rows + i + 1, field="loss_mask")
+            csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
+            batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
+            sums.append(batch_sums)
+            lens.append(np.diff(ioffsets))
+            empty += _empty_thinking(ivalues, mvalues, moffsets, think, think_end, blank)
+            if "source" in columns:
+                batch_sources = [str(s) for s in batch.column("source").to_pylist()]
                 sources.update(batch_sources)
                 for src in set(batch_sources):
                     pick = np.asarray([s == src for s in batch_sources])
                     source_loss[src].append(batch_sums[pick])
-                rows += batch.num_rows
+            rows += batch.num_rows
         locations.append((uri, rows))
     empty_arr = np.zeros(0, dtype=np.int64)
     return _Scan(np.concatenate(sums) if sums else empty_arr, np.concatenate(lens) if lens else empty_arr,
@@ -136,20 +144,20 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
     return out
 
 
-def _examples(scan: _Scan, indices: list[int], tokenizer) -> list[dict[str, Any]]:
-    """Decode the samples at global row indices (prompt tail and response)."""
+def _examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[dict[str, Any]]:
+    """Decode the samples at global row indices (prompt tail and response); a dataset without
+    ids names a sample by its file and row."""
     wanted = sorted(set(indices))
     out: dict[int, dict[str, Any]] = {}
     base = 0
     for uri, rows in scan.locations:
         local = [i - base for i in wanted if base <= i < base + rows]
         if local:
-            fs, path = storage.arrow_filesystem(uri)
-            table = pq.read_table(path, filesystem=fs, columns=["id", "input_ids", "loss_mask"]).take(local)
+            table = read_table(uri, ["input_ids", "loss_mask"] + (["id"] if has_id else [])).take(local)
             for i, row in zip(local, table.to_pylist()):
                 ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], dtype=bool)
                 out[base + i] = {
-                    "id": row["id"], "seq_len": int(ids.size), "loss_mask_sum": int(mask.sum()),
+                    "id": row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}", "seq_len": int(ids.size), "loss_mask_sum": int(mask.sum()),
                     "prompt_tail": tokenizer.decode(ids[~mask].tolist())[-300:],
                     "response": tokenizer.decode(ids[mask].tolist())[:DECODE_CHARS],
                 }
@@ -194,9 +202,10 @@ def _markdown(report: dict[str, Any]) -> str:
               f"| empty thinking blocks | {'n/a' if s['empty_thinking_share'] is None else format(s['empty_thinking_share'], '.1%')} |",
               f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |", "",
               "Most common loss-mask sums: " + ", ".join(
-                  f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"]), "",
-              "| source | samples | median response |", "|---|---|---|"]
-    lines += [f"| {k} | {v['samples']:,} | {v['median_response']:g} |" for k, v in s["sources"].items()]
+                  f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"])]
+    if s["sources"]:  # only when the dataset has a `source` column
+        lines += ["", "| source | samples | median response |", "|---|---|---|"]
+        lines += [f"| {k} | {v['samples']:,} | {v['median_response']:g} |" for k, v in s["sources"].items()]
     for title, key in (("Samples of the dominant loss-mask sum", "dominant_examples"),
                        ("Random samples", "random_examples")):
         lines += ["", f"## {title}"]
@@ -213,12 +222,12 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
     from dflash_ray.registry import load_tokenizer
 
     vcfg = cfg.validate
-    files = manifest.dataset_files(input_uri, (".parquet",))
-    made_by = manifest.read_manifest(input_uri) or {}
+    data = open_tokenized(input_uri)
+    made_by = data.made_by or {}
     tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") \
         or cfg.tokenize.tokenizer
     tokenizer = load_tokenizer(tokenizer_name)
-    scan = _scan(files, tokenizer)
+    scan = _scan(data, tokenizer)
     n = int(scan.loss_sums.size)
     if n == 0:
         raise DFlashError("the dataset holds no samples", file=input_uri)
@@ -246,8 +255,8 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
         "stage": "validate", "input": input_uri, "tokenizer": tokenizer_name,
         "passed": all(r["passed"] for r in rules), "failed_rules": [r["rule"] for r in rules if not r["passed"]],
         "rules": rules, "stats": stats,
-        "dominant_examples": _examples(scan, dominant, tokenizer),
-        "random_examples": _examples(scan, random_rows, tokenizer),
+        "dominant_examples": _examples(scan, dominant, tokenizer, "id" in data.columns),
+        "random_examples": _examples(scan, random_rows, tokenizer, "id" in data.columns),
     }
     if report_dir:
         storage.write_text(storage.join(report_dir, "report.json"), json.dumps(report, indent=1))

@@ -101,12 +101,11 @@ class Schedule:
 
 
 def dataset_samples(data: str) -> list[tuple[str, int]]:
-    made = manifest.read_manifest(data)
-    if made is None:
-        raise DFlashError("not a tokenized dataset (no _manifest.json): run `dflash-ray tokenize`", file=data)
-    files = manifest.dataset_files(data, (".parquet",))
-    rows = {storage.join(data, e["name"]): e["rows"] for e in made["files"]}
-    return [(uri, r) for uri in files for r in range(rows[uri])]
+    """(file, row) of every sample of a tokenized dataset in any layout `open_tokenized` reads."""
+    from dflash_ray.data.tokenized import open_tokenized
+
+    dataset = open_tokenized(data)
+    return [(uri, r) for uri, n in zip(dataset.files, dataset.row_counts()) for r in range(n)]
 
 
 def sample_prompts(samples: list[tuple[str, int]]) -> list[str]:

@@ -58,10 +58,9 @@ class TargetWorker:
 
     def _row(self, uri: str, row: int) -> dict[str, list[int]]:
         if uri != self._file:
-            import pyarrow.parquet as pq
+            from dflash_ray.data.tokenized import read_table
 
-            fs, path = storage.arrow_filesystem(uri)
-            self._table = pq.read_table(path, filesystem=fs, columns=["input_ids", "loss_mask"])
+            self._table = read_table(uri, ["input_ids", "loss_mask"])  # Parquet or Arrow
             self._file = uri
         return {k: self._table[k][row].as_py() for k in ("input_ids", "loss_mask")}
 

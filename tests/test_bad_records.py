@@ -1,0 +1,279 @@
+"""Bad input gets a clear error (exit 2, naming the file and field) or is handled with nothing lost:
+every record read is counted in and out. One test per case that once aborted a run, lost good
+records or ended in a traceback; and the gate on datasets this project did not write."""
+
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_ray import cli, manifest, storage
+from dflash_ray.config import load_config
+from dflash_ray.data.prompts import run_prompts
+from dflash_ray.errors import DFlashError
+
+NO_BUDGET = load_config(None, ["prompts.max_prompt_tokens=0"])
+
+
+def _chat(text):
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+def _lines(*records):
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def _quarantine(out):
+    return [json.loads(x) for x in storage.read_text(f"{out}/quarantine.jsonl").splitlines()]
+
+
+def _cli(capsys, *argv):
+    """Run the CLI in this process; (exit code, --json summary, stderr)."""
+    code = cli.main([*argv, "--json"])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+
+def _parquet_bytes(table):
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+def test_json_array_with_one_broken_element_keeps_the_others(tmp_path):
+    path = tmp_path / "chats.json"
+    path.write_text('[\n {"messages": [{"role": "user", "content": "one"}]},\n'
+                    ' {"messages": [{"role": "user", "content": "two"}, }]},\n'
+                    ' {"messages": [{"role": "user", "content": "three"}]}\n]\n')
+    summary = run_prompts([str(path)], str(tmp_path / "out"), NO_BUDGET, progress=False)
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (3, 2, 1)
+    (bad,) = _quarantine(tmp_path / "out")
+    assert (bad["file"], bad["line"], bad["item"], bad["kind"]) == (str(path), 3, 2, "malformed_json")
+    assert '"two"' in bad["record"]
+
+
+def test_jsonl_saved_as_json_is_read_line_by_line(tmp_path):
+    path = tmp_path / "chats.json"
+    path.write_text(_lines(_chat("a"), _chat("b")) + '{"messages": [\n' + _lines(_chat("c")))
+    summary = run_prompts([str(path)], str(tmp_path / "out"), NO_BUDGET, progress=False)
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (4, 3, 1)
+    (bad,) = _quarantine(tmp_path / "out")
+    assert (bad["line"], bad["kind"]) == (3, "malformed_json") and "malformed JSON" in bad["reason"]
+
+
+def test_json_array_on_one_jsonl_line_yields_its_records(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(_lines(_chat("first"), [_chat("a"), _chat("b"), {"text": "no schema"}], _chat("last")))
+    summary = run_prompts([str(path)], str(tmp_path / "out"), NO_BUDGET, progress=False)
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (5, 4, 1)
+    (bad,) = _quarantine(tmp_path / "out")
+    assert (bad["line"], bad["item"], bad["kind"]) == (2, 3, "unknown_schema")
+
+
+def test_corrupt_parquet_is_one_entry_and_the_other_files_go_on(tmp_path):
+    good = _parquet_bytes(pa.Table.from_pylist([{"instruction": "Name a prime."}, {"instruction": "Name a color."}]))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "bad.parquet").write_bytes(good[:len(good) // 2])
+    (tmp_path / "in" / "good.parquet").write_bytes(good)
+    (tmp_path / "in" / "chats.jsonl").write_text(_lines(_chat("hi")))
+    summary = run_prompts([str(tmp_path / "in")], str(tmp_path / "out"), NO_BUDGET, progress=False)
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (4, 3, 1)
+    assert summary["records"] == summary["records_ok"] + summary["quarantined"]
+    (bad,) = _quarantine(tmp_path / "out")
+    assert bad["file"] == str(tmp_path / "in" / "bad.parquet") and bad["kind"] == "corrupt_file"
+    assert "Parquet" in bad["reason"]
+
+
+def test_no_prompts_out_exits_2_and_a_failed_rerun_keeps_the_previous_output(tmp_path, capsys):
+    good, bad, out = tmp_path / "good.jsonl", tmp_path / "bad.jsonl", str(tmp_path / "out")
+    good.write_text(_lines(_chat("a"), _chat("b")))
+    bad.write_text(_lines({"messages": [{"content": "no role"}]}, {"text": "x"}) + "{not json\n")
+    run_prompts([str(good)], out, NO_BUDGET, progress=False)
+    before = manifest.read_manifest(out)
+
+    code, summary, err = _cli(capsys, "prompts", "--input", str(bad), "--output", out,
+                              "--set", "prompts.max_prompt_tokens=0")
+    assert code == 2 and summary["ok"] is False and summary["exit_code"] == 2
+    assert "no prompts out of 3 records" in err and str(bad) in err
+    assert summary["records"] == summary["quarantined"] == 3 and summary["prompts"] == 0
+    failed = [json.loads(x) for x in storage.read_text(summary["quarantine_file"]).splitlines()]
+    assert [q["line"] for q in failed] == [1, 2, 3] and summary["quarantine_file"] in err
+    assert manifest.read_manifest(out) == before  # the previous dataset is whole and readable
+    assert [r["messages"][0]["content"] for r in manifest.read_rows(out, ["messages"], 10)] == ["a", "b"]
+    assert len(_quarantine(out)) == 0  # its own quarantine file too
+
+    good.write_text(_lines(_chat("c")))  # a rerun that succeeds replaces it, old shards gone
+    run_prompts([str(good)], out, NO_BUDGET, progress=False)
+    assert storage.list_files(out, ".parquet") == manifest.dataset_files(out)
+    assert [r["messages"][0]["content"] for r in manifest.read_rows(out, ["messages"], 10)] == ["c"]
+
+
+# -- tokenize --------------------------------------------------------------------------------
+
+def _completion(i, **changes):
+    row = {"id": f"c{i}", "source": "s", "messages": [{"role": "user", "content": f"q{i}"}],
+           "text": "a", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5]}
+    return {**row, **changes}
+
+
+# one line per case that once aborted the Ray Data job: (line, kind, words the reason holds)
+BAD_COMPLETIONS = [
+    (_completion(10, messages=[{"content": "no role"}], prompt_token_ids=None, output_token_ids=None),
+     "missing_field", "messages[0].role"),
+    (_completion(11, tools="[{not json", prompt_token_ids=None, output_token_ids=None), "bad_field", "tools: not valid JSON"),
+    ({k: v for k, v in _completion(12).items() if k != "id"}, "missing_field", "id: missing"),
+    (_completion(13, output_token_ids=[4, "five"]), "bad_field", "output_token_ids[1]: 'five'"),
+    (_completion(14, prompt_token_ids=[1.5]), "bad_field", "prompt_token_ids[0]: 1.5"),
+    ('{"id": "c15", "messages": [', "malformed_json", "malformed JSON"),
+]
+
+
+def test_tokenize_rejects_bad_rows_with_file_and_line_and_goes_on(ray_cluster, tmp_path):
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    folder = tmp_path / "completions"
+    folder.mkdir()
+    lines = [json.dumps(_completion(i)) for i in range(4)]
+    lines += [row if isinstance(row, str) else json.dumps(row) for row, _, _ in BAD_COMPLETIONS]
+    (folder / "a.jsonl").write_text("\n".join(lines) + "\n")
+    broken = _parquet_bytes(pa.Table.from_pylist([_completion(20), _completion(21)]))
+    (folder / "b.parquet").write_bytes(broken[:-30])
+    out = str(tmp_path / "tokenized")
+    cfg = load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"])
+    summary = run_tokenize(str(folder), out, cfg)
+    assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (4 + len(BAD_COMPLETIONS) + 1, 4,
+                                                                               len(BAD_COMPLETIONS) + 1)
+    rejected = [json.loads(x) for x in storage.read_text(summary["rejected_file"]).splitlines()]
+    by_line = {r.get("line"): r for r in rejected if r["file"].endswith("a.jsonl")}
+    for line, (_, kind, words) in enumerate(BAD_COMPLETIONS, start=5):
+        assert by_line[line]["kind"] == kind and words in by_line[line]["reason"], by_line[line]
+    (corrupt,) = [r for r in rejected if r["file"].endswith("b.parquet")]
+    assert corrupt["kind"] == "corrupt_file" and "Parquet" in corrupt["reason"]
+    assert sorted(manifest.read_rows(out, ["id"], 10), key=str) == [{"id": f"c{i}"} for i in range(4)]
+
+    # a rerun that tokenizes nothing: exit 2 with the reasons, the previous dataset kept
+    before = manifest.read_manifest(out)
+    (folder / "a.jsonl").write_text(lines[4] + "\n")
+    (folder / "b.parquet").unlink()
+    with pytest.raises(DFlashError, match="no samples out of 1 rows") as e:
+        run_tokenize(str(folder), out, cfg)
+    assert e.value.exit_code == 2 and e.value.summary["rejected"] == 1
+    assert manifest.read_manifest(out) == before and len(manifest.dataset_files(out)) == len(before["files"])
+
+
+# -- validate: the wrong thing given, and datasets of any layout -------------------------------
+
+def test_validate_on_records_names_the_file_and_the_command(tmp_path, capsys):
+    jsonl = tmp_path / "completions.jsonl"
+    jsonl.write_text(_lines(_completion(0)))
+    code, summary, err = _cli(capsys, "validate", "--input", str(jsonl))
+    assert code == 2 and str(jsonl) in err and "dflash-ray tokenize" in err and "Traceback" not in err
+
+    prompts = str(tmp_path / "prompts")
+    run_prompts([str(jsonl)], prompts, NO_BUDGET, progress=False)
+    code, summary, err = _cli(capsys, "validate", "--input", prompts)
+    assert code == 2 and "holds prompts, not tokenized" in err and "dflash-ray generate" in err
+
+    no_mask = tmp_path / "no-mask.parquet"
+    no_mask.write_bytes(_parquet_bytes(pa.table({"input_ids": [[1, 2]], "labels": [[1, 2]]})))
+    code, summary, err = _cli(capsys, "validate", "--input", str(no_mask))
+    assert code == 2 and str(no_mask) in err and "field 'loss_mask'" in err and "labels" in err
+
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1 not really")
+    code, summary, err = _cli(capsys, "validate", "--input", str(junk))
+    assert code == 2 and str(junk) in err and "not a readable Parquet file" in err
+
+
+BROKEN_REPLY = "<think>\n\n</think>\n\nOK<|im_end|>"  # 6 tokens with the Qwen3 tokenizer
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def seed_broken_samples(tokenizer, n=100):
+    """The seed's broken dataset in miniature: 87% of samples answer with 6 tokens."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}: list words."}],
+                                               tokenize=False, add_generation_prompt=True)
+        reply = BROKEN_REPLY if i % 100 < 87 else (
+            f"<think>\n{' '.join(rng.choice(WORDS, 60))}\n</think>\n\n{' '.join(rng.choice(WORDS, 40))}<|im_end|>")
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r), "seq_len": len(p) + len(r),
+                     "id": f"seed-{i}"})
+    assert sum(sum(r["loss_mask"]) == 6 for r in rows) == 87
+    return rows
+
+
+def _seed_table(rows, ids_type):
+    return pa.table({"input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(ids_type)),
+                     "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(ids_type)),
+                     "seq_len": pa.array([r["seq_len"] for r in rows], pa.int64()),
+                     "id": [r["id"] for r in rows]})
+
+
+def _save_to_disk_layout(folder, table, shards=2):
+    """What `datasets.Dataset.save_to_disk` writes: Arrow IPC stream shards, state and info."""
+    folder.mkdir()
+    size = -(-table.num_rows // shards)
+    names = [f"data-{k:05d}-of-{shards:05d}.arrow" for k in range(shards)]
+    for k, name in enumerate(names):
+        part = table.slice(k * size, size)
+        with pa.ipc.new_stream(str(folder / name), part.schema) as writer:
+            for batch in part.to_batches(max_chunksize=16):
+                writer.write_batch(batch)
+    (folder / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0" * 16, "_format_columns": None,
+        "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}))
+    (folder / "dataset_info.json").write_text(json.dumps({"features": {
+        "input_ids": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "Sequence"},
+        "loss_mask": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "Sequence"},
+        "seq_len": {"dtype": "int64", "_type": "Value"}, "id": {"dtype": "string", "_type": "Value"}}}))
+
+
+@pytest.fixture(scope="module")
+def seed_layouts(tmp_path_factory, qwen3_tokenizer):
+    """The broken dataset as one Parquet file, a folder of Parquet files without a manifest, and a
+    `save_to_disk` folder."""
+    root = tmp_path_factory.mktemp("seed")
+    rows = seed_broken_samples(qwen3_tokenizer)
+    single = root / "seed.parquet"
+    single.write_bytes(_parquet_bytes(_seed_table(rows, pa.int32())))
+    (root / "folder").mkdir()
+    for k in range(2):
+        (root / "folder" / f"part-{k}.parquet").write_bytes(_parquet_bytes(_seed_table(rows[k * 50:(k + 1) * 50],
+                                                                                        pa.int32())))
+    _save_to_disk_layout(root / "hf", _seed_table(rows, pa.int64()))
+    return {"file": str(single), "folder": str(root / "folder"), "hf": str(root / "hf")}
+
+
+@pytest.mark.parametrize("layout", ["file", "folder", "hf"])
+def test_gate_fails_the_seed_dataset_in_any_layout(seed_layouts, layout, capsys, tmp_path):
+    code, summary, err = _cli(capsys, "validate", "--input", seed_layouts[layout], "--tokenizer", "qwen3",
+                              "--report", str(tmp_path / "report"))
+    assert code == 3, err
+    assert "max_mode_share" in summary["failed_rules"] and "min_median_response" in summary["failed_rules"]
+    top = summary["stats"]["loss_mask_sum"]["most_common"][0]
+    assert (top["value"], top["share"]) == (6, pytest.approx(0.87)) and summary["stats"]["samples"] == 100
+    assert "max_mode_share" in err and "87.0%" in err
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["dominant_examples"][0]["response"] == BROKEN_REPLY
+    assert report["dominant_examples"][0]["id"] == "seed-0" and report["stats"]["sources"] == {}
+
+
+@pytest.mark.parametrize("layout", ["file", "folder", "hf"])
+def test_train_reads_every_layout(seed_layouts, layout):
+    from dflash_ray.data.tokenized import read_table
+    from dflash_ray.train.coordinator import dataset_samples
+
+    samples = dataset_samples(seed_layouts[layout])
+    assert len(samples) == 100 and len(set(samples)) == 100
+    uri, row = samples[-1]
+    last = read_table(uri, ["input_ids", "loss_mask"]).slice(row, 1).to_pylist()[0]
+    assert sum(last["loss_mask"]) > 6 and len(last["input_ids"]) == len(last["loss_mask"])
