@@ -31,7 +31,7 @@ def test_missing_manifest_truncated_or_corrupt_files_are_never_used(output):
     storage.write_bytes(storage.join(checkpoint.step_dir(output, 40), "w.bin"), b"z" * 40)
     step, files, _ = checkpoint.load_latest(output)
     assert step == 10 and files["w.bin"] == b"good" * 10
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match=r"20 bytes, the manifest lists 40 \(truncated\)"):
         checkpoint.load(output, 30)
 
 
@@ -43,3 +43,73 @@ def test_rotation_keeps_the_newest(output):
     assert checkpoint.complete_steps(output) == [3, 4]
     assert [storage.basename(d) for d in storage.list_dirs(storage.join(output, "checkpoints"))] == [
         "step-00000003", "step-00000004"]
+
+
+def _truncate(output, step, name, keep_bytes):
+    uri = storage.join(checkpoint.step_dir(output, step), name)
+    storage.write_bytes(uri, storage.read_bytes(uri)[:keep_bytes])
+
+
+def test_rotation_keeps_the_newest_verified_never_a_newer_broken_one(output):
+    files = {"drafter/model.safetensors": b"w" * 64, "state.json": b'{"step": 0}'}
+    checkpoint.save(output, 50, files)
+    checkpoint.save(output, 100, files)
+    _truncate(output, 100, "drafter/model.safetensors", 10)  # a run died while step 100 was replaced
+    # the run resumed from 50 and has just written step 70
+    checkpoint.save(output, 70, {**files, "state.json": b'{"step": 70}'})
+    assert checkpoint.rotate(output, keep=1) == [50]
+    assert checkpoint.complete_steps(output) == [70, 100]  # the broken 100 is left as it is
+    # what a resume picks: the newest checkpoint that verifies, whose state it reads alone
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="truncated"):
+        checkpoint.verify(output, 100)
+    manifest = checkpoint.verify(output, 70)
+    assert checkpoint.read_file(output, 70, "state.json", manifest) == b'{"step": 70}'
+    assert checkpoint.load_latest(output)[0] == 70
+
+
+def test_rotation_never_deletes_the_newest_verified_one(output):
+    checkpoint.save(output, 1, {"w.bin": b"a" * 8})
+    checkpoint.save(output, 2, {"w.bin": b"b" * 8})
+    _truncate(output, 2, "w.bin", 4)
+    assert checkpoint.rotate(output, keep=1) == []  # 1 is the newest that verifies: it stays
+    assert checkpoint.complete_steps(output) == [1, 2]
+    storage.delete(storage.join(checkpoint.step_dir(output, 1), "w.bin"))
+    assert checkpoint.rotate(output, keep=1) == []  # none verifies: nothing is deleted
+    assert checkpoint.complete_steps(output) == [1, 2]
+
+
+def test_rotation_upto_the_step_just_written_ignores_later_ones(output):
+    for step in (10, 20, 30):
+        checkpoint.save(output, step, {"w.bin": bytes([step]) * 8})
+    # 30 is a later run's step, corrupt at the same size: it verifies by size, so only `upto` spares 20
+    storage.write_bytes(storage.join(checkpoint.step_dir(output, 30), "w.bin"), b"z" * 8)
+    assert checkpoint.rotate(output, keep=1, upto=20) == [10]
+    assert checkpoint.complete_steps(output) == [20, 30]
+
+
+def test_verify_reads_sizes_and_read_file_the_checksum(output):
+    checkpoint.save(output, 5, {"a.bin": b"a" * 32, "b.bin": b"b" * 32})
+    storage.write_bytes(storage.join(checkpoint.step_dir(output, 5), "a.bin"), b"x" * 32)  # same size
+    assert set(checkpoint.verify(output, 5)["files"]) == {"a.bin", "b.bin"}
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="a.bin.*checksum"):
+        checkpoint.read_file(output, 5, "a.bin")
+    assert checkpoint.read_file(output, 5, "b.bin") == b"b" * 32
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="not listed"):
+        checkpoint.read_file(output, 5, "c.bin")
+    storage.delete(storage.join(checkpoint.step_dir(output, 5), "b.bin"))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="b.bin: listed in the manifest but missing"):
+        checkpoint.verify(output, 5)
+    storage.write_text(storage.join(checkpoint.step_dir(output, 5), checkpoint.MANIFEST), "{not json")
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="unreadable manifest"):
+        checkpoint.verify(output, 5)
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="no manifest"):
+        checkpoint.read_manifest(output, 6)
+
+
+def test_rewriting_a_step_unmarks_it_until_committed(output):
+    checkpoint.save(output, 3, {"w.bin": b"old"})
+    checkpoint.begin(output, 3)  # an earlier run's manifest must not vouch for files being replaced
+    checkpoint.write_file(output, 3, "w.bin", b"new!")
+    assert checkpoint.complete_steps(output) == []
+    checkpoint.commit(output, 3, {"w.bin": checkpoint.write_file(output, 3, "w.bin", b"new!")})
+    assert checkpoint.load(output, 3)[0] == {"w.bin": b"new!"}

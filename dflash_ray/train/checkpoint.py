@@ -4,6 +4,11 @@ Layout: `OUTPUT/checkpoints/step-00000042/` holding named files (the drafter in 
 format under `drafter/`, optimizer and scheduler state, the run state with data position and every
 RNG) and `MANIFEST.json`, written last, with each file's size and sha256. A resume takes the newest
 checkpoint whose manifest exists and whose files all match it; anything else is never used.
+
+Checking costs differ: `verify` compares sizes only (one metadata request per file, nothing read),
+what the coordinator can afford for a checkpoint of tens of GB; `read_file` checks the sha256 of
+what it reads, so whoever loads a file (each drafter its weights and optimizer state) checks it.
+Rotation deletes only checkpoints older than the newest one that verifies.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ MANIFEST = "MANIFEST.json"
 log = logging.getLogger(__name__)
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint without a readable manifest, or whose files differ from it: never used."""
+
+
 def step_dir(output: str, step: int) -> str:
     return storage.join(output, "checkpoints", f"step-{step:08d}")
 
@@ -28,6 +37,12 @@ def write_file(output: str, step: int, name: str, data: bytes) -> dict:
     may write the files of one checkpoint (each drafter writes its own); one commits."""
     storage.write_bytes(storage.join(step_dir(output, step), name), data)
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def begin(output: str, step: int) -> None:
+    """Mark a checkpoint incomplete before its files are (re)written: a manifest left by an earlier
+    run at this step must not vouch for files half replaced."""
+    storage.delete(storage.join(step_dir(output, step), MANIFEST))
 
 
 def commit(output: str, step: int, entries: dict[str, dict], meta: dict | None = None) -> str:
@@ -40,7 +55,7 @@ def commit(output: str, step: int, entries: dict[str, dict], meta: dict | None =
 
 def save(output: str, step: int, files: dict[str, bytes], meta: dict | None = None) -> str:
     """Write every file, then the manifest."""
-    storage.delete(storage.join(step_dir(output, step), MANIFEST))  # incomplete until committed again
+    begin(output, step)
     entries = {name: write_file(output, step, name, data) for name, data in files.items()}
     return commit(output, step, entries, meta)
 
@@ -60,47 +75,99 @@ def complete_steps(output: str) -> list[int]:
     return sorted(steps)
 
 
-def load(output: str, step: int) -> tuple[dict[str, bytes], dict]:
-    """The files of a checkpoint, verified against its manifest (ValueError when they differ)."""
+def read_manifest(output: str, step: int) -> dict:
+    """The manifest of a checkpoint (CorruptCheckpoint when it is missing or unreadable)."""
+    uri = storage.join(step_dir(output, step), MANIFEST)
+    try:
+        manifest = json.loads(storage.read_text(uri))
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("no file list")
+        return manifest
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{uri}: no manifest") from None
+    except ValueError as e:  # JSON that does not parse, or a manifest of another shape
+        raise CorruptCheckpoint(f"{uri}: unreadable manifest: {e}") from None
+
+
+def _entry(manifest: dict, folder: str, name: str) -> dict:
+    if name not in manifest["files"]:
+        raise CorruptCheckpoint(f"{storage.join(folder, name)}: not listed in the manifest")
+    return manifest["files"][name]
+
+
+def read_file(output: str, step: int, name: str, manifest: dict | None = None) -> bytes:
+    """One file of a checkpoint, its size and sha256 checked against the manifest."""
+    manifest = manifest or read_manifest(output, step)
     folder = step_dir(output, step)
-    manifest = json.loads(storage.read_text(storage.join(folder, MANIFEST)))
-    files = {}
+    entry, uri = _entry(manifest, folder, name), storage.join(folder, name)
+    try:
+        data = storage.read_bytes(uri)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{uri}: listed in the manifest but missing") from None
+    if len(data) != entry["bytes"]:
+        raise CorruptCheckpoint(f"{uri}: {len(data)} bytes, the manifest lists {entry['bytes']} (truncated)")
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CorruptCheckpoint(f"{uri}: its sha256 does not match the manifest's checksum (corrupt)")
+    return data
+
+
+def verify(output: str, step: int) -> dict:
+    """The manifest of a checkpoint whose files all exist at the sizes it lists (nothing is read;
+    `read_file` checks the checksums). CorruptCheckpoint otherwise."""
+    manifest = read_manifest(output, step)
+    folder = step_dir(output, step)
     for name, entry in manifest["files"].items():
         uri = storage.join(folder, name)
         try:
-            data = storage.read_bytes(uri)
+            actual = storage.size(uri)
         except FileNotFoundError:
-            raise ValueError(f"{uri}: listed in the manifest but missing") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise ValueError(f"{uri}: {len(data)} bytes do not match the manifest's {entry['bytes']} "
-                             "bytes and checksum")
-        files[name] = data
+            raise CorruptCheckpoint(f"{uri}: listed in the manifest but missing") from None
+        if actual != entry["bytes"]:
+            raise CorruptCheckpoint(f"{uri}: {actual} bytes, the manifest lists {entry['bytes']} (truncated)")
+    return manifest
+
+
+def load(output: str, step: int) -> tuple[dict[str, bytes], dict]:
+    """Every file of a checkpoint, verified against its manifest (CorruptCheckpoint when they differ)."""
+    manifest = read_manifest(output, step)
+    files = {name: read_file(output, step, name, manifest) for name in manifest["files"]}
     return files, manifest.get("meta", {})
 
 
 def load_latest(output: str) -> tuple[int, dict[str, bytes], dict] | None:
-    """The newest checkpoint that verifies; broken ones are skipped with a warning."""
+    """The newest checkpoint that verifies, read whole; broken ones are skipped with a warning.
+    For tools and tests: a resume reads only `state.json` (see `Coordinator._resume`)."""
     for step in reversed(complete_steps(output)):
         try:
             files, meta = load(output, step)
             return step, files, meta
-        except ValueError as e:
+        except CorruptCheckpoint as e:
             log.warning("skipping checkpoint step %d: %s", step, e)
     return None
 
 
-def rotate(output: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` complete checkpoints, and any incomplete one older than
-    the newest complete one. Returns the deleted steps."""
-    steps = complete_steps(output)
-    if not steps:
+def rotate(output: str, keep: int, upto: int | None = None) -> list[int]:
+    """Keep the newest `keep` checkpoints that verify; delete every other checkpoint or leftover
+    folder OLDER than the newest one that verifies. Nothing newer is touched (an unverified newer
+    checkpoint is never what a resume takes, and deleting it could lose the only copy of a step), and
+    with `upto` (the step just written) neither is anything after it. Returns the deleted steps."""
+    folders = [s for s in (_step_of(f) for f in storage.list_dirs(storage.join(output, "checkpoints")))
+               if s is not None]
+    kept: list[int] = []
+    for step in reversed(complete_steps(output)):
+        if upto is not None and step > upto:
+            continue
+        try:
+            verify(output, step)
+        except CorruptCheckpoint as e:
+            log.warning("checkpoint step %d does not verify: %s", step, e)
+            continue
+        kept.append(step)
+        if len(kept) >= max(keep, 1):
+            break
+    if not kept:
         return []
-    deleted = steps[:-keep] if keep > 0 else []
-    newest = steps[-1]
-    for folder in storage.list_dirs(storage.join(output, "checkpoints")):
-        step = _step_of(folder)
-        if step is not None and step < newest and step not in steps:
-            deleted.append(step)
+    deleted = sorted(s for s in folders if s < kept[0] and s not in kept)
     for step in deleted:
         storage.delete_tree(step_dir(output, step))
-    return sorted(deleted)
+    return deleted

@@ -230,27 +230,52 @@ class Coordinator:
         self.targets, self.drafters, self.groups = [], [], []
 
     def _resume(self) -> None:
+        """Continue from the newest checkpoint that verifies. The coordinator reads its manifest and
+        `state.json` alone (the weights and optimizer state can be tens of GB): each drafter reads
+        and checks those itself, and a checkpoint a drafter finds corrupt gives way to the one before.
+        A checkpoint of another run (other training settings, data or target) is refused."""
+        import logging
+
         import ray
 
-        latest = checkpoint.load_latest(self.output)
-        if latest is None:
-            self.step = 0
-            return
-        state = json.loads(latest[1]["state.json"])
-        saved = state["config"]["train"]
+        self.step, rejected = 0, []
         now = self.cfg.to_dict()["train"]
-        changed = [f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k) != now[k]]
-        if changed or state.get("data") != self.data:
-            raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed) or 'data'} "
-                              "differ): resuming would not continue the same run", file=self.output)
-        self.step = latest[0]
-        ray.get([d.load_checkpoint.remote(self.output, self.step) for d in self.drafters])
-        self.metrics = [m for m in state.get("metrics", []) if m["step"] < self.step]
+        for step in reversed(checkpoint.complete_steps(self.output)):
+            try:
+                files = checkpoint.verify(self.output, step)  # every file there, at its size
+                state = json.loads(checkpoint.read_file(self.output, step, "state.json", files))
+            except checkpoint.CorruptCheckpoint as e:
+                rejected.append(f"step {step}: {e}")
+                continue
+            saved = state["config"]["train"]
+            changed = [f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k) != now[k]]
+            changed += [f"{name} (checkpoint: {state.get(name)}, now: {value})"
+                        for name, value in (("data", self.data), ("target", self.target)) if state.get(name) != value]
+            if changed:
+                raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed)} differ): "
+                                  "resuming would not continue the same run", file=self.output)
+            try:
+                ray.get([d.load_checkpoint.remote(self.output, step) for d in self.drafters])
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(e.cause, checkpoint.CorruptCheckpoint):
+                    raise
+                rejected.append(f"step {step}: {e.cause}")  # the drafter's own words, not its traceback
+                continue
+            if rejected:
+                logging.getLogger(__name__).warning("resuming from step %d; newer checkpoints do not verify: %s",
+                                                    step, "; ".join(rejected))
+            self.step = step
+            self.metrics = [m for m in state.get("metrics", []) if m["step"] < self.step]
+            return
+        if rejected:
+            raise DFlashError(f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
+                              "the checkpoints or choose another --output", file=self.output)
 
     # -- checkpoints ------------------------------------------------------------------------
     def _checkpoint(self) -> None:
         import ray
 
+        checkpoint.begin(self.output, self.step)  # a manifest of an earlier run at this step no longer counts
         entries = ray.get(self.drafters[0].write_checkpoint_files.remote(self.output, self.step))
         rngs = ray.get([d.rng_state.remote() for d in self.drafters])
         state = {"step": self.step, "total_steps": self.total_steps, "rng": [r.hex() for r in rngs],
@@ -258,7 +283,7 @@ class Coordinator:
         entries["state.json"] = checkpoint.write_file(self.output, self.step, "state.json",
                                                       json.dumps(state).encode())
         checkpoint.commit(self.output, self.step, entries, {"step": self.step})
-        checkpoint.rotate(self.output, self.cfg.train.keep_checkpoints)
+        checkpoint.rotate(self.output, self.cfg.train.keep_checkpoints, upto=self.step)
         storage.write_text(storage.join(self.output, "metrics.jsonl"),
                            "".join(json.dumps(m) + "\n" for m in self.metrics))
 

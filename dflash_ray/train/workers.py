@@ -225,14 +225,20 @@ class DrafterWorker:
         return entries
 
     def load_checkpoint(self, output: str, step: int) -> None:
+        """Weights, optimizer state and this rank's anchor RNG, read here (not through the
+        coordinator), every file checked against the manifest before any is applied:
+        `checkpoint.CorruptCheckpoint` leaves this worker as it was."""
         from safetensors.torch import load
 
         from dflash_ray.train import checkpoint
 
-        files, _ = checkpoint.load(output, step)
-        self.drafter.load_state_dict(load(files["drafter/model.safetensors"]))
-        self.opt.load_state_dict(torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True))
-        rng = json.loads(files["state.json"])["rng"][self.rank]
+        manifest = checkpoint.read_manifest(output, step)
+        weights = load(checkpoint.read_file(output, step, "drafter/model.safetensors", manifest))
+        optimizer = torch.load(io.BytesIO(checkpoint.read_file(output, step, "optimizer.pt", manifest)),
+                               weights_only=True)
+        rng = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"][self.rank]
+        self.drafter.load_state_dict(weights)
+        self.opt.load_state_dict(optimizer)
         self.set_rng_state(bytes.fromhex(rng))
 
 
