@@ -27,5 +27,27 @@ def connect(cfg: RayConfig, *, existing: bool = False) -> None:
             raise DFlashError("no Ray cluster is running here; set ray.address or RAY_ADDRESS",
                               field="ray.address") from None
         return
-    ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
-             include_dashboard=cfg.include_dashboard)
+    start_local(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
+                include_dashboard=cfg.include_dashboard)
+
+
+LOCAL_ADDRESS = "127.0.0.1"
+
+
+def start_local(**init_args) -> None:
+    """Start a one-machine cluster for this process alone, on the loopback address: its GCS, raylet,
+    workers and agents listen on 127.0.0.1, never on the machine's other interfaces.
+
+    Ray 2.60 turns a loopback `_node_ip_address` into the machine's outward address unless
+    multi-node clusters are off (its default on macOS and Windows, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`);
+    they are turned off for the start alone, so the node takes 127.0.0.1 as given.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(_node_ip_address=LOCAL_ADDRESS, **init_args)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
