@@ -213,7 +213,8 @@ def test_s3_access_denied_names_the_uri_the_right_and_the_bucket(s3_bucket, s3_e
     uri = storage.join(s3_bucket, "run", "x.txt")
     bucket = s3_bucket[len("s3://"):]
     try:
-        for call, right in ((lambda: storage.read_bytes(uri), "s3:GetObject"), (lambda: storage.exists(uri), "s3:GetObject"),
+        for call, right in ((lambda: storage.read_bytes(uri), "s3:GetObject"),
+                            (lambda: storage.exists(uri), "s3:GetObject"),
                             (lambda: storage.write_text(uri, "x"), "s3:PutObject"),
                             (lambda: storage.list_dirs(storage.join(s3_bucket, "run")), "s3:ListBucket")):
             with pytest.raises(DFlashError, match="access denied") as e:
