@@ -309,7 +309,7 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
 
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.model import DFlashDrafter
-    from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
+    from dflash_ray.drafter.speculative import speculative_decode, target_decode
     from dflash_ray.drafter.step import forward_loss
     from dflash_ray.target.capture import load_embed_and_head, target_features
     from dflash_ray.tiny_models import tiny_qwen3
@@ -323,7 +323,7 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     drafter = DFlashDrafter(cfg).to(device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, sz.spec_vocab - 2, (8,), generator=g).tolist() for _ in range(3)]
-    refs = [target_greedy(target, p, sz.spec_tokens, set()) for p in prompts]
+    refs = [target_decode(target, p, sz.spec_tokens, set()) for p in prompts]
     # a few steps on the target's own continuations, so drafts get accepted and the check means something
     seqs = torch.tensor([p + r.token_ids for p, r in zip(prompts, refs)], device=device)
     mask = torch.zeros_like(seqs)
@@ -336,7 +336,7 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
         out.loss.loss.backward()
         opt.step()
     drafter.eval()
-    spec = [speculative_greedy(target, drafter, embed, head, p, sz.spec_tokens, set()) for p in prompts]
+    spec = [speculative_decode(target, drafter, embed, head, p, sz.spec_tokens, set()) for p in prompts]
     equal = [s.token_ids == r.token_ids for s, r in zip(spec, refs)]
     steps = [a for s in spec for a in s.acceptance]
     return {"check": "speculative", "ok": all(equal), "device": str(target.device), "prompts": len(prompts),

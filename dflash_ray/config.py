@@ -148,6 +148,10 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: compiled flex on GPU, the dense SDPA mask on CPU
     # drafter architecture
     num_layers: int = 1
+    num_heads: int | None = None  # drafter attention shape; None: the target's
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None  # drafter MLP width; None: the target's
     init: Literal["auto", "target", "random"] = "auto"  # copies of the target's next layers, or random
     block_size: int = 16
     layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full

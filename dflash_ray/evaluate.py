@@ -84,7 +84,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     from dflash_ray.drafter import ngram
     from dflash_ray.drafter.export import load_drafter
-    from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
+    from dflash_ray.drafter.speculative import speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target.capture import load_embed_and_head
 
@@ -109,8 +109,8 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
                                              tokenize=False, enable_thinking=ecfg.enable_thinking)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt_ids.append(ids)
-        ref = target_greedy(target, ids, ecfg.max_new_tokens, eos)
-        spec = speculative_greedy(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos)
+        ref = target_decode(target, ids, ecfg.max_new_tokens, eos)
+        spec = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos)
         mismatches += int(spec.token_ids != ref.token_ids)
         per_source[row["source"]] += spec.acceptance
         all_steps += spec.acceptance

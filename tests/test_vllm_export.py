@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.export import save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.speculative import speculative_greedy, target_greedy
+from dflash_ray.drafter.speculative import speculative_decode, target_decode
 from dflash_ray.drafter.step import forward_loss
 from dflash_ray.evaluate import run_vllm
 from dflash_ray.registry import load_tokenizer, resolve
@@ -25,7 +25,7 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                        tokenize=False), add_special_tokens=False)["input_ids"]
                for q in QUESTIONS]
-    refs = [target_greedy(target, p, 40, eos) for p in prompts]
+    refs = [target_decode(target, p, 40, eos) for p in prompts]
 
     # a one-layer drafter overfit on the target's own answers to these prompts
     cfg = from_target(target.config, mask_token_id=49151, num_layers=1, num_target_features=3,
@@ -47,7 +47,7 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
         out.loss.loss.backward()
         opt.step()
     drafter.eval()
-    ours = [speculative_greedy(target, drafter, embed, head, p, 40, eos) for p in prompts]
+    ours = [speculative_decode(target, drafter, embed, head, p, 40, eos) for p in prompts]
     assert [o.token_ids for o in ours] == [r.token_ids for r in refs]
     our_tau = sum(sum(o.acceptance) for o in ours) / sum(len(o.acceptance) for o in ours)
     # an untrained drafter scores ~1.0 and this overfit one ~1.4-1.5 depending on the CPU's float

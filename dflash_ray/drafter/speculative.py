@@ -1,10 +1,15 @@
-"""Greedy speculative decoding with a DFlash drafter against a Hugging Face target (no Ray).
+"""Speculative decoding with a DFlash drafter against a Hugging Face target (no Ray).
 
 Each step the drafter proposes a block `[last, d_1..d_{K-1}]` in one non-causal pass, the target
-verifies the whole block in one forward, and the longest prefix of drafts that equals the target's
-own greedy choices is committed, plus the target's next token (the bonus). The drafter's context
-grows by the target's hidden states of the committed tokens. The output equals the target's own
-greedy output token for token; acceptance length per step = accepted drafts + 1.
+verifies the whole block in one forward, and the accepted drafts are committed plus one token of
+the target's own (the bonus). The drafter's context grows by the target's hidden states of the
+committed tokens. Acceptance length per step = accepted drafts + 1.
+
+Greedy (temperature 0): a draft is accepted while it equals the target's greedy choice, and the
+output equals the target's own greedy output token for token. Sampled (temperature T, top-p): the
+drafts are sampled from the drafter's warped distribution q, draft d_k is accepted with probability
+min(1, p_k(d_k) / q_k(d_k)), the first rejected position resamples from norm(max(0, p_k - q_k)),
+and the output is distributed exactly as the target's own warped samples (tested statistically).
 """
 
 from __future__ import annotations
@@ -31,9 +36,43 @@ class Generation:
         return sum(self.acceptance) / max(len(self.acceptance), 1)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen: greedy at temperature 0, else sampled from the warped distribution."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None  # on the target's device
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Probabilities [..., V] at `temperature`, keeping the smallest set of tokens whose mass
+    reaches `top_p` (the token that crosses it included), renormalized."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros(()))
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling) -> int:
+    if sampling.greedy:
+        return int(logits.argmax())
+    probs = warp(logits, sampling.temperature, sampling.top_p)
+    return int(torch.multinomial(probs, 1, generator=sampling.generator))
+
+
 @torch.no_grad()
-def target_greedy(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> Generation:
-    """The target alone, one token per forward, with its KV cache: the reference."""
+def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+                  sampling: Sampling = Sampling()) -> Generation:
+    """The target alone, one token per forward, with its KV cache: the reference (greedy, or
+    sampled with `sampling`)."""
     from transformers import DynamicCache
 
     start = time.perf_counter()
@@ -43,7 +82,7 @@ def target_greedy(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
     out_tokens: list[int] = []
     while len(out_tokens) < max_new_tokens:
         logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
-        token = int(logits.argmax())
+        token = _choose(logits, sampling)
         out_tokens.append(token)
         if token in eos_ids:
             break
@@ -51,9 +90,31 @@ def target_greedy(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
     return Generation(out_tokens, seconds=time.perf_counter() - start)
 
 
+def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """The speculative-sampling rule over one block: `drafts` [D] drawn from `q` [D, V]; `p`
+    [D + 1, V] the target's warped distributions after each block token. Returns (accepted drafts,
+    the token that follows them: a residual sample at the first rejection, else a bonus sample)."""
+    D = drafts.numel()
+    rows = torch.arange(D, device=drafts.device)
+    ratio = (p[rows, drafts] / q[rows, drafts].clamp_min(1e-30)).clamp(max=1.0)
+    u = torch.rand(D, device=drafts.device, generator=generator)
+    rejected = (u >= ratio).nonzero()
+    if rejected.numel() == 0:
+        return D, int(torch.multinomial(p[D], 1, generator=generator))
+    k = int(rejected[0])
+    residual = (p[k] - q[k]).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p == q there: rejection had probability 0; sample p
+        residual = p[k]
+    return k, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
 @torch.no_grad()
-def speculative_greedy(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor,
-                       prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> Generation:
+def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor,
+                       prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+                       sampling: Sampling = Sampling()) -> Generation:
+    """Speculative decoding, greedy by default; with a sampling `sampling` the speculative-sampling
+    rule (the output is distributed as the target's own samples)."""
     from transformers import DynamicCache
 
     cfg = drafter.cfg
@@ -65,7 +126,7 @@ def speculative_greedy(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache,
                         use_cache=True).logits
         context = torch.cat([captured[i] for i in layer_ids], -1)  # [1, n, F]
-    out_tokens = [int(logits[0, -1].argmax())]
+    out_tokens = [_choose(logits[0, -1], sampling)]
     acceptance: list[int] = []
     dtype = next(drafter.parameters()).dtype
     while len(out_tokens) < max_new_tokens and out_tokens[-1] not in eos_ids:
@@ -75,15 +136,25 @@ def speculative_greedy(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         positions = torch.arange(n, n + K, device=device)[None]
         hidden = drafter(context.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions,
                          attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa"))  # one block after the context
-        drafts = (hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()).argmax(-1)
+        draft_logits = hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()
+        if sampling.greedy:
+            drafts = draft_logits.argmax(-1)
+        else:
+            q = warp(draft_logits, sampling.temperature, sampling.top_p)
+            drafts = torch.multinomial(q, 1, generator=sampling.generator)[:, 0]
         block_ids[0, 1:] = drafts
         with capture(target, layer_ids, stop_after_last=False) as captured:
             logits = target(input_ids=block_ids, past_key_values=cache, use_cache=True,
                             position_ids=positions).logits[0]
             feats = torch.cat([captured[i] for i in layer_ids], -1)
-        greedy = logits.argmax(-1)  # greedy[i]: the target's choice after block token i
-        accepted = int((drafts == greedy[:-1]).long().cumprod(0).sum())
-        new = drafts[:accepted].tolist() + [int(greedy[accepted])]
+        if sampling.greedy:
+            greedy = logits.argmax(-1)  # greedy[i]: the target's choice after block token i
+            accepted = int((drafts == greedy[:-1]).long().cumprod(0).sum())
+            following = int(greedy[accepted])
+        else:
+            p = warp(logits, sampling.temperature, sampling.top_p)
+            accepted, following = verify_sampled(drafts, q, p, sampling.generator)
+        new = drafts[:accepted].tolist() + [following]
         room = max_new_tokens - len(out_tokens)
         new = new[:room]
         for i, token in enumerate(new):  # stop at the first end-of-sequence token

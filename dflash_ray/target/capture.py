@@ -76,18 +76,43 @@ def target_features(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[i
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
 
+def _weight_map(target_dir: Path) -> dict[str, str]:
+    """Tensor name → the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    with safe_open(target_dir / "model.safetensors", "pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _is_embedding(name: str) -> bool:
+    return name.endswith("embed_tokens.weight") and "mtp" not in name
+
+
+def embedding_rows(target_dir: str | Path, rows: list[int]) -> torch.Tensor:
+    """Rows of the target's input embedding [len(rows), H], read alone (a 27B target's table is
+    2.5 GB; these are a few KB)."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    weight_map = _weight_map(target_dir)
+    name = next((k for k in sorted(weight_map) if _is_embedding(k)), None)
+    if name is None:
+        raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")
+    with safe_open(target_dir / weight_map[name], "pt") as f:
+        table = f.get_slice(name)
+        return torch.cat([table[r:r + 1] for r in rows]).float()
+
+
 def read_tensors(target_dir: str | Path, want) -> dict[str, torch.Tensor]:
     """The checkpoint tensors whose names `want(name)` accepts, read from the target's safetensors
     alone (sharded or not); nothing else of the target is loaded."""
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(target_dir / "model.safetensors", "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map = _weight_map(target_dir)
     out = {}
     for file in sorted({weight_map[k] for k in weight_map if want(k)}):
         with safe_open(target_dir / file, "pt") as f:
@@ -97,8 +122,7 @@ def read_tensors(target_dir: str | Path, want) -> dict[str, torch.Tensor]:
 
 def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding and LM head. A tied head returns the embedding twice."""
-    tensors = read_tensors(target_dir, lambda k: (k.endswith("embed_tokens.weight") and "mtp" not in k)
-                           or k.endswith("lm_head.weight"))
+    tensors = read_tensors(target_dir, lambda k: _is_embedding(k) or k.endswith("lm_head.weight"))
     embed = next((v for k, v in sorted(tensors.items()) if k.endswith("embed_tokens.weight")), None)
     if embed is None:
         raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")

@@ -49,10 +49,31 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
         dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
                            num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
                            layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
-                           block_size=tcfg.block_size, special_token_ids=special)
+                           block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
+                           num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
+                           intermediate_size=tcfg.intermediate_size)
     except ValueError as e:  # a drafter shape the target cannot have
         raise DFlashError(str(e), field="train") from None
     return to_hf_config(dcfg, planned_placement(cfg).dtype)
+
+
+def check_mask_row(target: str, drafter_cfg: dict) -> None:
+    """Every mask query starts from the mask token's embedding row: a zero (untrained, padding) row
+    makes them all the same after the norm. Refused when its norm is near zero against the table's."""
+    import torch
+
+    from dflash_ray.registry import resolve
+    from dflash_ray.target.capture import embedding_rows
+
+    mask_id = drafter_cfg["dflash_config"]["mask_token_id"]
+    vocab = drafter_cfg["vocab_size"]
+    sample = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:256].tolist()
+    norms = embedding_rows(resolve(target), [mask_id] + sample).norm(dim=-1)
+    typical = float(norms[1:].median())
+    if float(norms[0]) < 0.05 * typical:
+        raise DFlashError(f"the embedding row of mask token {mask_id} has norm {float(norms[0]):.3g} against a "
+                          f"typical {typical:.3g}: an untrained row; choose a trained token",
+                          field="train.mask_token_id")
 
 
 def planned_placement(cfg: RunConfig):
@@ -426,6 +447,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     from dflash_ray.cluster import connect
 
     drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
+    check_mask_row(target, drafter_cfg)
     connect(cfg.ray)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     where = {"resources": {cfg.train.coordinator_resource: 0.001}} if cfg.train.coordinator_resource else {}
