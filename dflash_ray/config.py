@@ -127,6 +127,8 @@ class EvaluateConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the process sees one
     num_anchors: int = 64  # per held-out sequence, for the simulated tau
     num_heldout: int = 64  # held-out sequences scored
+    temperature: float = 0.6  # tau_sampled: speculative sampling at the serving temperature (0: skip)
+    top_p: float = 0.95
     ngram_min: int = 2  # n-gram prompt-lookup baseline
     ngram_max: int = 4
     seed: int = 0
@@ -271,6 +273,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "evaluate.num_prompts": _at_least(1), "evaluate.max_new_tokens": _at_least(1),
     "evaluate.num_anchors": _at_least(1), "evaluate.num_heldout": _at_least(1),
     "evaluate.ngram_min": _at_least(1), "evaluate.ngram_max": _at_least(1),
+    "evaluate.temperature": _at_least(0), "evaluate.top_p": _within(0, 1, low_open=True),
     "train.num_streams": _at_least(1), "train.batch_size": _at_least(1), "train.epochs": _at_least(1),
     "train.max_steps": _at_least(0), "train.num_anchors": _at_least(1), "train.lr": _above(0),
     "train.weight_decay": _at_least(0), "train.warmup_ratio": _within(0, 1, high_open=True),
@@ -279,7 +282,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.mask_token_id": _at_least(0), "train.actor_cpus": _above(0), "train.actor_gpus": _at_least(0),
     "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
     "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
-    "train.max_restarts": _at_least(0),
+    "train.max_restarts": _at_least(0), "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
+    "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1),
     "pipeline.eval_prompts": _at_least(0),
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),

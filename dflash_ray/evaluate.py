@@ -2,9 +2,12 @@
 
 For each prompt the target decodes greedily alone and with the drafter (speculative decoding);
 the two outputs must be equal token for token, and the run says so. Reported: tau (tokens
-committed per verify step) overall and per prompt source, tokens/s of both, the n-gram
-prompt-lookup baseline's tau on the same outputs, and the simulated tau on a tokenized held-out
-set (the figure training reports). `--engine vllm` adds vLLM's own measured acceptance length.
+committed per verify step) overall and per prompt source, tokens/s of both; tau at the serving
+temperature and top-p (`evaluate.temperature`, `evaluate.top_p`) under the speculative-sampling
+rule; the n-gram prompt-lookup baseline on the same outputs as tokens per target forward (`tau_ngram`,
+comparable with tau) and per proposed draft (`tau_ngram_per_draft`, vLLM's definition) with the
+share of steps that had a draft; and the simulated tau on a tokenized held-out set (the figure
+training reports). `--engine vllm` adds vLLM's own measured acceptance length.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     from dflash_ray.drafter import ngram
     from dflash_ray.drafter.export import load_drafter
-    from dflash_ray.drafter.speculative import speculative_decode, target_decode
+    from dflash_ray.drafter.speculative import Sampling, speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target.capture import load_embed_and_head
 
@@ -100,7 +103,8 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
     per_source: dict[str, list[int]] = collections.defaultdict(list)
-    all_steps, ngram_steps, prompt_ids = [], [], []
+    all_steps, sampled_steps, ngram_steps, prompt_ids = [], [], [], []
+    generator = torch.Generator(device=device).manual_seed(ecfg.seed)
     spec_s = base_s = 0.0
     tokens = mismatches = 0
     for row in tqdm(rows, desc="evaluate", unit=" prompts"):
@@ -114,7 +118,12 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         mismatches += int(spec.token_ids != ref.token_ids)
         per_source[row["source"]] += spec.acceptance
         all_steps += spec.acceptance
-        ngram_steps += ngram.simulate(ids, ref.token_ids, drafter.cfg.block_size - 1, ecfg.ngram_min, ecfg.ngram_max)
+        ngram_steps += ngram.simulate_steps(ids, ref.token_ids, drafter.cfg.block_size - 1, ecfg.ngram_min,
+                                            ecfg.ngram_max)
+        if ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
+            sampled = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,
+                                         Sampling(ecfg.temperature, ecfg.top_p, generator))
+            sampled_steps += sampled.acceptance
         spec_s, base_s, tokens = spec_s + spec.seconds, base_s + ref.seconds, tokens + len(ref.token_ids)
 
     def mean(xs):
@@ -124,7 +133,10 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         "stage": "evaluate", "drafter": drafter_uri, "target": target_uri, "device": device, "prompts": len(rows),
         "tokens": tokens, "tau": mean(all_steps), "verify_steps": len(all_steps),
         "tau_per_source": {s: mean(v) for s, v in sorted(per_source.items())},
-        "tau_ngram": mean(ngram_steps),
+        "tau_sampled": mean(sampled_steps), "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
+        "tau_ngram": mean([c for c, _ in ngram_steps]),
+        "tau_ngram_per_draft": mean([c for c, had in ngram_steps if had]),
+        "ngram_draft_share": round(sum(had for _, had in ngram_steps) / len(ngram_steps), 4) if ngram_steps else None,
         "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
         "target_tokens_per_s": round(tokens / base_s, 2) if base_s else None,
         "speedup": round(base_s / spec_s, 3) if spec_s else None,

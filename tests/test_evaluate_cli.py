@@ -10,12 +10,14 @@ from dflash_ray.data.prompts import run_prompts
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.export import load_drafter, save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.ngram import simulate
+from dflash_ray.drafter.ngram import simulate, simulate_steps
 
 
 def test_ngram_baseline_simulation():
     assert simulate([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9]) == [1, 4]
     assert sum(simulate([7], [1, 2, 3, 1, 2, 3, 1, 2, 3])) == 8
+    # no earlier match: a step without a draft; vLLM counts only the others
+    assert simulate_steps([7], [1, 2, 3, 1, 2, 3, 1, 2, 3]) == [(1, False)] * 4 + [(4, True)]
 
 
 def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
@@ -45,6 +47,10 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["lossless"] and summary["prompts"] == 3
     assert summary["tokens"] == 36 and summary["tau"] >= 1 and summary["tau_ngram"] >= 1
+    assert 1 <= summary["tau_sampled"] <= 16 and summary["sampling"] == {"temperature": 0.6, "top_p": 0.95}
+    assert 0 <= summary["ngram_draft_share"] <= 1
+    if summary["ngram_draft_share"]:  # per proposed draft is never below per target forward
+        assert summary["tau_ngram_per_draft"] >= summary["tau_ngram"]
     assert set(summary["tau_per_source"]) == {"raw"}
     assert summary["tokens_per_s"] > 0 and summary["target_tokens_per_s"] > 0
     assert 1 <= summary["tau_simulated_heldout"] < 1.5  # an untrained drafter

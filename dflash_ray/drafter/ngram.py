@@ -2,7 +2,9 @@
 
 Acceptance figures mean little without it: a small target that loops gets long n-gram matches for
 free. Under greedy decoding the acceptance of any proposer is a function of the target's own
-output, so it is simulated exactly on that output, no engine needed.
+output, so it is simulated exactly on that output, no engine needed. Lookup proposes nothing when
+no suffix matches; vLLM averages its acceptance over the steps that had a draft only, so both
+figures are reported, named apart (`evaluate`: `tau_ngram`, `tau_ngram_per_draft`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ def propose(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[
     return []
 
 
-def simulate(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2, max_n: int = 4) -> list[int]:
-    """Tokens committed per verify step (accepted + 1) if n-gram lookup had drafted `output`."""
+def simulate_steps(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2,
+                   max_n: int = 4) -> list[tuple[int, bool]]:
+    """Per verify step: (tokens committed = accepted + 1, whether lookup proposed a draft at all)."""
     steps = []
     done = 1  # the first output token comes from the prefill, as with any drafter
     while done < len(output):
@@ -28,6 +31,12 @@ def simulate(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: 
         while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
             accepted += 1
         commit = min(accepted + 1, len(output) - done)
-        steps.append(commit)
+        steps.append((commit, bool(draft)))
         done += commit
     return steps
+
+
+def simulate(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """Tokens committed per verify step (accepted + 1) if n-gram lookup had drafted `output`."""
+    return [commit for commit, _ in simulate_steps(prompt, output, num_tokens, min_n, max_n)]
+
