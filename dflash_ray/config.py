@@ -159,6 +159,8 @@ class TrainConfig:
     layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
     sliding_window: int = 2048  # context positions a sliding-attention layer sees
     loss_decay: float | None = None  # gamma of the exp(-(k-1)/gamma) position weights; None: 7 * block_size / 16
+    distill: float = 0.0  # share of each position's target that is the target model's own distribution (0: hard labels)
+    distill_top_k: int = 32  # how much of that distribution the target actor sends: its top-k, renormalized
     num_target_features: int = 5
     target_layer_ids: list | None = None
     mask_token_id: int | None = None  # None: the last vocabulary row that is not a special token
@@ -282,6 +284,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.mask_token_id": _at_least(0), "train.actor_cpus": _above(0), "train.actor_gpus": _at_least(0),
     "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
     "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
+    "train.distill": SHARE, "train.distill_top_k": _at_least(1),
     "train.max_restarts": _at_least(0), "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
     "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1),
     "pipeline.eval_prompts": _at_least(0),

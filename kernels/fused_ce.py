@@ -26,7 +26,8 @@ DEFAULT_CHUNK_BYTES = 256 * 1024**2
 
 class _FusedLinearWeightedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes: int):
+    def forward(ctx, hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes: int, soft_ids_Nm=None,
+                soft_probs_Nm=None):
         N, V = hidden_NH.shape[0], head_VH.shape[0]
         wsum = weights_N.float().sum().clamp_min(1e-12)
         rows = (weights_N > 0).nonzero().flatten()
@@ -42,21 +43,35 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
             y = labels_N[idx]
             w = weights_N[idx].float()
             logits = (h.to(head_VH.dtype) @ head_VH.t()).float()  # [c, V], the only big buffer
+            # soft targets t (rows sum to 1): loss lse - sum_j t_j z_j, gradient softmax - t
+            sid = soft_ids_Nm[idx] if soft_ids_Nm is not None else y[:, None]
+            sp = soft_probs_Nm[idx].float() if soft_ids_Nm is not None else torch.ones_like(w)[:, None]
+            z_soft = logits.gather(1, sid)  # read before the logits turn into their gradient
             if _use_triton(logits):
                 from dflash_ray.kernels.ce_triton import ce_rows
 
+                z_y = logits.gather(1, y[:, None])[:, 0]
                 row_loss, hit = ce_rows(logits, y, w, float(1.0 / wsum), need_h or need_w)
                 total += row_loss.sum()
                 correct[idx] = hit
                 probs = logits  # now holds d loss / d logits
+                if soft_ids_Nm is not None:  # the kernel's loss and gradient are against y: move them to t
+                    total += ((z_y - (z_soft * sp).sum(-1)) * w).sum()
+                    if need_h or need_w:
+                        g = (w / wsum)[:, None]
+                        probs.scatter_add_(1, y[:, None], g)
+                        probs.scatter_add_(1, sid, -sp * g)
             else:
                 lse = torch.logsumexp(logits, dim=-1)
-                total += ((lse - logits.gather(1, y[:, None])[:, 0]) * w).sum()
+                total += ((lse - (z_soft * sp).sum(-1)) * w).sum()
                 correct[idx] = logits.argmax(-1) == y
                 if need_h or need_w:
-                    # d loss / d logits = (softmax - onehot) * w / sum(w), computed in place
+                    # d loss / d logits = (softmax - t) * w / sum(w), computed in place
                     probs = logits.sub_(lse[:, None]).exp_()
-                    probs[torch.arange(idx.numel(), device=probs.device), y] -= 1.0
+                    if soft_ids_Nm is None:
+                        probs[torch.arange(idx.numel(), device=probs.device), y] -= 1.0
+                    else:
+                        probs.scatter_add_(1, sid, -sp)
                     probs.mul_((w / wsum)[:, None])
             if need_h or need_w:
                 if need_h:
@@ -75,11 +90,14 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
         need_h, need_w = ctx.has
         grad_h = (saved.pop(0) * grad_loss).to(ctx.dtypes[0]) if need_h else None
         grad_w = (saved.pop(0) * grad_loss).to(ctx.dtypes[1]) if need_w else None
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def fused_linear_weighted_ce(hidden_NH: torch.Tensor, head_VH: torch.Tensor, labels_N: torch.Tensor,
-                             weights_N: torch.Tensor, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * CE(hidden @ head.T, labels)) / sum(w), and top-1 hits [N] (False where w = 0)."""
-    return _FusedLinearWeightedCE.apply(hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes)
+                             weights_N: torch.Tensor, soft_ids_Nm: torch.Tensor | None = None,
+                             soft_probs_Nm: torch.Tensor | None = None,
+                             max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * CE(hidden @ head.T, labels)) / sum(w), and top-1 hits [N] (False where w = 0).
+    With soft targets (ids and probabilities [N, m], rows summing to 1) the CE is against them."""
+    return _FusedLinearWeightedCE.apply(hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes, soft_ids_Nm,
+                                        soft_probs_Nm)

@@ -94,17 +94,28 @@ def test_flex_block_mask_equals_dense_mask():
             assert torch.equal(got, dense[b, 0])
 
 
+def _soft_targets(labels, V, g, k=5, share=0.6):
+    """The label with 1 - share and `share` spread over k ids (the label may be among them)."""
+    ids = torch.cat([labels[:, None], torch.randint(0, V, (labels.numel(), k), generator=g)], 1)
+    ids[::7, 1] = labels[::7]  # duplicates of the label must add up
+    probs = torch.rand(labels.numel(), k, generator=g)
+    probs = torch.cat([torch.full((labels.numel(), 1), 1 - share), probs / probs.sum(1, keepdim=True) * share], 1)
+    return ids, probs
+
+
+@pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_fused_loss_matches_reference(dtype, tol):
+def test_fused_loss_matches_reference(dtype, tol, soft):
     g = torch.Generator().manual_seed(0)
     N, H, V = 257, 48, 3001
     hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
     head = (torch.randn(V, H, generator=g) * 0.1).to(dtype).requires_grad_()
     labels = torch.randint(0, V, (N,), generator=g)
     weights = torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.3)
-    ref_loss, ref_hit = naive_loss(hidden, head, labels, weights)
+    targets = _soft_targets(labels, V, g) if soft else ()
+    ref_loss, ref_hit = naive_loss(hidden, head, labels, weights, *targets)
     ref_grads = torch.autograd.grad(ref_loss, (hidden, head))
-    loss, hit = fused_linear_weighted_ce(hidden, head, labels, weights, max_chunk_bytes=4 * V * 50)
+    loss, hit = fused_linear_weighted_ce(hidden, head, labels, weights, *targets, max_chunk_bytes=4 * V * 50)
     grads = torch.autograd.grad(loss, (hidden, head))
     assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
     for got, ref in zip(grads, ref_grads):
@@ -210,3 +221,45 @@ def test_drafter_from_a_hybrid_qwen35_target(tiny_qwen35_dir):
     assert drafter_cfg.num_target_layers == cfg.num_hidden_layers == 4
     embed, head = load_embed_and_head(tiny_qwen35_dir)
     assert embed.shape == head.shape == (248320, cfg.hidden_size) and not torch.equal(embed, head)
+
+
+def test_target_outputs_give_the_targets_own_next_token_distribution(tmp_path):
+    """Position p holds the target's top-k for token p + 1, at the wanted positions only, computed
+    in chunks of the head; the features are the same as without it."""
+    from dflash_ray.target.capture import target_outputs
+
+    path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(0))
+    want = torch.zeros(2, 20, dtype=torch.long)
+    want[:, 5:19] = 1
+    feats, top_ids, top_probs = target_outputs(model, ids, [0, 2], top_k=8, want_BS=want, max_chunk_bytes=4 * 512 * 3)
+    torch.testing.assert_close(feats, target_features(model, ids, [0, 2]), rtol=0, atol=0)
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids).logits.float(), -1)
+    ref = probs.topk(8, -1)
+    on = want.bool()
+    torch.testing.assert_close(top_probs[on], ref.values[on], rtol=1e-5, atol=1e-6)
+    assert torch.equal(top_ids[on], ref.indices[on])
+    assert not top_probs[~on].any()
+
+
+def test_distillation_targets_mix_the_label_with_the_targets_distribution():
+    from dflash_ray.drafter.blocks import make_blocks, sample_anchors
+
+    ids = torch.arange(10, 30)[None]
+    mask = torch.ones_like(ids)
+    mask[:, :5] = 0
+    teacher_ids = torch.arange(20 * 3).view(1, 20, 3)  # position p: ids 3p, 3p+1, 3p+2
+    teacher_probs = torch.tensor([0.5, 0.25, 0.05]).expand(1, 20, 3)
+    anchors, keep = sample_anchors(mask, 4, torch.Generator().manual_seed(0))
+    blocks = make_blocks(ids, mask, anchors, keep, mask_token_id=0, block_size=4, teacher=(teacher_ids, teacher_probs),
+                         distill=0.75)
+    a = int(anchors[0, 0])
+    # block position k = 2 predicts x[a + 2] = label; the target's distribution for it sits at a + 1
+    row = 2
+    assert blocks.soft_ids[0, row, 0] == ids[0, a + 2]
+    assert blocks.soft_ids[0, row, 1:].tolist() == [3 * (a + 1), 3 * (a + 1) + 1, 3 * (a + 1) + 2]
+    torch.testing.assert_close(blocks.soft_probs[0, row], torch.tensor([0.25, 0.75 * 0.5 / 0.8, 0.75 * 0.25 / 0.8,
+                                                                        0.75 * 0.05 / 0.8]))
+    torch.testing.assert_close(blocks.soft_probs.sum(-1), torch.ones(1, 16))

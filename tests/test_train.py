@@ -161,6 +161,22 @@ def test_bf16_training_keeps_fp32_master_weights(target, data):
     assert any(not torch.equal(a, p) for a, p in zip(before, worker.drafter.parameters()))
 
 
+def test_distillation_sends_the_targets_top_k_and_trains_on_it(target, data):
+    import json
+
+    cfg = load_config(None, SETTINGS + ["train.distill=0.5", "train.distill_top_k=4"])
+    batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
+    assert batch["teacher_ids"].shape == (1, 48, 4) and batch["teacher_probs"].dtype == torch.float16
+    # the distribution of token p + 1 sits at p: the last position and the prompt carry none
+    assert batch["teacher_probs"][0, 11:47].sum(-1).gt(0).all() and not batch["teacher_probs"][0, 47].any()
+    worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random", cfg.train, 0, 1)
+    hard = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random",
+                         load_config(None, SETTINGS).train, 0, 1)
+    soft_stats, hard_stats = worker.train_step(0, batch), hard.train_step(0, batch)
+    assert torch.isfinite(torch.tensor(soft_stats["loss"])) and soft_stats["grad_norm"] > 0
+    assert soft_stats["loss"] != hard_stats["loss"]  # the same anchors, another target
+
+
 def test_heldout_takes_whole_prompts(data):
     from dflash_ray.train.coordinator import dataset_samples, sample_prompts, split_heldout
 

@@ -30,6 +30,8 @@ class Blocks:
     labels: torch.Tensor  # [B, Q] long: x[a + k] (0 where invalid)
     weights: torch.Tensor  # [B, Q] float: decay * loss_mask[a+k] * [k > 0] * [a+k < S] * keep
     block_size: int
+    soft_ids: torch.Tensor | None = None  # [B, Q, m] with `teacher`: the label, then the target's top-k
+    soft_probs: torch.Tensor | None = None  # [B, Q, m]: the mix of the two (rows sum to 1)
 
     @property
     def num_anchors(self) -> int:
@@ -63,8 +65,24 @@ def decay_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros(()))
 
 
+def soft_targets(labels_BAK: torch.Tensor, teacher_ids_BSk: torch.Tensor, teacher_probs_BSk: torch.Tensor,
+                 label_pos_BAK: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each block position learns: (1 - weight) on its label and `weight` on the target's own
+    next-token distribution there (its top-k, renormalized), which is the target's distribution at
+    the position before the label's. Returns ids and probabilities [B, A, K, 1 + k]."""
+    B, A, K = labels_BAK.shape
+    before = (label_pos_BAK - 1).clamp(min=0).view(B, -1)
+    k = teacher_ids_BSk.shape[-1]
+    ids = torch.gather(teacher_ids_BSk, 1, before[..., None].expand(-1, -1, k)).view(B, A, K, k)
+    probs = torch.gather(teacher_probs_BSk.float(), 1, before[..., None].expand(-1, -1, k)).view(B, A, K, k)
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12) * weight
+    hard = torch.full((B, A, K, 1), 1.0 - weight, device=probs.device)
+    return torch.cat([labels_BAK[..., None], ids], -1), torch.cat([hard, probs], -1)
+
+
 def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                *, mask_token_id: int, block_size: int, gamma: float | None = None) -> Blocks:
+                *, mask_token_id: int, block_size: int, gamma: float | None = None,
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0) -> Blocks:
     B, S = input_ids.shape
     A, K = anchors.shape[1], block_size
     k = torch.arange(K, device=input_ids.device)
@@ -76,9 +94,14 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
     weights = decay_weights(K, gamma).to(input_ids.device) * label_mask * inside * keep[:, :, None]
     tokens = torch.full((B, A, K), mask_token_id, dtype=torch.long, device=input_ids.device)
     tokens[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    labels = torch.where(inside, labels, 0)
+    soft_ids = soft_probs = None
+    if teacher is not None and distill > 0:
+        soft_ids, soft_probs = soft_targets(labels, *teacher, safe, distill)
+        soft_ids, soft_probs = soft_ids.view(B, A * K, -1), soft_probs.view(B, A * K, -1)
     return Blocks(anchors=anchors, keep=keep, token_ids=tokens.view(B, -1), positions=pos.view(B, -1),
-                  labels=torch.where(inside, labels, 0).view(B, -1), weights=weights.view(B, -1).float(),
-                  block_size=K)
+                  labels=labels.view(B, -1), weights=weights.view(B, -1).float(), block_size=K,
+                  soft_ids=soft_ids, soft_probs=soft_probs)
 
 
 def _visible(q_idx, kv_idx, anchors_b, seq_len: int, block_size: int, layer_type: str, window: int):

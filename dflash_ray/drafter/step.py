@@ -28,14 +28,18 @@ def attention_masks(drafter: DFlashDrafter, anchors: torch.Tensor, seq_len: int,
 def forward_loss(drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
                  input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
                  generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
-                 gamma: float | None = None) -> StepOutput:
+                 gamma: float | None = None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 distill: float = 0.0) -> StepOutput:
+    """`teacher`: the target's top-k next-token ids and probabilities [B, S, k] (`target_outputs`);
+    `distill`: the share of each position's target they carry (the label carries the rest)."""
     cfg = drafter.cfg
     anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
     blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id,
-                         block_size=cfg.block_size, gamma=gamma)
+                         block_size=cfg.block_size, gamma=gamma, teacher=teacher, distill=distill)
     block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
     masks = attention_masks(drafter, anchors, input_ids_BS.shape[1], attention)
     hidden = drafter(features_BSF, block_embeds, blocks.positions, masks)
-    out = dflash_loss(hidden, head_VH, blocks.labels, blocks.weights, fused=fused)
+    out = dflash_loss(hidden, head_VH, blocks.labels, blocks.weights, fused=fused, soft_ids_BQm=blocks.soft_ids,
+                      soft_probs_BQm=blocks.soft_probs)
     tau = acceptance_lengths(out.correct, blocks.weights, keep, cfg.block_size)
     return StepOutput(out, blocks, tau)

@@ -64,16 +64,43 @@ def capture(model: nn.Module, layer_ids: list[int], *, stop_after_last: bool = T
 def target_features(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int],
                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, S, n*H]: the chosen layers' outputs, concatenated in `layer_ids` order."""
+    return target_outputs(model, input_ids, layer_ids, attention_mask)[0]
+
+
+@torch.no_grad()
+def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int],
+                   attention_mask: torch.Tensor | None = None, *, top_k: int = 0,
+                   want_BS: torch.Tensor | None = None, max_chunk_bytes: int = 256 * 1024**2):
+    """The features, and with `top_k > 0` the target's own next-token distribution as its top-k:
+    ids [B, S, k] and probabilities [B, S, k] (float32; softmax over the whole vocabulary, so a row
+    sums to at most 1) at the positions `want_BS` marks (zeros elsewhere). Position p holds the
+    distribution of token p + 1. The full forward runs only when the distribution is asked for, and
+    the head walks the wanted positions in chunks, so [S, V] logits never exist at once."""
     base = getattr(model, "model", model)  # the decoder stack: no LM head over the sequence
-    with capture(model, layer_ids) as captured:
+    with capture(model, layer_ids, stop_after_last=top_k == 0) as captured:
         try:
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
-            pass
+            out = None
     missing = [i for i in layer_ids if i not in captured]
     if missing:
         raise RuntimeError(f"layers {missing} were not reached by the forward")
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    if top_k == 0:
+        return features, None, None
+    hidden = out.last_hidden_state  # final-normed
+    head = model.get_output_embeddings().weight
+    B, S, _ = hidden.shape
+    ids = torch.zeros(B, S, top_k, dtype=torch.long, device=hidden.device)
+    probs = torch.zeros(B, S, top_k, dtype=torch.float32, device=hidden.device)
+    rows = (want_BS.bool() if want_BS is not None else torch.ones(B, S, dtype=torch.bool, device=hidden.device)).nonzero()
+    chunk = max(1, max_chunk_bytes // (4 * head.shape[0]))
+    for start in range(0, rows.shape[0], chunk):
+        b, s = rows[start:start + chunk].unbind(-1)
+        logp = torch.log_softmax((hidden[b, s].to(head.dtype) @ head.t()).float(), dim=-1)
+        top = logp.topk(top_k, dim=-1)
+        ids[b, s], probs[b, s] = top.indices, top.values.exp()
+    return features, ids, probs
 
 
 def _weight_map(target_dir: Path) -> dict[str, str]:

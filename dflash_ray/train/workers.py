@@ -47,7 +47,7 @@ class TargetWorker:
         from dflash_ray.registry import resolve
 
         torch.set_num_threads(cfg.torch_threads)
-        self.layer_ids = layer_ids
+        self.layer_ids, self.cfg = layer_ids, cfg
         self.place = actor_placement(cfg)
         # a target too big for one GPU spreads its layers over the GPUs the actor holds
         spread = {"device_map": "auto"} if self.place.num_devices > 1 else {}
@@ -65,19 +65,26 @@ class TargetWorker:
         return {k: self._table[k][row].as_py() for k in ("input_ids", "loss_mask")}
 
     def features(self, samples: list[Sample], to_host: bool = True) -> dict[str, Any]:
-        """The batch and its features; `to_host=False` leaves them on the device (colocated)."""
-        from dflash_ray.target.capture import target_features
+        """The batch and its features (and with `train.distill`, the target's top-k next-token
+        distribution at the response positions); `to_host=False` leaves them on the device."""
+        from dflash_ray.target.capture import target_outputs
 
         start = time.perf_counter()
         ids, mask, attn = pad_batch([self._row(uri, row) for uri, row in samples])
         device = self.place.device
-        feats = target_features(self.model, ids.to(device), self.layer_ids, attention_mask=attn.to(device))
-        if to_host:
-            feats = feats.cpu()
-        else:
-            ids, mask = ids.to(device), mask.to(device)
+        top_k = self.cfg.distill_top_k if self.cfg.distill > 0 else 0
+        want = torch.zeros_like(mask)
+        want[:, :-1] = mask[:, 1:]  # position p holds the distribution of token p + 1
+        feats, teacher_ids, teacher_probs = target_outputs(self.model, ids.to(device), self.layer_ids,
+                                                           attention_mask=attn.to(device), top_k=top_k,
+                                                           want_BS=want.to(device))
+        batch = {"input_ids": ids, "loss_mask": mask, "features": feats}
+        if top_k:
+            batch.update(teacher_ids=teacher_ids.int(), teacher_probs=teacher_probs.half())
+        for key, value in batch.items():
+            batch[key] = value.cpu() if to_host else value.to(device)
         synchronize(device)
-        return {"input_ids": ids, "loss_mask": mask, "features": feats, "seconds": time.perf_counter() - start}
+        return {**batch, "seconds": time.perf_counter() - start}
 
 
 def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
@@ -140,11 +147,14 @@ class DrafterWorker:
         from dflash_ray.drafter.step import forward_loss
 
         device = self.place.device
+        teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device)) \
+            if "teacher_ids" in batch else None
         with self._autocast():
             out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
                                num_anchors=self.cfg.num_anchors, generator=self.generator,
-                               attention=self.place.attention, gamma=self.cfg.loss_decay)
+                               attention=self.place.attention, gamma=self.cfg.loss_decay, teacher=teacher,
+                               distill=self.cfg.distill)
         params = list(self.drafter.parameters())
         self.opt.zero_grad(set_to_none=False)
         weight = out.loss.weight_sum.detach().float()
