@@ -186,6 +186,8 @@ class PipelineConfig:
     target: str = ""  # target model: path, s3:// folder or short name
     eval_prompts: int = 12  # prompts kept out of generation and training, to measure tau on
     min_tau_gain: float = 0.0  # fail unless the trained drafter's tau beats the untrained one's by this
+    beat_ngram: bool = False  # fail unless the trained drafter's tau beats the n-gram baseline's
+    vllm_evaluate: bool = True  # also measure the exported drafter's acceptance in vLLM (when installed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -57,15 +57,18 @@ def evaluation_device(setting: str, cuda_available: bool) -> str:
     return "cuda" if setting == "cuda" or (setting == "auto" and cuda_available) else "cpu"
 
 
-def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance),
-    in vLLM's own process: it spawns workers and wants a `__main__` guard."""
+def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance, and
+    with `temperature` > 0 that of a sampled run too), in vLLM's own process: it spawns workers and
+    wants a `__main__` guard."""
     import os
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     cmd = [sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target_dir,
-           "--prompts-json", f.name, "--max-tokens", str(max_tokens)]
+           "--prompts-json", f.name, "--max-tokens", str(max_tokens), "--temperature", str(temperature),
+           "--top-p", str(top_p)]
     if drafter_dir:
         cmd += ["--drafter", str(drafter_dir)]
     try:
@@ -103,7 +106,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
     per_source: dict[str, list[int]] = collections.defaultdict(list)
-    all_steps, sampled_steps, ngram_steps, prompt_ids = [], [], [], []
+    all_steps, sampled_steps, ngram_steps, prompt_ids, references = [], [], [], [], []
     generator = torch.Generator(device=device).manual_seed(ecfg.seed)
     spec_s = base_s = 0.0
     tokens = mismatches = 0
@@ -114,6 +117,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt_ids.append(ids)
         ref = target_decode(target, ids, ecfg.max_new_tokens, eos)
+        references.append(ref.token_ids)
         spec = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos)
         mismatches += int(spec.token_ids != ref.token_ids)
         per_source[row["source"]] += spec.acceptance
@@ -145,8 +149,10 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     if heldout_uri:
         summary["tau_simulated_heldout"] = _heldout_tau(target, drafter, embed, head, heldout_uri, cfg)
     if engine == "vllm":
-        result = run_vllm(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens)
+        result = run_vllm(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_p)
         summary["tau_vllm"] = result["acceptance_length"]
+        summary["tau_vllm_sampled"] = result.get("sampled", {}).get("acceptance_length")
+        summary["vllm_outputs_equal"] = result["outputs"] == references
     if mismatches:
         raise DFlashError(f"speculative output differs from the target's greedy output on {mismatches} "
                           "prompt(s): the drafter path is broken", file=drafter_uri).with_summary(summary)

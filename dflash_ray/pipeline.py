@@ -103,6 +103,10 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         raise DFlashError(f"the trained drafter's tau {summary['tau_trained']} beats the untrained one's "
                           f"{summary['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
                           field="pipeline.min_tau_gain").with_summary(summary)
+    if pcfg.beat_ngram and (summary["tau_trained"] or 0) <= (summary["tau_ngram"] or 0):
+        raise DFlashError(f"the trained drafter's tau {summary['tau_trained']} does not beat n-gram prompt "
+                          f"lookup's {summary['tau_ngram']} on the same prompts", field="pipeline.beat_ngram"
+                          ).with_summary(summary)
     return summary
 
 
@@ -128,7 +132,11 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
     save_drafter(start, untrained, dtype=torch.float32)
     eval_prompts = storage.join(work, "prompts-eval")
     before = timed("evaluate_untrained", run_evaluate, untrained, target, eval_prompts, cfg)
-    after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg)
+    import importlib.util
+
+    # vLLM's own acceptance of the exported drafter, on the same prompts, when vLLM is installed
+    engine = "vllm" if cfg.pipeline.vllm_evaluate and importlib.util.find_spec("vllm") else "hf"
+    after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine)
     return {
         "training_steps": train["step"], "train_loss": train["loss"],
         "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
@@ -136,6 +144,7 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
         "tau_untrained_sampled": before["tau_sampled"], "tau_trained_sampled": after["tau_sampled"],
         "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],
         "ngram_draft_share": after["ngram_draft_share"],
+        "tau_trained_vllm": after.get("tau_vllm"), "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
         "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
         "lossless": before["lossless"] and after["lossless"],
         "plots": storage.join(work, "train/metrics.png"), "drafter": drafter,

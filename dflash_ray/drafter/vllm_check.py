@@ -2,8 +2,10 @@
 
 vLLM needs its own process (it spawns workers and wants a `__main__` guard), so this module is a
 script: `python -m dflash_ray.drafter.vllm_check --target DIR --drafter DIR --prompts-json FILE`
-prints one JSON object: the outputs with and without the drafter and vLLM's measured mean
-acceptance length (1 + accepted / drafts, from `llm.get_metrics()`).
+prints one JSON object: the greedy outputs (with the drafter when given) and vLLM's measured mean
+acceptance length (1 + accepted / drafts, from `llm.get_metrics()`); with `--temperature` also the
+acceptance length of a sampled run (top-p `--top-p`) in the same engine. On the CPU the KV cache is
+sized in bytes for the machine, as for the generation engines.
 """
 
 from __future__ import annotations
@@ -20,27 +22,45 @@ def _metric(metrics, name: str) -> float:
     return total
 
 
+def _acceptance(llm, before: tuple[float, float]) -> tuple[dict, tuple[float, float]]:
+    metrics = llm.get_metrics()
+    now = (_metric(metrics, "vllm:spec_decode_num_drafts"), _metric(metrics, "vllm:spec_decode_num_accepted_tokens"))
+    drafts, accepted = now[0] - before[0], now[1] - before[1]
+    return {"drafts": drafts, "accepted": accepted,
+            "acceptance_length": 1 + accepted / drafts if drafts else None}, now
+
+
 def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: int, dtype: str = "float32",
-        num_speculative_tokens: int = 15) -> dict:
+        num_speculative_tokens: int = 15, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    import torch
     from vllm import LLM, SamplingParams
 
-    # on CPU, gpu_memory_utilization is the share of host memory vLLM reserves (KV cache included)
-    kwargs = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "gpu_memory_utilization": 0.25,
-              "dtype": dtype}
+    from dflash_ray.config import GenerateConfig
+    from dflash_ray.generation.engines import cpu_kv_cache_bytes
+
+    kwargs = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "dtype": dtype}
     if drafter:
         kwargs["disable_log_stats"] = False  # get_metrics() needs the stat loggers
         kwargs["speculative_config"] = {"method": "dflash", "model": drafter,
                                         "num_speculative_tokens": num_speculative_tokens}
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = 0.25
+    else:  # bytes for the prompts at once, within what this NUMA node has free
+        sizing = GenerateConfig(max_model_len=2048, batch_size=len(prompts), dtype=dtype,
+                                engine_args={k: v for k, v in kwargs.items() if k == "speculative_config"})
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(target, sizing)
     llm = LLM(model=target, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outputs]}
     if drafter:
-        metrics = llm.get_metrics()
-        drafts = _metric(metrics, "vllm:spec_decode_num_drafts")
-        accepted = _metric(metrics, "vllm:spec_decode_num_accepted_tokens")
-        result.update(drafts=drafts, accepted=accepted,
-                      acceptance_length=1 + accepted / drafts if drafts else None)
+        greedy, seen = _acceptance(llm, (0.0, 0.0))
+        result.update(greedy)
+        if temperature > 0:
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=i)
+                          for i in range(len(prompts))], use_tqdm=False)
+            result["sampled"] = _acceptance(llm, seen)[0]
     return result
 
 
@@ -50,9 +70,12 @@ def main() -> None:
     parser.add_argument("--drafter")
     parser.add_argument("--prompts-json", required=True, help="a JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: also a sampled run")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
     prompts = json.load(open(args.prompts_json))
-    print("VLLM_RESULT " + json.dumps(run(args.target, args.drafter, prompts, args.max_tokens)))
+    print("VLLM_RESULT " + json.dumps(run(args.target, args.drafter, prompts, args.max_tokens,
+                                          temperature=args.temperature, top_p=args.top_p)))
 
 
 if __name__ == "__main__":

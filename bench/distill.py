@@ -1,0 +1,78 @@
+"""Hard labels against online distillation from the target's own distribution, and their mix, at
+equal steps and data: real acceptance length on prompts kept out of everything, greedy and sampled.
+
+The drafters train side by side on the same batches with the same anchors (one drafter worker each,
+the production `train_step`), on the features and top-k distributions of one SmolLM2 target worker;
+then each is exported and evaluated with real speculative decoding (`dflash-ray evaluate`'s code) on
+a pipeline's kept-aside prompts. Needs a demo or pipeline workdir (its `tokenized/` and
+`prompts-eval/`).
+
+    .venv/bin/python -m bench.distill --workdir demo-run [--steps 400] [--json]
+
+Prints one line per drafter, then one ratio per line (distillation or mix over hard labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+VARIANTS = {"hard": 0.0, "distill": 1.0, "mix": 0.5}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", required=True, help="a demo or pipeline workdir (file:// or s3://)")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more settings")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    from tqdm import tqdm
+
+    from dflash_ray import storage
+    from dflash_ray.demo import demo_config
+    from dflash_ray.drafter.export import save_drafter
+    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config, drafter_init
+    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+    # the demo's settings; the target worker sends its top-k whenever any variant distills
+    base = demo_config(None, ["train.torch_threads=2", *args.set])
+    cfgs = {name: demo_config(None, ["train.torch_threads=2", *args.set, f"train.distill={share}"])
+            for name, share in VARIANTS.items()}
+    samples = dataset_samples(storage.join(args.workdir, "tokenized"))
+    schedule = Schedule(samples, 1, args.batch, base.train.seed)
+    dcfg = drafter_config(SMOLLM2, base)
+    target = TargetWorker(SMOLLM2, dcfg["dflash_config"]["target_layer_ids"], cfgs["distill"].train)
+    init = drafter_init(SMOLLM2, base)
+    drafters = {name: DrafterWorker(SMOLLM2, json.dumps(dcfg), init, cfg.train, 0, 1) for name, cfg in cfgs.items()}
+    for worker in drafters.values():
+        worker.set_total_steps(args.steps)
+    for step in tqdm(range(args.steps), desc="train all", unit="step"):
+        batch = target.features(schedule.batch_for(step, 0))
+        for worker in drafters.values():
+            worker.train_step(step, batch)
+
+    rows = {}
+    for name, worker in drafters.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            save_drafter(worker.drafter.cpu(), tmp, dtype=torch.float32)
+            out = run_evaluate(tmp, SMOLLM2, storage.join(args.workdir, "prompts-eval"), base)
+        rows[name] = {"drafter": name, "distill": VARIANTS[name], "steps": args.steps, "batch": args.batch,
+                      "samples": len(samples), "prompts": out["prompts"], "tau": out["tau"],
+                      "tau_sampled": out["tau_sampled"], "sampling": out["sampling"], "tau_ngram": out["tau_ngram"],
+                      "lossless": out["lossless"]}
+        print(json.dumps(rows[name]), flush=True)
+    for name in ("distill", "mix"):
+        for key in ("tau", "tau_sampled"):
+            print(json.dumps({"ratio": f"{name}_over_hard_{key}",
+                              "value": round(rows[name][key] / rows["hard"][key], 4)}))
+
+
+if __name__ == "__main__":
+    main()
