@@ -5,13 +5,14 @@
 
 One JSON line per check, each with "ok":
 - fused_ce: the fused linear + CE (Triton on CUDA) against the naive fp32-logits reference: relative
-  error of loss and gradient, peak memory ratio, time ratio.
+  error of loss and gradient (hard labels, and distillation's soft targets), peak memory ratio, time ratio.
 - flex_attention: the DFlash block mask through compiled flex attention against the dense SDPA mask,
   full and sliding layers: output and gradient error, fwd+bwd time ratio (forward only on the CPU).
 - train_step: one colocated stream (`ColocatedWorker`: target and drafter on one device, the code the
   Ray actor runs): tokens/s, step split (target / drafter / optimizer), peak memory, model FLOP
   utilisation by the project's FLOP model (`plan.train_flops_per_token`); and what the paired
-  path's trip of one batch's features through host memory (device → host → device) costs against it.
+  path's trip of one batch's features through host memory (device → host → device) costs against it;
+  and the same step with distillation (the target's top-32 over the response positions).
 - speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
   target's own greedy output; its acceptance length.
 - ray_free: nothing above imported Ray or vLLM (the GPU machine has neither).
@@ -142,13 +143,19 @@ def check_fused_ce(sz: Sizes, device: str) -> dict:
     head = (torch.randn(sz.vocab, sz.hidden, generator=g) * 0.02).to(device, dtype)
     labels = torch.randint(0, sz.vocab, (N,), generator=g).to(device)
     weights = (torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.1)).to(device)
+    # distillation's soft targets: the label and the target's top-32, half and half
+    soft_ids = torch.cat([labels[:, None], torch.randint(0, sz.vocab, (N, 32), generator=g).to(device)], 1)
+    soft_p = torch.rand(N, 32, generator=g)
+    soft_probs = torch.cat([torch.full((N, 1), 0.5), soft_p / soft_p.sum(1, keepdim=True) * 0.5], 1).to(device)
     results = {}
-    for name, fn in (("naive", naive_loss), ("fused", fused_linear_weighted_ce)):
+    for name, fn, soft in (("naive", naive_loss, ()), ("fused", fused_linear_weighted_ce, ()),
+                           ("naive_soft", naive_loss, (soft_ids, soft_probs)),
+                           ("fused_soft", fused_linear_weighted_ce, (soft_ids, soft_probs))):
         h = hidden.clone().requires_grad_(True)
 
-        def run(h=h, fn=fn):
+        def run(h=h, fn=fn, soft=soft):
             h.grad = None
-            loss, _ = fn(h, head, labels, weights)
+            loss, _ = fn(h, head, labels, weights, *soft)
             loss.backward()
             return loss
 
@@ -158,9 +165,14 @@ def check_fused_ce(sz: Sizes, device: str) -> dict:
                          "seconds": _timed(run, device)}
     n, f = results["naive"], results["fused"]
     loss_err, grad_err = _rel(f["loss"], n["loss"]), _rel(f["grad"], n["grad"])
+    soft_loss_err = _rel(results["fused_soft"]["loss"], results["naive_soft"]["loss"])
+    soft_grad_err = _rel(results["fused_soft"]["grad"], results["naive_soft"]["grad"])
     tol = (1e-3, 3e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
-    return {"check": "fused_ce", "ok": loss_err < tol[0] and grad_err < tol[1], "rows": N, "vocab": sz.vocab,
+    ok = loss_err < tol[0] and grad_err < tol[1] and soft_loss_err < tol[0] and soft_grad_err < tol[1]
+    return {"check": "fused_ce", "ok": ok, "rows": N, "vocab": sz.vocab,
             "triton": _use_triton(hidden), "loss_rel_err": loss_err, "grad_rel_err": grad_err,
+            "soft_loss_rel_err": soft_loss_err, "soft_grad_rel_err": soft_grad_err,
+            "time_ratio_fused_soft_over_fused": results["fused_soft"]["seconds"] / f["seconds"],
             "peak_bytes_naive": n["peak"], "peak_bytes_fused": f["peak"],
             "peak_memory_ratio_naive_over_fused": n["peak"] / f["peak"] if f["peak"] else None,
             "time_ratio_naive_over_fused": n["seconds"] / f["seconds"]}
@@ -275,6 +287,16 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     def mean(key):
         return sum(s[key] for s in timed) / len(timed)
 
+    # with distillation the target also runs its last layers and its head over the response positions
+    # and sends its top-32: the same worker, its settings switched (a frozen config, replaced whole)
+    import dataclasses
+
+    worker.cfg = worker.target.cfg = dataclasses.replace(cfg, distill=0.5, distill_top_k=32)
+    distilled = []
+    for step in range(total, total + 1 + sz.warmup):
+        distilled.append(worker.train_samples(step, [(data, step % 2)]))
+    distilled = distilled[1:]
+
     # the paired (non-colocated) path moves each batch's features through host memory: time that trip
     feats = worker.target.features([(data, 0)], to_host=False)["features"]
     host = feats.cpu()
@@ -288,7 +310,8 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     kept = min(sz.anchors, sz.seq_len * 3 // 4 - 1)
     flops = train_flops_per_token(target_params, drafter_params, head_params, kept * sz.block / sz.seq_len) * sz.seq_len
     losses = [s["loss"] for s in stats]
-    return {"check": "train_step", "ok": all(map(torch.isfinite, torch.tensor(losses))) and timed[-1]["grad_norm"] > 0,
+    finite = all(map(torch.isfinite, torch.tensor(losses + [s["loss"] for s in distilled])))
+    return {"check": "train_step", "ok": finite and timed[-1]["grad_norm"] > 0,
             "device": place.device, "dtype": str(place.dtype).removeprefix("torch."), "attention": place.attention,
             "seq_len": sz.seq_len, "anchors": sz.anchors, "drafter_layers": sz.drafter_layers,
             "target_params_run": target_params, "drafter_params": drafter_params, "head_params": head_params,
@@ -299,6 +322,9 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
             "model_tflops_per_step": flops / 1e12,
             "mfu": flops / wall / (peak_tflops * 1e12) if cuda else None, "peak_tflops": peak_tflops,
             "losses": [round(x, 4) for x in losses], "target_build_seconds": built,
+            "distill_target_seconds": sum(s["target_seconds"] for s in distilled) / len(distilled),
+            "distill_drafter_seconds": sum(s["drafter_seconds"] for s in distilled) / len(distilled),
+            "distill_loss": distilled[-1]["loss"],
             "feature_bytes": feats.numel() * feats.element_size(), "feature_to_host_seconds": to_host_s,
             "feature_to_device_seconds": to_device_s,
             "feature_host_trip_share_of_step": (to_host_s + to_device_s) / wall}
