@@ -301,7 +301,10 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     feats = worker.target.features([(data, 0)], to_host=False)["features"]
     host = feats.cpu()
     to_host_s = _timed(lambda: feats.cpu(), device)
+    to_pinned_s = _timed(lambda: worker.target._staged("features", feats), device)
     to_device_s = _timed(lambda: host.to(device), device)
+    pinned = worker.target._staged("features", feats)
+    pinned_to_device_s = _timed(lambda: pinned.to(device, non_blocking=True), device)
     place = worker.place
     layers = worker.target.model.model.layers
     target_params = sum(p.numel() for layer in layers[: max(sz.layer_ids) + 1] for p in layer.parameters())
@@ -326,8 +329,10 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
             "distill_drafter_seconds": sum(s["drafter_seconds"] for s in distilled) / len(distilled),
             "distill_loss": distilled[-1]["loss"],
             "feature_bytes": feats.numel() * feats.element_size(), "feature_to_host_seconds": to_host_s,
-            "feature_to_device_seconds": to_device_s,
-            "feature_host_trip_share_of_step": (to_host_s + to_device_s) / wall}
+            "feature_to_device_seconds": to_device_s, "feature_to_pinned_host_seconds": to_pinned_s,
+            "feature_pinned_to_device_seconds": pinned_to_device_s,
+            "feature_host_trip_share_of_step": (to_host_s + to_device_s) / wall,
+            "feature_pinned_trip_share_of_step": (to_pinned_s + pinned_to_device_s) / wall}
 
 
 def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
