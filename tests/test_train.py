@@ -147,6 +147,14 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
     assert summary["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1
 
 
+def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, target, data, tmp_path):
+    from dflash_ray.errors import DFlashError
+
+    with pytest.raises(DFlashError) as e:  # raised in the coordinator actor, not a dead-actor error
+        run_train(target, data, str(tmp_path / "x"), load_config(None, SETTINGS + ["train.heldout=16"]), progress=False)
+    assert e.value.field == "train.heldout"
+
+
 def test_bf16_training_keeps_fp32_master_weights(target, data):
     import json
 

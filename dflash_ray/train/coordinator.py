@@ -162,7 +162,7 @@ def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | Non
         chosen.add(unique[i])
         held += sizes[unique[i]]
     if held >= len(samples):
-        raise DFlashError(f"train.heldout={count} leaves no training sample out of {len(samples)}")
+        raise DFlashError(f"{count} leaves no training sample out of {len(samples)}", field="train.heldout")
     return ([s for s, p in zip(samples, prompts) if p in chosen], [s for s, p in zip(samples, prompts) if p not in chosen])
 
 
@@ -192,13 +192,7 @@ class Coordinator:
         """`drafter_cfg` and `init`: `drafter_config` and `drafter_init`, computed on the driver."""
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
-        tcfg = cfg.train
-        samples = dataset_samples(data)
-        prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
-        self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
-        self.schedule = Schedule(train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed)
-        total = tcfg.epochs * self.schedule.steps_per_epoch
-        self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
+        self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
         self.drafter_cfg_json = json.dumps(drafter_cfg)
         self.layer_ids = drafter_cfg["dflash_config"]["target_layer_ids"]
         self.init = init
@@ -206,6 +200,17 @@ class Coordinator:
         self.targets, self.drafters, self.groups = [], [], []
         self.rendezvous: tuple[str, int] | None = None
         self._gauges: dict[str, Any] = {}
+
+    def _plan(self) -> None:
+        """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so
+        a bad dataset or setting reaches the driver as its own error, not as a dead actor."""
+        tcfg = self.cfg.train
+        samples = dataset_samples(self.data)
+        prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
+        self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
+        self.schedule = Schedule(train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed)
+        total = tcfg.epochs * self.schedule.steps_per_epoch
+        self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
 
     # -- actors -----------------------------------------------------------------------------
     def _start_actors(self) -> None:
@@ -388,6 +393,7 @@ class Coordinator:
         from ray.exceptions import RayActorError
 
         started = time.perf_counter()
+        self._plan()
         while True:
             self._start_actors()
             try:
@@ -458,6 +464,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     try:
         while not ray.wait([run_ref], timeout=2.0)[0]:
             state = ray.get(coordinator.progress.remote())
+            if state["total_steps"] is None:  # still planning
+                continue
             if bar is None:
                 bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
             bar.n = state["step"]
