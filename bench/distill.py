@@ -31,8 +31,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from tqdm import tqdm
-
+    from bench.side_by_side import train_side_by_side
     from dflash_ray import storage
     from dflash_ray.demo import demo_config
     from dflash_ray.drafter.export import save_drafter
@@ -51,12 +50,7 @@ def main() -> None:
     target = TargetWorker(SMOLLM2, dcfg["dflash_config"]["target_layer_ids"], cfgs["distill"].train)
     init = drafter_init(SMOLLM2, base)
     drafters = {name: DrafterWorker(SMOLLM2, json.dumps(dcfg), init, cfg.train, 0, 1) for name, cfg in cfgs.items()}
-    for worker in drafters.values():
-        worker.set_total_steps(args.steps)
-    for step in tqdm(range(args.steps), desc="train all", unit="step"):
-        batch = target.features(schedule.batch_for(step, 0))
-        for worker in drafters.values():
-            worker.train_step(step, batch)
+    train_side_by_side(target, drafters, schedule, args.steps, "train all")
 
     rows = {}
     for name, worker in drafters.items():

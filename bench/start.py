@@ -24,8 +24,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from tqdm import tqdm
-
+    from bench.side_by_side import train_side_by_side
     from dflash_ray.config import load_config
     from dflash_ray.registry import SMOLLM2
     from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config, sample_prompts, split_heldout
@@ -39,12 +38,7 @@ def main() -> None:
     dcfg = drafter_config(SMOLLM2, cfg)
     target = TargetWorker(SMOLLM2, dcfg["dflash_config"]["target_layer_ids"], cfg.train)
     drafters = {mode: DrafterWorker(SMOLLM2, json.dumps(dcfg), mode, cfg.train, 0, 1) for mode in ("random", "target")}
-    for worker in drafters.values():
-        worker.set_total_steps(args.steps)
-    for step in tqdm(range(args.steps), desc="train both", unit="step"):
-        batch = target.features(schedule.batch_for(step, 0))
-        for worker in drafters.values():
-            worker.train_step(step, batch)
+    train_side_by_side(target, drafters, schedule, args.steps, "train both")
     held = [target.features([s]) for s in heldout]
     tau = {mode: statistics.fmean(t for b in held for t in worker.evaluate(b)) for mode, worker in drafters.items()}
     row = {"case": f"smollm2_{len(train)}samples_{args.steps}steps", "steps": args.steps, "heldout": len(heldout),
