@@ -82,8 +82,11 @@ def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]],
 
 
 def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunConfig, *,
-                 heldout_uri: str | None = None, engine: str = "hf", tokenizer_name: str | None = None
-                 ) -> dict[str, Any]:
+                 heldout_uri: str | None = None, engine: str = "hf", tokenizer_name: str | None = None,
+                 sampled: bool = True, reference_cache: dict | None = None) -> dict[str, Any]:
+    """`sampled=False` skips the serving-temperature run; `reference_cache` (a dict the caller keeps)
+    holds the target's own greedy outputs across calls on the same target and prompts, so a second
+    drafter's evaluation does not decode them again."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -116,7 +119,11 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
                                              tokenize=False, enable_thinking=ecfg.enable_thinking)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt_ids.append(ids)
-        ref = target_decode(target, ids, ecfg.max_new_tokens, eos)
+        key = (target_uri, ecfg.max_new_tokens, tuple(ids))
+        cache = reference_cache if reference_cache is not None else {}
+        if key not in cache:
+            cache[key] = target_decode(target, ids, ecfg.max_new_tokens, eos)
+        ref = cache[key]
         references.append(ref.token_ids)
         spec = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos)
         mismatches += int(spec.token_ids != ref.token_ids)
@@ -124,7 +131,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         all_steps += spec.acceptance
         ngram_steps += ngram.simulate_steps(ids, ref.token_ids, drafter.cfg.block_size - 1, ecfg.ngram_min,
                                             ecfg.ngram_max)
-        if ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
+        if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
             sampled = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,
                                          Sampling(ecfg.temperature, ecfg.top_p, generator))
             sampled_steps += sampled.acceptance

@@ -131,17 +131,21 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
                             cfg.train.seed)
     save_drafter(start, untrained, dtype=torch.float32)
     eval_prompts = storage.join(work, "prompts-eval")
-    before = timed("evaluate_untrained", run_evaluate, untrained, target, eval_prompts, cfg)
+    references: dict = {}  # the target's own outputs, decoded once for both drafters
+    # the start is measured greedy only: its sampled tau says nothing the greedy one does not
+    before = timed("evaluate_untrained", run_evaluate, untrained, target, eval_prompts, cfg, sampled=False,
+                   reference_cache=references)
     import importlib.util
 
     # vLLM's own acceptance of the exported drafter, on the same prompts, when vLLM is installed
     engine = "vllm" if cfg.pipeline.vllm_evaluate and importlib.util.find_spec("vllm") else "hf"
-    after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine)
+    after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine,
+                  reference_cache=references)
     return {
         "training_steps": train["step"], "train_loss": train["loss"],
         "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
         "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
-        "tau_untrained_sampled": before["tau_sampled"], "tau_trained_sampled": after["tau_sampled"],
+        "tau_trained_sampled": after["tau_sampled"],
         "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],
         "ngram_draft_share": after["ngram_draft_share"],
         "tau_trained_vllm": after.get("tau_vllm"), "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
