@@ -52,11 +52,12 @@ def main() -> None:
     drafters = {name: DrafterWorker(SMOLLM2, json.dumps(dcfg), init, cfg.train, 0, 1) for name, cfg in cfgs.items()}
     train_side_by_side(target, drafters, schedule, args.steps, "train all")
 
-    rows = {}
+    rows, references = {}, {}  # the target's own outputs, decoded once for all drafters
     for name, worker in drafters.items():
         with tempfile.TemporaryDirectory() as tmp:
             save_drafter(worker.drafter.cpu(), tmp, dtype=torch.float32)
-            out = run_evaluate(tmp, SMOLLM2, storage.join(args.workdir, "prompts-eval"), base)
+            out = run_evaluate(tmp, SMOLLM2, storage.join(args.workdir, "prompts-eval"), base,
+                               reference_cache=references)
         rows[name] = {"drafter": name, "distill": VARIANTS[name], "steps": args.steps, "batch": args.batch,
                       "samples": len(samples), "prompts": out["prompts"], "tau": out["tau"],
                       "tau_sampled": out["tau_sampled"], "sampling": out["sampling"], "tau_ngram": out["tau_ngram"],
