@@ -1,3 +1,4 @@
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -55,7 +56,8 @@ def _chi_square_p_value(counts: dict, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
+@pytest.mark.parametrize("greedy_drafts", [True, False])
+def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path, greedy_drafts):
     """The first two sampled tokens (temperature 0.3, top-p 0.9) of 1,500 seeded speculative runs
     against the target's exact joint distribution of them: a chi-square test at a 0.1% false-alarm
     rate. The same test on the drafter's own proposals (no verification) must fail: it has power."""
@@ -76,7 +78,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     expected = {(a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(24)
                 if seconds[i, b] > 0}
 
-    sampling = Sampling(T, top_p, torch.Generator().manual_seed(0))
+    sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=greedy_drafts)
     counts: dict = {}
     steps = []
     for _ in range(n):

@@ -7,9 +7,10 @@ committed tokens. Acceptance length per step = accepted drafts + 1.
 
 Greedy (temperature 0): a draft is accepted while it equals the target's greedy choice, and the
 output equals the target's own greedy output token for token. Sampled (temperature T, top-p): the
-drafts are sampled from the drafter's warped distribution q, draft d_k is accepted with probability
-min(1, p_k(d_k) / q_k(d_k)), the first rejected position resamples from norm(max(0, p_k - q_k)),
-and the output is distributed exactly as the target's own warped samples (tested statistically).
+drafts come from the drafter's distribution q (its argmax, q one-hot, as vLLM drafts; or sampled
+from its warped distribution), draft d_k is accepted with probability min(1, p_k(d_k) / q_k(d_k)),
+the first rejected position resamples from norm(max(0, p_k - q_k)), and the output is distributed
+exactly as the target's own warped samples (tested statistically, both ways of drafting).
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ class Generation:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How tokens are chosen: greedy at temperature 0, else sampled from the warped distribution."""
+    """How tokens are chosen: greedy at temperature 0, else sampled from the warped distribution.
+    `greedy_drafts`: under sampling the drafter still proposes its argmax (q is one-hot there), as
+    vLLM's DFlash proposer does; otherwise drafts are sampled from its warped distribution. Both
+    keep the output distributed as the target's; they differ in how often drafts are accepted."""
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None  # on the target's device
+    greedy_drafts: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -137,8 +142,9 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         hidden = drafter(context.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions,
                          attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa"))  # one block after the context
         draft_logits = hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()
-        if sampling.greedy:
+        if sampling.greedy or sampling.greedy_drafts:
             drafts = draft_logits.argmax(-1)
+            q = F.one_hot(drafts, draft_logits.shape[-1]).float()  # used when sampling
         else:
             q = warp(draft_logits, sampling.temperature, sampling.top_p)
             drafts = torch.multinomial(q, 1, generator=sampling.generator)[:, 0]
