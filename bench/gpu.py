@@ -39,7 +39,6 @@ def _map_kernels() -> None:
     if importlib.util.find_spec("dflash_ray") is None:
         sys.path.insert(0, str(ROOT))
     try:
-        importlib.util.find_spec("dflash_ray.kernels")
         found = importlib.util.find_spec("dflash_ray.kernels") is not None
     except ModuleNotFoundError:
         found = False

@@ -111,6 +111,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     per_source: dict[str, list[int]] = collections.defaultdict(list)
     all_steps, sampled_steps, ngram_steps, prompt_ids, references = [], [], [], [], []
     generator = torch.Generator(device=device).manual_seed(ecfg.seed)
+    cache = reference_cache if reference_cache is not None else {}
     spec_s = base_s = 0.0
     tokens = mismatches = 0
     for row in tqdm(rows, desc="evaluate", unit=" prompts"):
@@ -120,7 +121,6 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt_ids.append(ids)
         key = (target_uri, ecfg.max_new_tokens, tuple(ids))
-        cache = reference_cache if reference_cache is not None else {}
         if key not in cache:
             cache[key] = target_decode(target, ids, ecfg.max_new_tokens, eos)
         ref = cache[key]

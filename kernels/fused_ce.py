@@ -44,34 +44,36 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
             w = weights_N[idx].float()
             logits = (h.to(head_VH.dtype) @ head_VH.t()).float()  # [c, V], the only big buffer
             # soft targets t (rows sum to 1): loss lse - sum_j t_j z_j, gradient softmax - t
-            sid = soft_ids_Nm[idx] if soft_ids_Nm is not None else y[:, None]
-            sp = soft_probs_Nm[idx].float() if soft_ids_Nm is not None else torch.ones_like(w)[:, None]
-            z_soft = logits.gather(1, sid)  # read before the logits turn into their gradient
+            soft = soft_ids_Nm is not None
+            if soft:  # read before the logits turn into their gradient
+                sid, sp = soft_ids_Nm[idx], soft_probs_Nm[idx].float()
+                z_soft = (logits.gather(1, sid) * sp).sum(-1)
             if _use_triton(logits):
                 from dflash_ray.kernels.ce_triton import ce_rows
 
-                z_y = logits.gather(1, y[:, None])[:, 0]
+                z_y = logits.gather(1, y[:, None])[:, 0] if soft else None
                 row_loss, hit = ce_rows(logits, y, w, float(1.0 / wsum), need_h or need_w)
                 total += row_loss.sum()
                 correct[idx] = hit
                 probs = logits  # now holds d loss / d logits
-                if soft_ids_Nm is not None:  # the kernel's loss and gradient are against y: move them to t
-                    total += ((z_y - (z_soft * sp).sum(-1)) * w).sum()
+                if soft:  # the kernel's loss and gradient are against y: move them to t
+                    total += ((z_y - z_soft) * w).sum()
                     if need_h or need_w:
                         g = (w / wsum)[:, None]
                         probs.scatter_add_(1, y[:, None], g)
                         probs.scatter_add_(1, sid, -sp * g)
             else:
                 lse = torch.logsumexp(logits, dim=-1)
-                total += ((lse - (z_soft * sp).sum(-1)) * w).sum()
+                target = z_soft if soft else logits.gather(1, y[:, None])[:, 0]
+                total += ((lse - target) * w).sum()
                 correct[idx] = logits.argmax(-1) == y
                 if need_h or need_w:
                     # d loss / d logits = (softmax - t) * w / sum(w), computed in place
                     probs = logits.sub_(lse[:, None]).exp_()
-                    if soft_ids_Nm is None:
-                        probs[torch.arange(idx.numel(), device=probs.device), y] -= 1.0
-                    else:
+                    if soft:
                         probs.scatter_add_(1, sid, -sp)
+                    else:
+                        probs[torch.arange(idx.numel(), device=probs.device), y] -= 1.0
                     probs.mul_((w / wsum)[:, None])
             if need_h or need_w:
                 if need_h:

@@ -95,20 +95,26 @@ def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
     return Generation(out_tokens, seconds=time.perf_counter() - start)
 
 
-def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+def verify_sampled(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
                    generator: torch.Generator | None) -> tuple[int, int]:
-    """The speculative-sampling rule over one block: `drafts` [D] drawn from `q` [D, V]; `p`
-    [D + 1, V] the target's warped distributions after each block token. Returns (accepted drafts,
-    the token that follows them: a residual sample at the first rejection, else a bonus sample)."""
+    """The speculative-sampling rule over one block: `drafts` [D] drawn from `q` [D, V] (None: q
+    one-hot on the drafts, never built); `p` [D + 1, V] the target's warped distributions after each
+    block token. Returns (accepted drafts, the token that follows them: a residual sample at the
+    first rejection, else a bonus sample)."""
     D = drafts.numel()
     rows = torch.arange(D, device=drafts.device)
-    ratio = (p[rows, drafts] / q[rows, drafts].clamp_min(1e-30)).clamp(max=1.0)
+    q_drafts = q[rows, drafts].clamp_min(1e-30) if q is not None else 1.0
+    ratio = (p[rows, drafts] / q_drafts).clamp(max=1.0)
     u = torch.rand(D, device=drafts.device, generator=generator)
     rejected = (u >= ratio).nonzero()
     if rejected.numel() == 0:
         return D, int(torch.multinomial(p[D], 1, generator=generator))
     k = int(rejected[0])
-    residual = (p[k] - q[k]).clamp_min(0)
+    if q is not None:
+        residual = (p[k] - q[k]).clamp_min(0)
+    else:  # max(0, p - onehot(d)) is p without d
+        residual = p[k].clone()
+        residual[drafts[k]] = 0
     if float(residual.sum()) <= 0:  # p == q there: rejection had probability 0; sample p
         residual = p[k]
     return k, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
@@ -142,9 +148,9 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         hidden = drafter(context.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions,
                          attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa"))  # one block after the context
         draft_logits = hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()
+        q = None  # argmax drafts: q is one-hot on them
         if sampling.greedy or sampling.greedy_drafts:
             drafts = draft_logits.argmax(-1)
-            q = F.one_hot(drafts, draft_logits.shape[-1]).float()  # used when sampling
         else:
             q = warp(draft_logits, sampling.temperature, sampling.top_p)
             drafts = torch.multinomial(q, 1, generator=sampling.generator)[:, 0]

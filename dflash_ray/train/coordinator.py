@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Any
 
-from dflash_ray import manifest, storage
+from dflash_ray import storage
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint

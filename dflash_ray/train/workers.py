@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from dflash_ray import storage
 from dflash_ray.config import TrainConfig
 from dflash_ray.train.devices import actor_placement, synchronize
 
