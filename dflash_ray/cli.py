@@ -241,12 +241,18 @@ def _print_human(summary: dict[str, Any], prefix: str = "") -> None:
         print(f"{prefix + key:>28}: {value}")
 
 
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
     out = sys.stdout
     if args.json:  # stdout carries the summary alone: worker logs Ray forwards go to stderr
         sys.stdout = sys.stderr
+    joined = _ray_initialized()
     try:
         try:
             cfg = load_config(args.config, args.overrides)
@@ -269,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                               "exit_code": e.exit_code, **e.summary}), file=out, flush=True)
         return e.exit_code
     finally:
+        if not joined and _ray_initialized():  # Ray's log thread must not print after the summary
+            sys.modules["ray"].shutdown()
         sys.stdout = out
     if args.json:
         print(json.dumps({"ok": True, **summary}), flush=True)
