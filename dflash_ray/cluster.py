@@ -31,6 +31,12 @@ def connect(cfg: RayConfig, *, existing: bool = False) -> None:
                 include_dashboard=cfg.include_dashboard)
 
 
+def on_node(resource: str) -> dict[str, float]:
+    """The `resources` option that keeps an actor on nodes of one type (those that offer `resource`,
+    a custom resource of the node type): a token amount, so any number of actors fit; none for ""."""
+    return {resource: 0.001} if resource else {}
+
+
 LOCAL_ADDRESS = "127.0.0.1"
 
 

@@ -24,6 +24,10 @@ class RayConfig:
     num_cpus: int | None = None  # only for a local cluster started here
     object_store_memory: int | None = None
     include_dashboard: bool = False
+    # node types: custom resources of the nodes each kind of actor must run on; "" (the default, and
+    # what a local cluster wants): anywhere. cluster.yaml and k8s/rayjob.yaml give head_node / gen_node /
+    # train_node.
+    head_resource: str = ""  # the head's: the shard pool and the training coordinator
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +64,7 @@ class GenerateConfig:
     generators: int = 1  # generator actors at the start; `dflash-ray scale` changes it live
     generator_cpus: float = 1.0  # per generator actor
     generator_gpus: float = 0.0  # per generator actor; set to tensor_parallel_size on GPU
+    node_resource: str = ""  # a custom resource of the generation nodes that every generator asks for
     shard_size: int = 256  # prompts per work unit
     # sampling and template
     temperature: float = 0.6
@@ -169,7 +174,6 @@ class TrainConfig:
     actor_cpus: float = 1.0  # per actor; each target+drafter pair is packed on one node
     actor_gpus: float = 0.0  # per actor; > 0 places the target (bf16) and the drafter on the GPU Ray gives it
     node_resource: str = ""  # a custom resource of the training nodes that every stream actor asks for
-    coordinator_resource: str = ""  # a custom resource of the node the coordinator must run on (the head's)
     torch_threads: int = 1
     max_in_flight: int = 1  # target batches computed ahead of their drafter, per stream
     heldout: int = 0  # samples kept out of training (a seeded choice) for the held-out tau

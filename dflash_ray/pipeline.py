@@ -82,6 +82,7 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "self_prompts_dropped": written["dropped"] if written else {},
         "eval_prompts": pcfg.eval_prompts,
         "completions": generated["completions"], "generation_rejected": generated["rejected_kinds"],
+        "generator_nodes": generated["generator_nodes"],
         "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],
         "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
         "loss_tokens": report["stats"]["loss_tokens"],
@@ -143,6 +144,7 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
                   reference_cache=references)
     return {
         "training_steps": train["step"], "train_loss": train["loss"],
+        "stream_nodes": train["stream_nodes"], "coordinator_node": train["coordinator_node"],
         "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
         "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
         "tau_trained_sampled": after["tau_sampled"],

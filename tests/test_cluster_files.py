@@ -1,11 +1,17 @@
-"""The cluster launcher config and the KubeRay RayJob: structure, references and versions checked
-without a cloud account (a typo here is only found at `ray up` time otherwise)."""
+"""The cluster launcher config, the KubeRay RayJob and the image: Ray's own schema, structure,
+references, versions and the one source of pins, checked without a cloud account (a typo here is
+only found at `ray up` time otherwise)."""
 
 from __future__ import annotations
 
+import copy
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 import ray
 import yaml
@@ -13,9 +19,25 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _gpu_extra() -> dict[str, str]:
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    return dict(re.match(r"([\w-]+)==([\w.]+)", x).groups() for x in extras["gpu"] if "==" in x)
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _image() -> str:
+    """The tag every node runs: the Dockerfile's image at the project's version."""
+    return f"REGISTRY/dflash-ray:{_project()['project']['version']}"
+
+
+def test_cluster_yaml_passes_rays_own_schema():
+    """What `ray up` runs first: the defaults filled in, then the autoscaler's JSON schema."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(copy.deepcopy(cfg)))
+    broken = copy.deepcopy(cfg)
+    broken["available_node_types"]["gen_h200"]["min_workers"] = "1"  # the check can fail
+    with pytest.raises(Exception, match="is not of type 'integer'"):
+        validate_config(prepare_config(broken))
 
 
 def test_cluster_yaml_is_a_launchable_aws_config():
@@ -37,10 +59,11 @@ def test_cluster_yaml_is_a_launchable_aws_config():
     text = (ROOT / "cluster.yaml").read_text().lower()
     assert "aws_access_key_id" not in text and "aws_secret_access_key" not in text
 
-    image = cfg["docker"]["image"]
-    assert image.startswith(f"rayproject/ray:{ray.__version__}-") and "ray-ml" not in image
-    pins = dict(re.findall(r'"([\w-]+)==([\w.]+)"', " ".join(cfg["setup_commands"])))
-    assert pins["vllm"] == _gpu_extra()["vllm"]
+    assert cfg["docker"]["image"] == _image()
+    assert not cfg.get("setup_commands")  # the image carries every dependency
+    node_types = {name: t["resources"] for name, t in types.items()}
+    assert node_types["head"].get("head_node") and node_types["train_h200"].get("train_node")
+    assert node_types["gen_b200"].get("gen_node") and node_types["gen_h200"].get("gen_node")
     for commands in (cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]):
         start = [c for c in commands if "ray start" in c]
         assert start and all("RAY_AUTH_MODE=token" in c for c in start)
@@ -53,16 +76,21 @@ def test_rayjob_manifest_references_real_entrypoints_and_matching_versions():
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
     script = spec["entrypoint"].split()[1]
-    assert (ROOT / script).is_file(), script
-    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-    assert runtime_env["working_dir"] and runtime_env["env_vars"]["RAY_AUTH_MODE"] == "token"
+    assert script.startswith("/home/ray/dflash-ray/"), script  # where the Dockerfile puts the project
+    assert (ROOT / script.removeprefix("/home/ray/dflash-ray/")).is_file(), script
     cluster = spec["rayClusterSpec"]
     assert cluster["rayVersion"] == ray.__version__
+    # token auth on every node from a secret; the dashboard behind a ClusterIP service only
+    assert cluster["authOptions"]["mode"] == "token" and cluster["authOptions"]["secretName"]
+    assert cluster["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
+    node_types = [cluster["headGroupSpec"]["rayStartParams"]["resources"]] + [
+        g["rayStartParams"]["resources"] for g in cluster["workerGroupSpecs"]]
+    assert all(any(t in r for t in ("head_node", "gen_node", "train_node")) for r in node_types), node_types
     pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for pod in pods:
         assert pod["spec"]["serviceAccountName"]  # S3 through the service account's role
         for c in pod["spec"]["containers"]:
-            assert c["image"].startswith(f"rayproject/ray:{ray.__version__}-")
+            assert c["image"] == _image()
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert {"gen-h200", "train-h200"} <= set(groups)
     for g in groups.values():
@@ -80,3 +108,46 @@ def test_every_job_entrypoint_runs_a_cli_subcommand_of_its_name():
             "scale", "status"} <= jobs
     for name in jobs:
         assert f'run("{name}")' in (ROOT / "jobs" / f"{name}.py").read_text() and name in commands, name
+
+
+def test_the_dockerfile_installs_exactly_the_gpu_extra_on_rays_image():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(rf"^FROM rayproject/ray:{re.escape(ray.__version__)}-py311-cu\d+$", text, re.M)
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    assert any('".[gpu]"' in line for line in installs), installs
+    assert any("--no-deps $(python tools/pins.py no-deps)" in line for line in installs), installs
+    assert not any(re.search(r"[\w-]==\d", line) for line in installs), installs  # no pin of its own
+    copied = re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", text, re.M)
+    for sources in copied:
+        for source in sources.split():
+            assert (ROOT / source.rstrip("/")).exists(), source
+
+
+def test_no_package_pin_outside_pyproject():
+    """Pins live in pyproject.toml alone; the Makefile and the Dockerfile read them from there."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    pin = re.compile(r"\b[A-Za-z][\w.-]*(\[[\w,]+\])?==\d+(\.\d+)+")
+    found = []
+    for name in tracked.split():
+        path = ROOT / name
+        if name == "pyproject.toml" or not path.is_file() or path.suffix in (".parquet", ".png", ".gguf"):
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{name}: {m.group(0)}" for m in pin.finditer(text)]
+    assert not found, found
+    extras = _project()["project"]["optional-dependencies"]
+    gpu = {re.split("==", x)[0] for x in extras["gpu"]}
+    assert {"torch", "vllm"} <= gpu  # the image's torch is the one vLLM's CUDA build wants
+
+
+def test_pins_reads_the_pins_the_makefile_installs():
+    done = subprocess.run([sys.executable, "tools/pins.py", "extra", "cpu", "torch"], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == next(x for x in _project()["project"]["optional-dependencies"]["cpu"]
+                                       if x.startswith("torch=="))
+    done = subprocess.run([sys.executable, "tools/pins.py", "no-deps"], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == _project()["tool"]["dflash-ray"]["no-deps"]

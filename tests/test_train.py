@@ -287,7 +287,7 @@ def test_rendezvous_is_drafter_rank_0s_node_on_a_two_node_cluster(two_nodes, tar
     out = str(tmp_path / "two-nodes")
     args = ["train", "--data", data, "--target", target, "--output", out, "--json", "--stop-after-step", "3",
             *[x for s in SETTINGS + [f"ray.address={address}", "train.node_resource=train_node",
-                                     "train.coordinator_resource=head_node"] for x in ("--set", s)]]
+                                     "ray.head_resource=head_node"] for x in ("--set", s)]]
     done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True,
                           timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]

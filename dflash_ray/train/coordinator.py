@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from dflash_ray import storage
+from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint
@@ -172,6 +173,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _node(_worker) -> str:
+    """Run inside a stream actor (`__ray_call__`): the address of the node it runs on."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def _rendezvous(_worker) -> tuple[str, int]:
     """Run inside drafter rank 0 (`__ray_call__`): its node's address and a port free there, where
     its process group store will listen."""
@@ -182,8 +190,7 @@ def _rendezvous(_worker) -> tuple[str, int]:
 
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
-               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource",
-               "coordinator_resource"}
+               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource"}
 
 
 class Coordinator:
@@ -199,6 +206,7 @@ class Coordinator:
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []
         self.rendezvous: tuple[str, int] | None = None
+        self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self._gauges: dict[str, Any] = {}
 
     def _plan(self) -> None:
@@ -219,7 +227,7 @@ class Coordinator:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         tcfg = self.cfg.train
-        resources = {tcfg.node_resource: 0.001} if tcfg.node_resource else {}
+        resources = on_node(tcfg.node_resource)
         bundle = {"CPU": tcfg.actor_cpus, **({"GPU": tcfg.actor_gpus} if tcfg.actor_gpus else {}), **resources}
         opts = {"num_cpus": tcfg.actor_cpus, "num_gpus": tcfg.actor_gpus, "resources": resources}
         self.targets, self.drafters, self.groups = [], [], []
@@ -242,6 +250,7 @@ class Coordinator:
                 self.target, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
         # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
         self.rendezvous = ray.get(self.drafters[0].__ray_call__.remote(_rendezvous))
+        self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.drafters]))
         ray.get([d.init_group.remote(*self.rendezvous) for d in self.drafters])
         ray.get([d.set_total_steps.remote(self.total_steps) for d in self.drafters])
 
@@ -346,7 +355,9 @@ class Coordinator:
         from ray.util.metrics import Gauge
 
         if name not in self._gauges:
-            self._gauges[name] = Gauge(f"dflash_train_{name}", description=f"training {name}")
+            gauge = Gauge(f"dflash_train_{name}", description=f"training {name}", tag_keys=("run",))
+            gauge.set_default_tags({"run": self.run_name})  # two runs on one cluster stay apart
+            self._gauges[name] = gauge
         return self._gauges[name]
 
     def _train(self, stop_after_step: int | None) -> None:
@@ -412,7 +423,7 @@ class Coordinator:
         return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
                 "restarts": self.restarts, "loss": last.get("loss"), "tau": last.get("tau"),
                 "rendezvous": f"{self.rendezvous[0]}:{self.rendezvous[1]}" if self.rendezvous else None,
-                "coordinator_node": ray.util.get_node_ip_address(),
+                "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
                 "seconds": round(time.perf_counter() - started, 1),
@@ -456,8 +467,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     check_mask_row(target, drafter_cfg)
     connect(cfg.ray)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
-    where = {"resources": {cfg.train.coordinator_resource: 0.001}} if cfg.train.coordinator_resource else {}
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2, **where).remote(
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
+                                                  resources=on_node(cfg.ray.head_resource)).remote(
         target, data, output, cfg, run_name, drafter_cfg, init)
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
