@@ -5,7 +5,8 @@ prompts kept aside for evaluation → generation by SmolLM2-135M-Instruct itself
 actors → Ray Data tokenization → validation gate → online training with 2 streams → evaluation
 of the untrained and the trained drafter on the kept-aside prompts (real speculative decoding) →
 export. The demo fails unless the trained drafter's acceptance length beats the untrained one's by
-`pipeline.min_tau_gain` and beats n-gram prompt lookup's on the same prompts (`pipeline.beat_ngram`). `run_pipeline` runs the same stages on any config (`dflash-ray pipeline`).
+`pipeline.min_tau_gain` and beats n-gram prompt lookup's on the same prompts (`pipeline.beat_ngram`).
+`run_pipeline` runs the same stages on any config (`dflash-ray pipeline`).
 """
 
 from __future__ import annotations
