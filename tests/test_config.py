@@ -137,3 +137,17 @@ def test_train_command_exits_2_at_once_naming_the_field(tmp_path):
     assert "train.checkpoint_every" in proc.stderr and ">= 1" in proc.stderr
     assert "Traceback" not in proc.stderr and time.perf_counter() - start < 60  # no Ray, no model loaded
     assert not (tmp_path / "out").exists()
+
+
+def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_path):
+    """The demo's own settings are a config like any other (a renamed field fails here, not 20
+    minutes into `make demo`); the user's file and overrides go over them."""
+    from dflash_ray.config import check
+    from dflash_ray.demo import demo_config
+
+    cfg = demo_config(None, [])
+    check(cfg)
+    assert cfg.pipeline.beat_ngram and cfg.pipeline.min_tau_gain > 0 and cfg.train.loss_decay == 2
+    (tmp_path / "mine.yaml").write_text("train: {epochs: 1}\n")
+    mine = demo_config(str(tmp_path / "mine.yaml"), ["pipeline.beat_ngram=false"])
+    assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 2
