@@ -7,13 +7,18 @@ Wherever a model or tokenizer path is accepted, these names work too:
   a GGUF file). It is converted once to safetensors into the local cache
   (`$DFLASH_RAY_CACHE`, default `~/.cache/dflash_ray`), where vLLM and transformers load it.
 
-Nothing here downloads anything: a name whose package is missing fails with the install hint.
+A name whose package is missing fails with the install hint. Beyond these, a model or tokenizer can be
+a local folder, an `s3://` folder, or a Hugging Face Hub id (`Qwen/Qwen3.6-27B`, `hf://ORG/NAME`,
+`ORG/NAME@REVISION`): both are downloaded once per node into a cache, one process at a time (a file
+lock), and a Hub id is resolved to the commit it was read at (`revision_of`), which the stages
+record. With `HF_HUB_OFFLINE=1` a Hub id comes from the local Hugging Face cache alone.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from dflash_ray import storage
@@ -22,6 +27,9 @@ from dflash_ray.errors import DFlashError
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN3 = "qwen3"
 SHORT_NAMES = (QWEN3, SMOLLM2)
+# ORG/NAME with an optional hf:// and @REVISION; a local path of that shape wins over the Hub
+HUB_ID = re.compile(r"^(?:hf://)?([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([\w./-]+))?$")
+TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
 def cache_dir() -> Path:
@@ -104,23 +112,79 @@ def resolve(name_or_path: str, *, need: str = "model") -> str:
     if storage.is_s3(name_or_path):
         return _download_folder(name_or_path)
     path = storage.local_path(name_or_path)
-    if not path.exists():
-        raise DFlashError(f"not a short name ({', '.join(SHORT_NAMES)}) nor an existing path",
-                          file=name_or_path)
-    return str(path)
+    if path.exists():
+        return str(path)
+    hub = HUB_ID.match(name_or_path)
+    if hub:
+        return _hub_snapshot(hub.group(1), hub.group(2), need)
+    raise DFlashError(f"not a short name ({', '.join(SHORT_NAMES)}), an existing path nor a Hugging Face "
+                      "Hub id (ORG/NAME)", file=name_or_path)
+
+
+def _node_lock(name: str):
+    """A lock that one process per node holds while it fills the cache entry `name`."""
+    from filelock import FileLock
+
+    lock = cache_dir() / "locks" / (re.sub(r"[^\w.-]", "--", name) + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(lock))
 
 
 def _download_folder(uri: str) -> str:
     bucket, key = storage.split_s3(uri)
     out = cache_dir() / "s3" / bucket / key.strip("/")
-    for remote in storage.list_files(uri):
-        target = out / storage.basename(remote)
-        if not target.exists() or target.stat().st_size != storage.size(remote):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".part")
-            tmp.write_bytes(storage.read_bytes(remote))
-            os.replace(tmp, target)
+    with _node_lock(f"s3--{bucket}--{key}"):  # actors of one node share one copy
+        for remote in storage.list_files(uri):
+            target = out / storage.basename(remote)
+            if not target.exists() or target.stat().st_size != storage.size(remote):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f"{target.name}.part{os.getpid()}")
+                tmp.write_bytes(storage.read_bytes(remote))
+                os.replace(tmp, target)
     return str(out)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, need: str) -> str:
+    """The Hub repository's files at `revision` (default: main) in the Hugging Face cache; a tokenizer
+    alone fetches only the small files. Offline (`HF_HUB_OFFLINE=1`) the cache must hold them."""
+    from huggingface_hub import snapshot_download
+
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    with _node_lock(f"hub--{repo_id}"):
+        try:
+            return snapshot_download(repo_id, revision=revision,
+                                     allow_patterns=TOKENIZER_FILES if need == "tokenizer" else None)
+        except Exception as e:  # no such repo, gated, offline with nothing cached, no network
+            offline = " (HF_HUB_OFFLINE is set: the local Hugging Face cache must hold it)" \
+                if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0") else ""
+            raise DFlashError(f"no such local path, and the Hugging Face Hub cannot give {where}{offline}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                              file=where) from None
+
+
+def config_dir(name_or_path: str) -> str:
+    """A folder with the model's config and tokenizer, without its weights where that is possible
+    (a Hub model): what a driver needs to check settings before the actors load the weights."""
+    return resolve(name_or_path, need="model" if name_or_path in SHORT_NAMES else "tokenizer")
+
+
+def pin(name_or_path: str) -> str:
+    """A Hub id pinned to the commit it resolves to now (`ORG/NAME@<sha>`), so every actor of a run
+    reads the same weights whatever the branch does meanwhile; any other name unchanged."""
+    hub = HUB_ID.match(name_or_path)
+    if not hub or name_or_path in SHORT_NAMES or storage.is_s3(name_or_path) or \
+            storage.local_path(name_or_path).exists():
+        return name_or_path
+    commit = revision_of(_hub_snapshot(hub.group(1), hub.group(2), "tokenizer"))
+    return f"{hub.group(1)}@{commit}" if commit else name_or_path
+
+
+def revision_of(path: str) -> str | None:
+    """The Hub commit a resolved model folder holds (its snapshot folder's name), else None."""
+    p = Path(path)
+    if p.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", p.name):
+        return p.name
+    return None
 
 
 def load_tokenizer(name_or_path: str):

@@ -37,6 +37,7 @@ from dflash_ray.cluster import connect, on_node
 from dflash_ray.config import GenerateConfig, RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.generation.book import PROGRESS
+from dflash_ray.registry import pin
 
 
 def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
@@ -87,9 +88,9 @@ def _finished_shards(output: str, plan: str) -> dict[int, dict[str, Any]]:
 def check_model(model: str) -> None:
     """Fail on the driver on a bad model path, and convert a packaged model once, before any engine starts."""
     if not storage.is_s3(model):
-        from dflash_ray.registry import resolve
+        from dflash_ray.registry import config_dir
 
-        resolve(model)
+        config_dir(model)  # a packaged model is converted here, once; a Hub model's weights stay off the driver
 
 
 def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
@@ -226,6 +227,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                           "needs temperature > 0 (greedy samples are all the same)", field="generate.samples_per_prompt")
     started = time.time()
     units = plan_units(manifest.dataset_files(prompts_uri, (".parquet",)), gcfg.shard_size)
+    model = pin(model)  # a Hub id: the commit every generator reads, recorded in the manifest
     plan = _plan_id(units, model, gcfg)
     done = _finished_shards(output, plan)
     todo = [u for u in units if u["index"] not in done]

@@ -37,10 +37,10 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
 
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.export import to_hf_config
-    from dflash_ray.registry import resolve
+    from dflash_ray.registry import config_dir
 
     tcfg = cfg.train
-    target_cfg = AutoConfig.from_pretrained(resolve(target))
+    target_cfg = AutoConfig.from_pretrained(config_dir(target))
     text = getattr(target_cfg, "text_config", None) or target_cfg
     special = tuple(t for t in (getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None),
                                 getattr(text, "pad_token_id", None)) if isinstance(t, int))
@@ -91,10 +91,10 @@ def drafter_init(target: str, cfg: RunConfig) -> str:
     from transformers import AutoConfig
 
     from dflash_ray.drafter.init import init_mode
-    from dflash_ray.registry import resolve
+    from dflash_ray.registry import config_dir
 
     try:
-        return init_mode(AutoConfig.from_pretrained(resolve(target)), cfg.train.init)
+        return init_mode(AutoConfig.from_pretrained(config_dir(target)), cfg.train.init)
     except ValueError as e:
         raise DFlashError(str(e), field="train.init") from None
 
@@ -463,6 +463,9 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
 
     from dflash_ray.cluster import connect
 
+    from dflash_ray.registry import pin
+
+    target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
     drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
     check_mask_row(target, drafter_cfg)
     connect(cfg.ray)
