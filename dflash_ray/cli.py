@@ -22,6 +22,12 @@ def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_prompts(args.input, args.output, cfg, progress=not args.json)
 
 
+def _cmd_responses(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.data.prompts import run_prompts
+
+    return run_prompts(args.input, args.output, cfg, progress=not args.json, responses=True)
+
+
 def _cmd_selfprompt(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     import dataclasses
 
@@ -150,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
     p.add_argument("--output", required=True, metavar="URI")
     p.set_defaults(run=_cmd_prompts)
+
+    p = sub.add_parser("responses", parents=[common],
+                       help="existing responses (the last assistant turns of chat datasets) as completions")
+    p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
+    p.add_argument("--output", required=True, metavar="URI", help="a completions folder `dflash-ray tokenize` reads")
+    p.set_defaults(run=_cmd_responses)
 
     p = sub.add_parser("selfprompt", parents=[common], help="prompts the target writes itself (chat JSONL)")
     p.add_argument("--model", required=True, metavar="PATH", help="target model (path, URI or short name)")

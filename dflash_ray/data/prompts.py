@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from dflash_ray import manifest, storage
 from dflash_ray.config import RunConfig
 from dflash_ray.data import schema
-from dflash_ray.data.formats import BadRecord, Prompt, normalize
+from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered
 from dflash_ray.data.records import SUFFIXES, RawRecord, iter_records, raw_preview
 from dflash_ray.errors import DFlashError
 
@@ -58,17 +58,21 @@ class PromptBudget:
                             "over_budget")
 
 
-def shard_bytes(rows: list[dict[str, Any]]) -> bytes:
+def shard_bytes(rows: list[dict[str, Any]], table_schema: pa.Schema = schema.PROMPTS) -> bytes:
     sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema.PROMPTS), sink)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table_schema), sink)
     return sink.getvalue()
 
 
-def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: bool = True,
+                responses: bool = False) -> dict[str, Any]:
+    """Prompt shards for generation; with `responses`, completion shards of the records' own last
+    assistant answers instead (existing responses: tokenize reads them as it reads generated ones)."""
     pcfg = cfg.prompts
+    stage = "responses" if responses else "prompts"
     files = input_files(inputs)
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
-    prefix = f"prompts-{uuid.uuid4().hex[:8]}"  # this run's shards: an earlier run's stay whole until commit
+    prefix = f"{stage}-{uuid.uuid4().hex[:8]}"  # this run's shards: an earlier run's stay whole until commit
 
     seen: set[str] = set()
     rows: list[dict[str, Any]] = []
@@ -79,7 +83,8 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
 
     def flush() -> None:
         name = f"{prefix}-{len(shards):05d}.parquet"
-        storage.write_bytes(storage.join(output, name), shard_bytes(rows))
+        storage.write_bytes(storage.join(output, name),
+                            shard_bytes(rows, schema.COMPLETIONS if responses else schema.PROMPTS))
         shards.append({"name": name, "rows": len(rows)})
         rows.clear()
 
@@ -90,7 +95,8 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
 
     from tqdm import tqdm
 
-    bar = tqdm(desc="prompts", unit=" records", disable=not progress)
+    bar = tqdm(desc=stage, unit=" records", disable=not progress)
+    thinking = 0  # answers with a thinking block
     for uri in files:
         source = storage.basename(uri).rsplit(".", 1)[0]
         for item in iter_records(uri):
@@ -100,25 +106,28 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
                 quarantined(item, item.error)
                 continue
             try:
-                prompts = normalize(item.record, pcfg.multi_turn)
-                for prompt in prompts:
+                made: list[Prompt | Answered] = [normalize_answered(item.record)] if responses else \
+                    normalize(item.record, pcfg.multi_turn)
+                for one in made:
                     if budget is not None:
-                        budget.check(prompt)
+                        budget.check(one.prompt if isinstance(one, Answered) else one)
             except BadRecord as error:
                 quarantined(item, error)
                 continue
             counts["records_ok"] += 1
-            for prompt in prompts:
-                if prompt.id in seen:
+            for one in made:
+                ident = one.prompt.id if isinstance(one, Answered) else one.id
+                if ident in seen:
                     counts["duplicates"] += 1
                     continue
-                seen.add(prompt.id)
-                rows.append(prompt.row(source))
+                seen.add(ident)
+                thinking += isinstance(one, Answered) and one.reasoning is not None
+                rows.append(one.row(source))
                 if len(rows) >= pcfg.shard_size:
                     flush()
     bar.close()
     summary = {
-        "stage": "prompts", "output": output, "input_files": len(files),
+        "stage": stage, "output": output, "input_files": len(files),
         # every record read is quarantined or makes prompts: records = records_ok + quarantined
         "records": counts["records"], "records_ok": counts["records_ok"], "prompts": len(seen),
         "duplicates": counts["duplicates"], "quarantined": len(quarantine),
@@ -130,11 +139,34 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
         summary["quarantine_file"] = manifest.report_uri(output, QUARANTINE)
         storage.write_text(summary["quarantine_file"], report)
         kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
-        raise DFlashError(f"no prompts out of {counts['records']} records in {len(files)} files "
+        raise DFlashError(f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in {len(files)} files "
                           f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
                           f"{summary['quarantine_file']}", file=", ".join(inputs)).with_summary(summary)
+    if responses:
+        summary.update(_response_checks(len(seen), thinking, pcfg.tokenizer))
     if rows:
         flush()
     storage.write_text(storage.join(output, QUARANTINE), report)
-    manifest.commit(output, kind="prompts", files=shards, summary=summary, config=cfg.to_dict(), prefix="prompts-")
+    manifest.commit(output, kind="completions" if responses else "prompts", files=shards, summary=summary,
+                    config=cfg.to_dict(), prefix=f"{stage}-")
     return summary
+
+
+def _response_checks(answers: int, thinking: int, tokenizer: str) -> dict[str, Any]:
+    """Existing responses that look unlike the target's own: a thinking target's chat template and
+    answers that mostly have no thinking block. A warning, not an error; the gate still guards
+    the tokenized data."""
+    import sys
+
+    from dflash_ray.registry import load_tokenizer
+
+    template = load_tokenizer(tokenizer).chat_template or ""
+    thinking_target = "<think>" in template or "enable_thinking" in template
+    share = thinking / answers if answers else 0.0
+    warnings = []
+    if thinking_target and share < 0.5:
+        warnings.append(f"{tokenizer}'s chat template is a thinking model's, but only {share:.0%} of the answers "
+                        "have a thinking block: responses not written by the target teach the drafter "
+                        "another model's text; regenerating them (`dflash-ray generate`) is safer")
+        print(f"dflash-ray responses: warning: {warnings[-1]}", file=sys.stderr)
+    return {"thinking_share": round(share, 4), "thinking_target": thinking_target, "warnings": warnings}

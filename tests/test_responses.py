@@ -1,0 +1,70 @@
+"""Existing responses: chat datasets whose last turn is the answer become completions that
+`tokenize` reads as it reads generated ones; earlier turns are context, only the answer is trained
+on; bad records are quarantined and counted; answers unlike a thinking target's are flagged."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from dflash_ray import manifest
+from dflash_ray.cli import main
+from dflash_ray.config import load_config
+from dflash_ray.stages.tokenize import run_tokenize
+
+RECORDS = [
+    {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."},
+                  {"role": "user", "content": "And an even one?"},
+                  {"role": "assistant", "content": "<think>\nTwo is even and prime.\n</think>\n\nTwo."}]},
+    {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi there!"}]},
+    {"instruction": "Add the numbers.", "input": "2 + 3", "output": "2 + 3 = 5."},
+    {"messages": [{"role": "user", "content": "An unanswered question?"}]},
+]
+
+
+def _write(tmp_path) -> str:
+    path = tmp_path / "answered.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS) + "{not json\n")
+    return str(path)
+
+
+def _run(capsys, *args: str) -> tuple[int, dict]:
+    code = main([*args, "--json"])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_answers_become_completions_and_only_the_last_answer_is_trained_on(tmp_path, capsys, ray_cluster,
+                                                                             smollm2_tokenizer):
+    out = str(tmp_path / "completions")
+    code, summary = _run(capsys, "responses", "--input", _write(tmp_path), "--output", out,
+                         "--set", "prompts.tokenizer=smollm2-135m-instruct")
+    assert code == 0, summary
+    assert summary["records"] == 5 and summary["prompts"] == 3 and summary["quarantined"] == 2
+    assert summary["quarantine_kinds"] == {"malformed_json": 1, "no_response": 1}
+    assert summary["thinking_share"] == round(1 / 3, 4) and summary["warnings"] == []  # SmolLM2 does not think
+    assert manifest.read_manifest(out)["kind"] == "completions"
+    rows = {r["text"]: r for r in pq.read_table(manifest.dataset_files(out, (".parquet",))[0]).to_pylist()}
+    assert rows["Two."]["reasoning"] == "Two is even and prime."
+    assert [m["role"] for m in rows["Two."]["messages"]] == ["user", "assistant", "user"]
+    assert rows["2 + 3 = 5."]["messages"] == [{"role": "user", "content": "Add the numbers.\n\n2 + 3"}]
+
+    tokenized = str(tmp_path / "tokenized")
+    run_tokenize(out, tokenized, load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"]))
+    samples = pq.read_table(manifest.dataset_files(tokenized, (".parquet",))[0]).to_pylist()
+    assert len(samples) == 3
+    for sample in samples:
+        ids, mask = np.array(sample["input_ids"]), np.array(sample["loss_mask"], dtype=bool)
+        trained = smollm2_tokenizer.decode(ids[mask])
+        context = smollm2_tokenizer.decode(ids[~mask])
+        if "Two." in trained:  # the earlier answer is context, never trained on
+            assert "Seven." in context and "Seven." not in trained and "Two is even and prime." in trained
+        assert mask[-1] and not mask[0] and np.all(np.diff(mask.astype(int)) >= 0)  # one span, at the end
+
+
+def test_a_thinking_target_flags_answers_without_thinking(tmp_path, capsys):
+    code, summary = _run(capsys, "responses", "--input", _write(tmp_path), "--output", str(tmp_path / "c"),
+                         "--set", "prompts.tokenizer=qwen3")
+    assert code == 0 and summary["thinking_target"] and len(summary["warnings"]) == 1, summary
+    assert "thinking block" in summary["warnings"][0]
