@@ -172,10 +172,7 @@ def pin(name_or_path: str) -> str:
     """A Hub id pinned to the commit it resolves to now (`ORG/NAME@<sha>`), so every actor of a run
     reads the same weights whatever the branch does meanwhile; any other name unchanged."""
     hub = HUB_ID.match(name_or_path)
-    if not hub or name_or_path in SHORT_NAMES or storage.is_s3(name_or_path) or \
-            storage.local_path(name_or_path).exists():
-        return name_or_path
-    commit = revision_of(_hub_snapshot(hub.group(1), hub.group(2), "tokenizer"))
+    commit = revision_of(config_dir(name_or_path)) if hub else None  # a local folder has none
     return f"{hub.group(1)}@{commit}" if commit else name_or_path
 
 

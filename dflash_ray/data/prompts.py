@@ -110,18 +110,17 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
                     normalize(item.record, pcfg.multi_turn)
                 for one in made:
                     if budget is not None:
-                        budget.check(one.prompt if isinstance(one, Answered) else one)
+                        budget.check(_prompt(one))
             except BadRecord as error:
                 quarantined(item, error)
                 continue
             counts["records_ok"] += 1
             for one in made:
-                ident = one.prompt.id if isinstance(one, Answered) else one.id
-                if ident in seen:
+                if _prompt(one).id in seen:
                     counts["duplicates"] += 1
                     continue
-                seen.add(ident)
-                thinking += isinstance(one, Answered) and one.reasoning is not None
+                seen.add(_prompt(one).id)
+                thinking += getattr(one, "reasoning", None) is not None
                 rows.append(one.row(source))
                 if len(rows) >= pcfg.shard_size:
                     flush()
@@ -139,7 +138,8 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
         summary["quarantine_file"] = manifest.report_uri(output, QUARANTINE)
         storage.write_text(summary["quarantine_file"], report)
         kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
-        raise DFlashError(f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in {len(files)} files "
+        raise DFlashError(f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in "
+                          f"{len(files)} files "
                           f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
                           f"{summary['quarantine_file']}", file=", ".join(inputs)).with_summary(summary)
     if responses:
@@ -150,6 +150,11 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
     manifest.commit(output, kind="completions" if responses else "prompts", files=shards, summary=summary,
                     config=cfg.to_dict(), prefix=f"{stage}-")
     return summary
+
+
+def _prompt(made: Prompt | Answered) -> Prompt:
+    """The prompt a record made, or the context of its answer: what is budgeted and deduplicated."""
+    return made.prompt if isinstance(made, Answered) else made
 
 
 def _response_checks(answers: int, thinking: int, tokenizer: str) -> dict[str, Any]:
