@@ -13,5 +13,5 @@ COPY --chown=ray:users dflash_ray/ dflash_ray/
 COPY --chown=ray:users kernels/ kernels/
 COPY --chown=ray:users jobs/ jobs/
 COPY --chown=ray:users configs/ configs/
-RUN pip install --no-cache-dir ".[gpu]" \
+RUN pip install --no-cache-dir ".[gpu,track]" \
  && pip install --no-cache-dir --no-deps $(python tools/pins.py no-deps)

@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$$($(PY) tools/pins.py extra cpu torch)"
-	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip install -q -e '.[cpu,dev,track]'
 	$(BIN)/pip install -q --no-deps $$($(PY) tools/pins.py no-deps)
 	$(BIN)/pip uninstall -y -q $(CUDA_DRAGGED) || true
 	touch $@

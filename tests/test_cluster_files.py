@@ -114,7 +114,7 @@ def test_the_dockerfile_installs_exactly_the_gpu_extra_on_rays_image():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(rf"^FROM rayproject/ray:{re.escape(ray.__version__)}-py311-cu\d+$", text, re.M)
     installs = [line for line in text.splitlines() if "pip install" in line]
-    assert any('".[gpu]"' in line for line in installs), installs
+    assert any('".[gpu,track]"' in line for line in installs), installs
     assert any("--no-deps $(python tools/pins.py no-deps)" in line for line in installs), installs
     assert not any(re.search(r"[\w-]==\d", line) for line in installs), installs  # no pin of its own
     copied = re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", text, re.M)
