@@ -38,7 +38,9 @@ class StorageConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PromptsConfig:
-    multi_turn: Literal["user_turns", "per_turn"] = "user_turns"
+    # conversations of several user turns: `regenerate` (the target answers turn by turn, its answers
+    # in the history), `user_turns` (all user turns as one prompt), `per_turn` (a prompt per prefix)
+    multi_turn: Literal["regenerate", "user_turns", "per_turn"] = "regenerate"
     tokenizer: str = "qwen3"  # counts prompt tokens for the budget
     max_prompt_tokens: int = 4096
     shard_size: int = 512  # prompts per output shard (the generation work unit)

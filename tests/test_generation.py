@@ -135,12 +135,8 @@ def test_truncation_policy_keeps_or_rejects(qwen3_tokenizer):
     for policy, kept in (("keep", 1), ("reject", 0)):
         cfg = dataclasses.replace(CFG, truncated=policy)
         gen = ShardGenerator(qwen3_tokenizer, None, cfg, "m", "g0")
-        from dflash_ray.generation.shard import ShardResult
-
-        result = ShardResult()
-        gen._record(result, row, [1, 2], out, 0)
-        assert len(result.completions) == kept and len(result.rejects) == 1 - kept
-        assert result.counts()["truncated_kept"] == kept
+        _, bad = gen._completion(row, [1, 2], out, 0)
+        assert bad.kind == "truncated" and gen._keeps(bad) == bool(kept)
 
 
 def test_several_samples_per_prompt_get_their_own_ids_and_seeds(tiny_qwen3_dir, qwen3_tokenizer):

@@ -89,7 +89,7 @@ def test_bad_corpus_quarantined_good_records_through(tmp_path):
     files = manifest.dataset_files(out)
     assert len(files) == 3  # 6 prompts in shards of 2
     table = pa.concat_tables([pq.read_table(f) for f in files])
-    assert table.schema.names == ["id", "source", "messages", "tools", "turn"]
+    assert table.schema.names == ["id", "source", "messages", "tools", "turn", "regenerate"]
     assert sorted(set(table["source"].to_pylist())) == ["alpaca", "mixed"]
     assert len(set(table["id"].to_pylist())) == table.num_rows == len(GOOD) + 1
 

@@ -49,10 +49,11 @@ class Prompt:
     messages: list[dict[str, str]]
     tools: str | None
     turn: int
+    regenerate: bool = False  # answer the user turns one by one (see `normalize`)
 
     def row(self, source: str) -> dict[str, Any]:
         return {"id": self.id, "source": source, "messages": self.messages, "tools": self.tools,
-                "turn": self.turn}
+                "turn": self.turn, "regenerate": self.regenerate}
 
 
 def prompt_id(messages: list[dict[str, str]], tools: str | None) -> str:
@@ -144,8 +145,14 @@ def _check_order(turns: list[tuple[str, str]]) -> None:
         raise BadRecord("no user turn", "role_order")
 
 
-def normalize(record: Any, multi_turn: Literal["user_turns", "per_turn"] = "user_turns") -> list[Prompt]:
-    """One record → its prompts (one, or one per user turn under `per_turn`)."""
+MultiTurn = Literal["regenerate", "user_turns", "per_turn"]
+
+
+def normalize(record: Any, multi_turn: MultiTurn = "regenerate") -> list[Prompt]:
+    """One record → its prompts. A conversation of several user turns becomes, by `multi_turn`:
+    `regenerate`, one prompt whose turns the target answers in order, each answer kept in the
+    history of the next turn (what a drafter meets in a served conversation); `user_turns`, one
+    prompt of all user turns back to back; `per_turn`, one prompt per prefix of the user turns."""
     if not isinstance(record, dict):
         raise BadRecord(f"record is a JSON {type(record).__name__}, not an object", "unknown_schema")
     turns, raw_tools = _turns(record)
@@ -153,11 +160,12 @@ def normalize(record: Any, multi_turn: Literal["user_turns", "per_turn"] = "user
     tools = _tools(raw_tools)
     system = [{"role": "system", "content": c} for r, c in turns if r == "system"]
     users = [{"role": "user", "content": c} for r, c in turns if r == "user"]
-    if multi_turn == "user_turns":
-        groups = [system + users]
-    else:
+    if multi_turn == "per_turn":
         groups = [system + users[: i + 1] for i in range(len(users))]
-    return [Prompt(prompt_id(msgs, tools), msgs, tools, turn) for turn, msgs in enumerate(groups)]
+    else:
+        groups = [system + users]
+    regenerate = multi_turn == "regenerate" and len(users) > 1
+    return [Prompt(prompt_id(msgs, tools), msgs, tools, turn, regenerate) for turn, msgs in enumerate(groups)]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,12 @@ Two paths:
   assistant response (thinking, answer, end-of-turn token), 0 on the prompt and on the
   `<|im_start|>assistant\\n` header. The prompt is rendered with the generation prompt, as the
   engine saw it, so its end marks where the response starts.
+
+A conversation the target answered turn by turn (`regenerate`) also trains on its earlier answers,
+as the chat template renders them in the last turn's prompt (a thinking template drops their
+thinking there, as it does when the conversation is served): each answer's text and the end-of-turn
+token after it, found by character offsets in the rendered history; replayed prompt ids must be that
+rendering, token for token.
 """
 
 from __future__ import annotations
@@ -50,6 +56,56 @@ def _token_ids(values: Any, field: str) -> np.ndarray:
             raise BadRecord(f"{field}[{i}]: {v!r} is not a token id (an integer from 0 to {INT32_MAX})",
                             "bad_field")
     raise BadRecord(f"{field}: not a flat list of token ids", "bad_field")
+
+
+def _template(tokenizer, messages: list[dict[str, str]], **kwargs) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as e:  # jinja errors carry no common base class
+        raise BadRecord(f"chat template error: {e}", "template_error") from None
+
+
+def earlier_answers(tokenizer, messages: list[dict[str, str]], text: str, offsets: np.ndarray,
+                    ids: np.ndarray, **kwargs) -> np.ndarray:
+    """1 on the tokens of every assistant turn in `messages` within `text` (their rendering, with
+    the generation prompt after them): the answer's text and the end-of-turn token that follows it,
+    not the turn's header. `offsets` are the tokens' start characters."""
+    from dflash_ray.registry import stop_token_ids
+
+    stops = np.asarray(stop_token_ids(tokenizer))
+    mask = np.zeros(len(ids), dtype=np.int8)
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant" or not m["content"].strip():
+            continue
+        before = _template(tokenizer, messages[:j], tokenize=False, **kwargs)
+        answer = m["content"].strip()
+        start = text.find(answer, len(before)) if text.startswith(before) else -1
+        if start < 0:
+            raise BadRecord(f"messages[{j}]: the assistant turn is not in the rendered conversation "
+                            "(a chat template that rewrites earlier answers)", "template_error")
+        inside = (offsets >= start) & (offsets < start + len(answer))
+        mask[inside] = 1
+        after = int(np.searchsorted(offsets, start + len(answer)))
+        if after < len(ids) and np.isin(ids[after], stops):
+            mask[after] = 1
+    return mask
+
+
+def _regenerated(record: dict[str, Any]) -> bool:
+    return bool(record.get("regenerate")) and any(m.get("role") == "assistant" for m in _messages(record))
+
+
+def _history_mask(tokenizer, record: dict[str, Any], prompt: np.ndarray, enable_thinking: bool) -> np.ndarray:
+    """The earlier answers' mask over a replayed prompt, which must be the rendered history."""
+    messages = _messages(record)
+    kwargs = {"tools": _tools(record), "enable_thinking": enable_thinking}
+    text = _template(tokenizer, messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if encoded["input_ids"] != prompt.tolist():
+        raise BadRecord("prompt_token_ids: not the chat template's rendering of messages (tokenize.tokenizer "
+                        "and tokenize.enable_thinking must be generation's)", "template_error")
+    offsets = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
+    return earlier_answers(tokenizer, messages, text, offsets, prompt, **kwargs)
 
 
 def replay(prompt_ids: list[int], output_ids: list[int]) -> Sample:
@@ -120,6 +176,9 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
     mask = (starts >= start).astype(np.int8)
+    if _regenerated(record):
+        mask |= earlier_answers(tokenizer, messages, full[:end], starts, ids,
+                                tools=tools, enable_thinking=enable_thinking)
     return Sample(ids, mask)
 
 
@@ -142,6 +201,10 @@ def tokenize_record(tokenizer, record: Any, cfg: TokenizeConfig) -> Sample:
     prompt_ids, output_ids = record.get("prompt_token_ids"), record.get("output_token_ids")
     if prompt_ids is not None and output_ids is not None:
         sample = replay(prompt_ids, output_ids)
+        if _regenerated(record):
+            prompt_len = len(sample.input_ids) - len(output_ids)
+            sample.loss_mask[:prompt_len] = _history_mask(tokenizer, record, sample.input_ids[:prompt_len],
+                                                          cfg.enable_thinking)
     else:
         sample = render(tokenizer, record, cfg.enable_thinking)
     return apply_length_policy(sample, cfg)

@@ -6,10 +6,15 @@ prompts   (written by `dflash-ray prompts`, read by generation)
     messages  list<struct<role, content>>   system and user turns only
     tools     string?  JSON list of OpenAI tool schemas, when the prompt has tools
     turn      int32    user turn index (0 unless multi_turn = per_turn)
+    regenerate bool?   the user turns are a conversation the target answers turn by turn, each
+                       answer in the history of the next (multi_turn = regenerate, two user turns
+                       or more); otherwise the messages are one prompt
 
 completions  (written by `dflash-ray generate` as `COMPLETIONS`, read by `dflash-ray tokenize`;
               other writers may leave out the optional fields)
-    the prompt fields, plus
+    the prompt fields, plus (for a `regenerate` conversation, `messages` holds every turn before
+    the last answer, the target's earlier answers included, and the fields below are the last turn's;
+    tokenization trains on every assistant turn)
     prompt_token_ids  list<int32>?  exactly what the engine saw
     output_token_ids  list<int32>?  exactly what the engine produced (end-of-turn token included)
     text              string   answer content (after the thinking block when `reasoning` is set)
@@ -42,6 +47,7 @@ PROMPTS = pa.schema([
     ("messages", pa.list_(MESSAGE)),
     ("tools", pa.string()),
     ("turn", pa.int32()),
+    ("regenerate", pa.bool_()),
 ])
 
 COMPLETION_FIELDS = ("id", "messages", "text")  # the least a completion record must hold

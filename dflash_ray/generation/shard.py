@@ -95,33 +95,58 @@ class ShardGenerator:
             return outs
 
     def run(self, rows: list[dict[str, Any]], heartbeat: Callable[[], None] = lambda: None) -> ShardResult:
-        import time
-
+        """Every prompt row's completions, a user turn at a time: all conversations' first turns in
+        batches, then the second turns of those that have one (with their answers in the history), and
+        so on. A conversation with a degenerate answer is rejected whole, naming the turn."""
         result = ShardResult()
-        ready: list[tuple[dict[str, Any], list[int]]] = []
+        ready: list[tuple[Conversation, list[int]]] = []
         for row in rows:
+            conv = Conversation.of(row)
             try:
-                ids = self.render(row)
+                ids = self.render(conv.prompt())
             except BadRecord as e:
                 result.rejects.append(_reject(row, e.kind, str(e)))
                 continue
-            ready += [({**row, "id": sample_id(row["id"], i)}, ids) for i in range(self.cfg.samples_per_prompt)]
+            ready += [(conv.sample(i), ids) for i in range(self.cfg.samples_per_prompt)]
+        while ready:
+            ready = self._turn(ready, result, heartbeat)
+        return result
+
+    def _turn(self, ready: list[tuple[Conversation, list[int]]], result: ShardResult,
+              heartbeat: Callable[[], None]) -> list[tuple[Conversation, list[int]]]:
+        """One turn of every conversation in `ready`; returns those with a next turn, rendered."""
+        import time
+
+        following = []
         for start in range(0, len(ready), self.cfg.batch_size):
             batch = ready[start:start + self.cfg.batch_size]
-            seeds = [prompt_seed(self.cfg.seed, row["id"]) for row, _ in batch]
+            seeds = [conv.seed(self.cfg.seed) for conv, _ in batch]
             began = time.perf_counter()
             outs = self._generate([ids for _, ids in batch], seeds)
             result.seconds += time.perf_counter() - began
-            for (row, ids), seed, out in zip(batch, seeds, outs):
+            for (conv, ids), seed, out in zip(batch, seeds, outs):
+                row = conv.prompt()
                 if isinstance(out, Exception):
-                    result.rejects.append(_reject(row, "engine_error", f"engine failed: {out}"))
+                    result.rejects.append(_reject(row, "engine_error", f"{conv.where()}engine failed: {out}"))
                     continue
                 result.output_tokens += len(out.token_ids)
-                self._record(result, row, ids, out, seed)
+                record, bad = self._completion(row, ids, out, seed)
+                if not self._keeps(bad):
+                    result.rejects.append(_reject(row, bad.kind, conv.where() + bad.reason, record))
+                    continue
+                if not conv.pending:
+                    result.completions.append(record)
+                    continue
+                conv.answer(record["text"])
+                try:
+                    following.append((conv, self.render(conv.prompt())))
+                except BadRecord as e:
+                    result.rejects.append(_reject(row, e.kind, conv.where() + str(e)))
             heartbeat()
-        return result
+        return following
 
-    def _record(self, result: ShardResult, row: dict[str, Any], ids: list[int], out: Output, seed: int) -> None:
+    def _completion(self, row: dict[str, Any], ids: list[int], out: Output, seed: int):
+        """The completion record of one engine output, and what is wrong with it (None: nothing)."""
         raw = self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
         reasoning, answer = split_reasoning(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
         c = self.cfg
@@ -134,11 +159,47 @@ class ShardGenerator:
                   "num_prompt_tokens": len(ids), "num_output_tokens": len(out.token_ids),
                   "model": self.model_name, "sampling": json.dumps(sampling, sort_keys=True),
                   "generator_id": self.generator_id}
-        bad = classify(out.token_ids, raw, answer, out.finish_reason, bool(row.get("tools")), c)
-        if bad is None or (bad.kind == "truncated" and c.truncated == "keep"):
-            result.completions.append(record)
-        else:
-            result.rejects.append(_reject(row, bad.kind, bad.reason, record))
+        return record, classify(out.token_ids, raw, answer, out.finish_reason, bool(row.get("tools")), c)
+
+    def _keeps(self, bad) -> bool:
+        """The degenerate-output policy: nothing wrong, or a cut answer under `truncated=keep`."""
+        return bad is None or (bad.kind == "truncated" and self.cfg.truncated == "keep")
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A prompt row on its way through its user turns: the messages so far (system, user turns, the
+    target's answers) and the user turns still to answer. A row that is not `regenerate` is one turn."""
+    row: dict[str, Any]
+    history: list[dict[str, str]]
+    pending: list[dict[str, str]]
+    turn: int = 0
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> Conversation:
+        messages = list(row["messages"])
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+        cut = first + 1 if row.get("regenerate") else len(messages)
+        return cls(row, messages[:cut], messages[cut:])
+
+    def sample(self, index: int) -> Conversation:
+        return Conversation({**self.row, "id": sample_id(self.row["id"], index)}, list(self.history),
+                            list(self.pending), self.turn)
+
+    def prompt(self) -> dict[str, Any]:
+        """The row as the engine answers it now: its history up to the current user turn."""
+        return {**self.row, "messages": self.history}
+
+    def answer(self, text: str) -> None:
+        self.history += [{"role": "assistant", "content": text}, self.pending.pop(0)]
+        self.turn += 1
+
+    def seed(self, seed: int) -> int:
+        """A turn's sampling seed: the first turn's is the prompt's own, as for a one-turn prompt."""
+        return prompt_seed(seed, self.row["id"] if self.turn == 0 else f"{self.row['id']}/{self.turn}")
+
+    def where(self) -> str:
+        return f"turn {self.turn + 1}: " if self.row.get("regenerate") else ""
 
 
 def _reject(row: dict[str, Any], kind: str, reason: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
