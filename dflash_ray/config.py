@@ -194,6 +194,9 @@ class PipelineConfig:
     min_tau_gain: float = 0.0  # fail unless the trained drafter's tau beats the untrained one's by this
     beat_ngram: bool = False  # fail unless the trained drafter's tau beats the n-gram baseline's
     vllm_evaluate: bool = True  # also measure the exported drafter's acceptance in vLLM (when installed)
+    # the inputs end with the target's own answers (existing responses): no generation, they are
+    # tokenized as they are (`dflash-ray responses`); the kept-aside prompts are their contexts
+    responses: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -336,6 +339,9 @@ def check(cfg: RunConfig) -> None:
     bad_inputs = [x for x in cfg.pipeline.inputs if not isinstance(x, str) or not x]
     if bad_inputs:
         raise DFlashError(f"{bad_inputs!r}: allowed: a list of file or folder URIs", field="pipeline.inputs")
+    if cfg.pipeline.responses and cfg.selfprompt.count > 0:
+        raise DFlashError("self-written prompts have no answers to train on without generation; allowed: 0 "
+                          "with pipeline.responses", field="selfprompt.count")
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)

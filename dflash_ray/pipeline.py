@@ -3,7 +3,8 @@
 prompts (plus those the target writes itself when `selfprompt.count` > 0) → a few prompts kept
 aside for evaluation → generation by the target itself → Ray Data tokenization → validation gate
 (stops here when it fails) → online training → evaluation of the untrained and the trained
-drafter on the kept-aside prompts (real speculative decoding) → export.
+drafter on the kept-aside prompts (real speculative decoding) → export. With `pipeline.responses`
+the inputs' own last answers are the completions (no generation) and their contexts the prompts.
 Each stage resumes as it does alone: finished generation shards are skipped and training continues
 from its newest complete checkpoint. `pipeline.min_tau_gain` makes the run fail unless training
 raised the acceptance length by that much.
@@ -20,19 +21,24 @@ from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError, GateFailed
 
 
-def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int) -> int:
-    """Keep `eval_count` prompts (a seeded choice by id) out of generation and training."""
+def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int,
+                  answered: bool = False) -> int:
+    """Keep `eval_count` prompts (a seeded choice by id) out of generation and training. `answered`:
+    the rows are completions (existing responses); the kept-aside part keeps their prompt fields."""
     from dflash_ray.data import schema
     from dflash_ray.data.prompts import shard_bytes
 
-    rows = manifest.read_rows(prompts, list(schema.PROMPTS.names), 10**9)
+    train_schema = schema.COMPLETIONS if answered else schema.PROMPTS
+    rows = manifest.read_rows(prompts, list(train_schema.names), 10**9)
     order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
     held = {r["id"] for r in order[:eval_count]}
-    for out, part in ((eval_out, [r for r in rows if r["id"] in held]),
-                      (train_out, [r for r in rows if r["id"] not in held])):
-        storage.write_bytes(storage.join(out, "prompts-00000.parquet"), shard_bytes(part))
-        manifest.write_manifest(out, kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": len(part)}],
-                                summary={"prompts": len(part)})
+    for out, part, table_schema in ((eval_out, [r for r in rows if r["id"] in held], schema.PROMPTS),
+                                    (train_out, [r for r in rows if r["id"] not in held], train_schema)):
+        kind = "completions" if table_schema is schema.COMPLETIONS else "prompts"
+        rows_part = [{k: r.get(k) for k in table_schema.names} for r in part]
+        storage.write_bytes(storage.join(out, f"{kind}-00000.parquet"), shard_bytes(rows_part, table_schema))
+        manifest.write_manifest(out, kind=kind, files=[{"name": f"{kind}-00000.parquet", "rows": len(part)}],
+                                summary={kind: len(part)})
     return len(rows) - len(held)
 
 
@@ -68,14 +74,20 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
         written = timed("selfprompt", run_selfprompt, pcfg.target, at("self-prompts"), cfg, progress=progress)
         inputs.append(at("self-prompts"))
-    prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress)
-    split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
-    generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
-                      progress=progress)
+    prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress, responses=pcfg.responses)
+    if pcfg.responses:  # the answers are the completions; their contexts are the kept-aside prompts
+        kept = split_prompts(at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed,
+                             answered=True)
+        generated = {"completions": kept, "rejected_kinds": {}, "generator_nodes": [], "output_tokens": 0,
+                     "tokens_per_s": None}
+    else:
+        split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
+        generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
+                          progress=progress)
     tokenized = timed("tokenize", run_tokenize, at("completions"), at("tokenized"), cfg)
     report = timed("validate", run_validate, at("tokenized"), cfg, report_dir=at("report"))
     summary = {
-        "stage": "pipeline", "workdir": work, "target": pcfg.target,
+        "stage": "pipeline", "workdir": work, "target": pcfg.target, "responses": pcfg.responses,
         "records": prompts["records"], "prompts": prompts["prompts"],
         "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
         "self_prompts": written["prompts"] if written else 0,

@@ -68,3 +68,32 @@ def test_a_thinking_target_flags_answers_without_thinking(tmp_path, capsys):
                          "--set", "prompts.tokenizer=qwen3")
     assert code == 0 and summary["thinking_target"] and len(summary["warnings"]) == 1, summary
     assert "thinking block" in summary["warnings"][0]
+
+
+def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, ray_cluster, tiny_qwen3_dir,
+                                                                     qwen3_tokenizer):
+    import shutil
+
+    from dflash_ray.pipeline import run_pipeline
+
+    target = tmp_path / "target"  # the tiny model with a real tokenizer beside it, as a target has
+    shutil.copytree(tiny_qwen3_dir, target)
+    qwen3_tokenizer.save_pretrained(target)
+
+    answered = tmp_path / "answered.jsonl"
+    answered.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Count from {i} to {i + 12}."},
+        {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 13))}]}) + "\n" for i in range(14)))
+    cfg = load_config(None, [
+        f"pipeline.inputs=[{answered}]", f"pipeline.workdir={tmp_path / 'run'}", f"pipeline.target={target}",
+        "pipeline.responses=true", "pipeline.eval_prompts=2", "pipeline.vllm_evaluate=false",
+        "validate.gate.min_median_response=8", "validate.gate.max_mode_share=1.0",
+        "validate.gate.max_empty_thinking_share=1.0",
+        "train.num_streams=1", "train.max_steps=2", "train.num_anchors=4", "train.heldout=0",
+        "train.actor_cpus=0.5", "evaluate.max_new_tokens=4"])
+    summary = run_pipeline(cfg, progress=False)
+    assert summary["responses"] and summary["completions"] == 12 and summary["samples"] == 12
+    assert "generate" not in summary["stage_seconds"] and summary["generated_tokens"] == 0
+    assert summary["training_steps"] == 2 and summary["lossless"]
+    kept = manifest.read_rows(str(tmp_path / "run" / "prompts-eval"), ["messages"], 10)
+    assert len(kept) == 2 and all([m["role"] for m in r["messages"]] == ["user"] for r in kept)
