@@ -267,3 +267,11 @@ def test_a_mix_of_files_without_input_arguments(tmp_path):
     assert folder["requested"] is None and folder["quarantined"] == 0
     assert folder["duplicates"] == 5 and folder["prompts"] == 15 + 3  # a.jsonl again, then b.parquet
     assert summary["prompts"] == 23
+
+
+def test_the_mix_example_recipe_passes_the_preflight():
+    cfg = load_config(str(ROOT / "configs" / "mix-example.yaml"))
+    planned = mix.plan([], cfg.prompts)
+    assert all(hub.is_hub_dataset(s.uri) and hub.parse(s.uri) for s in planned)
+    assert sum(s.count for s in planned if s.weight is not None) == cfg.prompts.mix_total
+    assert cfg.pipeline.target == cfg.prompts.tokenizer == "Qwen/Qwen3-8B" and not cfg.pipeline.inputs
