@@ -103,6 +103,9 @@ def hub_env(tmp_path) -> dict[str, str]:
     tools_jsonl = "".join(json.dumps(r) + "\n" for r in TOOLS).encode()
     _hub_dataset(cache, "tiny-org/tools", TOOLS_SHA, {"data/train.jsonl": tools_jsonl,
                                                       "data/test.jsonl": tools_jsonl})
+    good = _parquet([{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)])
+    _hub_dataset(cache, "tiny-org/broken", TOOLS_SHA, {"data/train-00000-of-00002.parquet": good,
+                                                       "data/train-00001-of-00002.parquet": good[:-30]})
     return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
             "HF_HUB_CACHE": str(cache), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"),
             "DFLASH_RAY_CACHE": str(tmp_path / "dflash-cache")}
@@ -112,6 +115,27 @@ def _cli(env: dict, *args: str) -> tuple[int, dict, str]:
     done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", *args, "--json"], env=env,
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     return done.returncode, json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+RUNS = """
+import contextlib, io, json, sys
+from dflash_ray.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv + ["--json"])
+    results.append([code, json.loads(out.getvalue().strip().splitlines()[-1])])
+print(json.dumps(results))
+"""
+
+
+def _cli_runs(env: dict, *argvs: list[str]) -> tuple[list[tuple[int, dict]], str]:
+    """Several commands in one fresh process (the imports once): their exit codes and summaries."""
+    done = subprocess.run([sys.executable, "-c", RUNS, json.dumps(argvs)], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [tuple(r) for r in json.loads(done.stdout.strip().splitlines()[-1])], done.stderr
 
 
 def _rows(out: Path) -> list[dict]:
@@ -164,13 +188,15 @@ MIX = {"prompts": {"max_prompt_tokens": 0, "multi_turn": "user_turns", "seed": 7
 
 
 def test_a_two_source_mix_of_hub_datasets_takes_each_count_reproducibly(tmp_path, hub_env):
-    recipe = tmp_path / "recipe.yaml"
+    recipe, short = tmp_path / "recipe.yaml", tmp_path / "short.yaml"
     recipe.write_text(yaml.safe_dump(MIX))
-    runs = []
-    for name in ("a", "b"):
-        code, summary, stderr = _cli(hub_env, "prompts", "--config", str(recipe), "--output", str(tmp_path / name))
+    # a source asked for more than it has
+    short.write_text(yaml.safe_dump({"prompts": {**MIX["prompts"], "mix_total": 0,
+                                                 "sources": [{"uri": "hf://datasets/tiny-org/chat", "count": 10}]}}))
+    runs, stderr = _cli_runs(hub_env, *(["prompts", "--config", str(config), "--output", str(tmp_path / name)]
+                                        for config, name in ((recipe, "a"), (recipe, "b"), (short, "short"))))
+    for name, (code, summary) in zip("ab", runs):
         assert code == 0, stderr
-        runs.append(summary)
         chat, tools = summary["sources"]
         assert (chat["uri"], chat["requested"], chat["prompts"]) == ("hf://datasets/tiny-org/chat:train", 4, 4)
         assert (tools["weight"], tools["requested"], tools["prompts"]) == (1.0, 3, 3)
@@ -186,10 +212,7 @@ def test_a_two_source_mix_of_hub_datasets_takes_each_count_reproducibly(tmp_path
         assert sorted(r["source"] for r in rows) == ["tiny-org/chat:train"] * 4 + ["tiny-org/tools:train"] * 3
     assert sorted(r["id"] for r in _rows(tmp_path / "a")) == sorted(r["id"] for r in _rows(tmp_path / "b"))
 
-    short = {"prompts": {**MIX["prompts"], "mix_total": 0,
-                         "sources": [{"uri": "hf://datasets/tiny-org/chat", "count": 10}]}}
-    recipe.write_text(yaml.safe_dump(short))
-    code, summary, stderr = _cli(hub_env, "prompts", "--config", str(recipe), "--output", str(tmp_path / "short"))
+    code, summary = runs[2]
     assert code == 0, stderr
     assert summary["sources"][0]["prompts"] == CHAT_PROMPTS and summary["sources"][0]["requested"] == 10
     assert summary["warnings"] and "gave 6 of the 10" in summary["warnings"][0] and "warning" in stderr
@@ -197,18 +220,27 @@ def test_a_two_source_mix_of_hub_datasets_takes_each_count_reproducibly(tmp_path
 
 def test_a_dataset_missing_offline_or_a_bad_split_is_one_clear_error(tmp_path, hub_env):
     out = str(tmp_path / "out")
-    code, summary, stderr = _cli(hub_env, "prompts", "--input", "hf://datasets/tiny-org/absent", "--output", out)
-    assert code == 2 and summary["ok"] is False
-    assert "hf://datasets/tiny-org/absent:train" in stderr and "HF_HUB_OFFLINE" in stderr
-    assert "hf download tiny-org/absent --repo-type dataset" in stderr and "Traceback" not in stderr
+    runs, stderr = _cli_runs(hub_env, ["prompts", "--input", "hf://datasets/tiny-org/absent", "--output", out],
+                             ["prompts", "--input", "hf://datasets/tiny-org/tools:validation", "--output", out],
+                             ["prompts", "--output", out])
+    assert [code for code, _ in runs] == [2, 2, 2] and not any(summary["ok"] for _, summary in runs)
+    absent, split, nothing = (summary["error"] for _, summary in runs)
+    assert "hf://datasets/tiny-org/absent:train" in absent and "HF_HUB_OFFLINE" in absent
+    assert "hf download tiny-org/absent --repo-type dataset" in absent and "Traceback" not in stderr
+    assert "hf://datasets/tiny-org/tools:validation" in split
+    assert "validation" in split and "'test'" in split and "'train'" in split, split  # the splits it has
+    assert "prompts.sources" in nothing
 
-    code, summary, stderr = _cli(hub_env, "prompts", "--input", "hf://datasets/tiny-org/tools:validation",
-                                 "--output", out)
-    assert code == 2 and "hf://datasets/tiny-org/tools:validation" in stderr
-    assert "validation" in stderr and "'test'" in stderr and "'train'" in stderr, stderr  # the splits it has
 
-    code, summary, stderr = _cli(hub_env, "prompts", "--output", out)
-    assert code == 2 and "prompts.sources" in stderr
+def test_a_truncated_file_of_a_dataset_is_one_quarantine_entry(tmp_path, hub_env):
+    out = tmp_path / "out"
+    code, summary, stderr = _cli(hub_env, "prompts", "--input", "hf://datasets/tiny-org/broken", "--output", str(out),
+                                 "--set", "prompts.max_prompt_tokens=0")
+    assert code == 0, stderr
+    assert (summary["records"], summary["prompts"], summary["quarantine_kinds"]) == (4, 3, {"corrupt_file": 1})
+    (entry,) = [json.loads(x) for x in (out / "quarantine.jsonl").read_text().splitlines()]
+    assert (entry["file"], entry["line"]) == ("hf://datasets/tiny-org/broken:train", 4)
+    assert "unreadable after row 3" in entry["reason"]
 
 
 def test_dataset_uris_parse_and_bad_ones_name_the_field():

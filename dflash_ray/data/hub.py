@@ -10,7 +10,6 @@ quarantine names the dataset and the row.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -84,8 +83,9 @@ def open_dataset(ds: HubDataset) -> tuple[Any, str | None]:
             source, revision = ds.repo_id, commit
     except Exception as e:  # not cached offline, no such repo or revision, gated, no network
         if _offline():
-            hint = ("HF_HUB_OFFLINE is set and the local Hugging Face cache "
-                    f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}) "
+            from huggingface_hub import constants
+
+            hint = (f"HF_HUB_OFFLINE is set and the local Hugging Face cache ({constants.HF_HUB_CACHE}) "
                     f"does not hold it: download it first (`hf download {ds.repo_id} --repo-type dataset"
                     f"{f' --revision {ds.revision}' if ds.revision else ''}`) or unset HF_HUB_OFFLINE")
         else:
@@ -93,7 +93,7 @@ def open_dataset(ds: HubDataset) -> tuple[Any, str | None]:
         raise DFlashError(f"{hint}: {type(e).__name__}: {_first_line(e)}", file=ds.uri) from None
     try:
         stream = datasets.load_dataset(source, name=ds.config, split=ds.split, revision=revision, streaming=True)
-    except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+    except (ValueError, OSError, datasets.exceptions.DatasetsError) as e:
         # a bad split or config: the message lists the available ones
         raise DFlashError(f"cannot open the config/split: {_first_line(e)}", file=ds.uri) from None
     return stream, commit
@@ -107,6 +107,7 @@ def iter_hub_records(ds: HubDataset, stream: Any) -> Iterator[RawRecord]:
     """The rows of an opened split. A row that cannot be decoded (files of the set whose columns
     disagree) ends the read with one entry, as a corrupt file does; a network failure stops the run."""
     import httpx
+    import pyarrow as pa
 
     number = 0
     rows = iter(stream)
@@ -115,10 +116,11 @@ def iter_hub_records(ds: HubDataset, stream: Any) -> Iterator[RawRecord]:
             row = next(rows)
         except StopIteration:
             return
-        except (OSError, httpx.TransportError) as e:
-            raise DFlashError(f"reading failed after row {number}: {type(e).__name__}: {_first_line(e)}",
-                              file=ds.uri) from None
-        except Exception as e:  # Arrow cast and schema errors of the set's files
+        except Exception as e:
+            if isinstance(e, (OSError, httpx.TransportError)) and not isinstance(e, pa.ArrowException):
+                raise DFlashError(f"reading failed after row {number}: {type(e).__name__}: {_first_line(e)}",
+                                  file=ds.uri) from None
+            # a file of the set that is corrupt, or whose columns disagree with the others'
             yield RawRecord(ds.uri, number + 1, error=BadRecord(
                 f"unreadable after row {number}: {type(e).__name__}: {_first_line(e)}", "corrupt_file"))
             return
