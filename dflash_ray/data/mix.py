@@ -47,6 +47,8 @@ class Source:
         return storage.basename(item.file).rsplit(".", 1)[0]
 
     def records(self, seed: int, buffer_size: int) -> Iterator[RawRecord]:
+        if self.count == 0:  # a weight too small for a share of the total
+            return iter(())
         rng = random.Random(f"{seed}:{self.uri}") if self.count is not None else None
         if self.dataset is not None:
             items = hub.iter_hub_records(self.dataset, self.stream)
