@@ -19,13 +19,13 @@ from dflash_ray.errors import DFlashError, GateFailed
 def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.data.prompts import run_prompts
 
-    return run_prompts(args.input, args.output, cfg, progress=not args.json)
+    return run_prompts(args.input or [], args.output, cfg, progress=not args.json)
 
 
 def _cmd_responses(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.data.prompts import run_prompts
 
-    return run_prompts(args.input, args.output, cfg, progress=not args.json, responses=True)
+    return run_prompts(args.input or [], args.output, cfg, progress=not args.json, responses=True)
 
 
 def _cmd_selfprompt(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -142,6 +142,10 @@ def _cmd_plan(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_plan(cfg)
 
 
+INPUTS_HELP = ("JSONL/JSON/Parquet files or folders, hf://datasets/ORG/NAME[/CONFIG][@REVISION][:SPLIT]; "
+               "optional when the config has a mix (prompts.sources)")
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", help="run config YAML (path or URI)")
@@ -153,13 +157,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prompts", parents=[common], help="normalize chat datasets into prompt shards")
-    p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
+    p.add_argument("--input", nargs="+", metavar="URI", help=INPUTS_HELP)
     p.add_argument("--output", required=True, metavar="URI")
     p.set_defaults(run=_cmd_prompts)
 
     p = sub.add_parser("responses", parents=[common],
                        help="existing responses (the last assistant turns of chat datasets) as completions")
-    p.add_argument("--input", nargs="+", required=True, metavar="URI", help="JSONL/JSON/Parquet files or folders")
+    p.add_argument("--input", nargs="+", metavar="URI", help=INPUTS_HELP)
     p.add_argument("--output", required=True, metavar="URI", help="a completions folder `dflash-ray tokenize` reads")
     p.set_defaults(run=_cmd_responses)
 

@@ -37,6 +37,15 @@ class StorageConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SourceConfig:
+    """One source of a dataset mix (`prompts.sources`). At most one of `count` and `weight`; neither:
+    all of its prompts."""
+    uri: str = ""  # a file, a folder, s3://, or hf://datasets/ORG/NAME[/CONFIG][@REVISION][:SPLIT]
+    count: int | None = None  # prompts taken from it, after quarantine and dedup
+    weight: float | None = None  # its share of prompts.mix_total, against the other weights
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PromptsConfig:
     # conversations of several user turns: `regenerate` (the target answers turn by turn, its answers
     # in the history), `user_turns` (all user turns as one prompt), `per_turn` (a prompt per prefix)
@@ -44,6 +53,13 @@ class PromptsConfig:
     tokenizer: str = "qwen3"  # counts prompt tokens for the budget
     max_prompt_tokens: int = 4096
     shard_size: int = 512  # prompts per output shard (the generation work unit)
+    # a dataset mix: sources read in order (a prompt an earlier source gave is a duplicate later);
+    # a source with a count or weight is read in a seeded shuffle and stops once it has given them
+    sources: list[SourceConfig] = field(default_factory=list)
+    mix_total: int = 0  # prompts the weighted sources give together (> 0 when any has a weight)
+    seed: int = 0  # the shuffles' seed
+    shuffle_buffer: int = 50_000  # records held and shuffled at a time: a source this size or smaller is
+    # shuffled uniformly; a larger one mixes within the window (shuffle it upstream if it is sorted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -187,7 +203,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineConfig:
-    inputs: list = field(default_factory=list)  # raw dataset files or folders (URIs)
+    inputs: list = field(default_factory=list)  # raw dataset files or folders (URIs), hf://datasets/ORG/NAME:SPLIT
     workdir: str = ""  # every stage's output goes under this URI (file:// or s3://)
     target: str = ""  # target model: path, s3:// folder or short name
     eval_prompts: int = 12  # prompts kept out of generation and training, to measure tau on
@@ -265,7 +281,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "ray.num_cpus": _at_least(1), "ray.object_store_memory": _at_least(1),
     "storage.max_attempts": _at_least(1), "storage.backoff_s": _at_least(0),
     "prompts.max_prompt_tokens": _at_least(0),  # 0: no budget
-    "prompts.shard_size": _at_least(1),
+    "prompts.shard_size": _at_least(1), "prompts.mix_total": _at_least(0), "prompts.shuffle_buffer": _at_least(1),
     "selfprompt.count": _at_least(0), "selfprompt.temperature": _at_least(0),
     "selfprompt.top_p": _within(0, 1, low_open=True), "selfprompt.max_tokens": _at_least(1),
     "selfprompt.min_chars": _at_least(0),
@@ -342,6 +358,40 @@ def check(cfg: RunConfig) -> None:
     if cfg.pipeline.responses and cfg.selfprompt.count > 0:
         raise DFlashError("self-written prompts have no answers to train on without generation; allowed: 0 "
                           "with pipeline.responses", field="selfprompt.count")
+    for i, uri in enumerate(cfg.pipeline.inputs):
+        _check_uri(uri, f"pipeline.inputs[{i}]")
+    _check_sources(cfg.prompts)
+
+
+def _check_uri(uri: str, where: str) -> None:
+    from dflash_ray.data import hub
+
+    if hub.is_hub_dataset(uri):
+        hub.parse(uri, field=where)
+
+
+def _check_sources(p: PromptsConfig) -> None:
+    weighted = False
+    for i, source in enumerate(p.sources):
+        where = f"prompts.sources[{i}]"
+        if not source.uri:
+            raise DFlashError("empty; allowed: a file, folder, s3:// or hf://datasets/ URI", field=f"{where}.uri")
+        _check_uri(source.uri, f"{where}.uri")
+        if source.count is not None and source.weight is not None:
+            raise DFlashError(f"count={source.count} and weight={source.weight} both set; allowed: one of them "
+                              "(or neither: all of the source)", field=where)
+        if source.count is not None and source.count < 1:
+            raise DFlashError(f"{source.count} is out of range; allowed: >= 1", field=f"{where}.count")
+        if source.weight is not None and source.weight <= 0:
+            raise DFlashError(f"{source.weight} is out of range; allowed: > 0", field=f"{where}.weight")
+        weighted |= source.weight is not None
+    if weighted and p.mix_total == 0:
+        raise DFlashError("0 with weighted sources; allowed: the number of prompts they give together (>= 1)",
+                          field="prompts.mix_total")
+    if p.mix_total and not weighted:
+        raise DFlashError(f"{p.mix_total} but no source in prompts.sources has a weight; allowed: 0, or give "
+                          "sources weights", field="prompts.mix_total")
+
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
@@ -384,6 +434,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ValueError:
                 pass
         raise DFlashError(f"expected a number, got {value!r}", field=where)
+    if origin is list:  # list[X]: each element built as an X, named `where[i]`
+        if not isinstance(value, list):
+            raise DFlashError(f"expected a list such as [a, b], got {value!r}", field=where)
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is dict:
         if isinstance(value, dict):
             return value

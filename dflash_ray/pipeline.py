@@ -52,7 +52,7 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
     pcfg = cfg.pipeline
     for key in ("inputs", "workdir", "target"):
-        if not getattr(pcfg, key) and not (key == "inputs" and cfg.selfprompt.count > 0):
+        if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
     work = pcfg.workdir
     started = time.time()

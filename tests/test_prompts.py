@@ -125,3 +125,14 @@ def test_cli_json_summary_and_errors(tmp_path):
 
     done = subprocess.run(cmd[:5] + [str(tmp_path / "nothing-here")] + cmd[7:], capture_output=True, text=True)
     assert done.returncode == 2 and "nothing-here" in done.stderr
+
+
+def test_parquet_rows_with_each_others_columns_as_nulls_keep_their_format(tmp_path):
+    # one schema for all rows, as datasets and pandas write it: every row holds every column, null
+    # where it had none (`messages` beside `conversations`, Alpaca's `input`)
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_struct_array(pa.array([GOOD[0], GOOD[1], {"instruction": "Name a prime."}])), buf)
+    (tmp_path / "mixed.parquet").write_bytes(buf.getvalue())
+    cfg = load_config(None, ["prompts.max_prompt_tokens=0", "prompts.multi_turn=user_turns"])
+    summary = run_prompts([str(tmp_path / "mixed.parquet")], str(tmp_path / "out"), cfg, progress=False)
+    assert summary["quarantined"] == 0 and summary["prompts"] == 3

@@ -6,6 +6,11 @@ bad record: file, line (and item, for an element of a JSON array), kind, reason,
 read (one quarantine entry): every record read ends up either in a shard, in quarantine, or counted
 as a duplicate (`records` = `records_ok` + `quarantined`). A run that yields no prompt is an error.
 A rerun replaces an earlier run's output only when it is complete (see `manifest.commit`).
+
+Inputs are files, folders and Hugging Face dataset splits (`hf://datasets/ORG/NAME:SPLIT`, see
+`hub`); `prompts.sources` mixes them with counts or weights (see `mix`). The summary has a
+`sources` entry per source with the same figures (and its requested count, weight and, for a
+dataset, the commit read); a source that runs short of its count is a warning (`warnings`).
 """
 
 from __future__ import annotations
@@ -14,26 +19,19 @@ import collections
 import io
 import json
 import uuid
-from typing import Any, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray import manifest, storage
 from dflash_ray.config import RunConfig
-from dflash_ray.data import schema
+from dflash_ray.data import mix, schema
 from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered
-from dflash_ray.data.records import SUFFIXES, RawRecord, iter_records, raw_preview
+from dflash_ray.data.records import RawRecord, raw_preview
 from dflash_ray.errors import DFlashError
 
 QUARANTINE = "quarantine.jsonl"
-
-
-def input_files(inputs: Iterable[str]) -> list[str]:
-    files: list[str] = []
-    for uri in inputs:
-        files += manifest.dataset_files(uri, SUFFIXES)
-    return files
 
 
 class PromptBudget:
@@ -67,10 +65,17 @@ def shard_bytes(rows: list[dict[str, Any]], table_schema: pa.Schema = schema.PRO
 def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: bool = True,
                 responses: bool = False) -> dict[str, Any]:
     """Prompt shards for generation; with `responses`, completion shards of the records' own last
-    assistant answers instead (existing responses: tokenize reads them as it reads generated ones)."""
+    assistant answers instead (existing responses: tokenize reads them as it reads generated ones).
+    The sources are `inputs` (all of each) and the mix of `prompts.sources` (see `mix`)."""
+    import sys
+
     pcfg = cfg.prompts
     stage = "responses" if responses else "prompts"
-    files = input_files(inputs)
+    sources = mix.plan(inputs, pcfg)
+    if not sources:
+        raise DFlashError("no input: give input URIs or a mix in prompts.sources", field="prompts.sources")
+    for source in sources:
+        source.open()
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
     prefix = f"{stage}-{uuid.uuid4().hex[:8]}"  # this run's shards: an earlier run's stay whole until commit
 
@@ -80,6 +85,8 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
     quarantine: list[str] = []
     kinds: collections.Counter[str] = collections.Counter()
     counts = collections.Counter()
+    per_source: list[dict[str, Any]] = []
+    warnings: list[str] = []
 
     def flush() -> None:
         name = f"{prefix}-{len(shards):05d}.parquet"
@@ -88,8 +95,9 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
         shards.append({"name": name, "rows": len(rows)})
         rows.clear()
 
-    def quarantined(item: RawRecord, error: BadRecord) -> None:
+    def quarantined(item: RawRecord, error: BadRecord, tally: collections.Counter) -> None:
         kinds[error.kind] += 1
+        tally["quarantined"] += 1
         quarantine.append(json.dumps({**item.where(), "kind": error.kind, "reason": str(error),
                                       "record": raw_preview(item)}, ensure_ascii=False))
 
@@ -97,13 +105,13 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
 
     bar = tqdm(desc=stage, unit=" records", disable=not progress)
     thinking = 0  # answers with a thinking block
-    for uri in files:
-        source = storage.basename(uri).rsplit(".", 1)[0]
-        for item in iter_records(uri):
-            counts["records"] += 1
+    for source in sources:
+        tally = collections.Counter()  # records = records_ok + quarantined, as overall
+        for item in source.records(pcfg.seed, pcfg.shuffle_buffer):
+            tally["records"] += 1
             bar.update(1)
             if item.error is not None:
-                quarantined(item, item.error)
+                quarantined(item, item.error, tally)
                 continue
             try:
                 made: list[Prompt | Answered] = [normalize_answered(item.record)] if responses else \
@@ -112,26 +120,42 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
                     if budget is not None:
                         budget.check(_prompt(one))
             except BadRecord as error:
-                quarantined(item, error)
+                quarantined(item, error, tally)
                 continue
-            counts["records_ok"] += 1
+            tally["records_ok"] += 1
             for one in made:
                 if _prompt(one).id in seen:
-                    counts["duplicates"] += 1
+                    tally["duplicates"] += 1
+                    continue
+                if tally["prompts"] == source.count:  # a record's later turns past the count
+                    tally["over_count"] += 1
                     continue
                 seen.add(_prompt(one).id)
+                tally["prompts"] += 1
                 thinking += getattr(one, "reasoning", None) is not None
-                rows.append(one.row(source))
+                rows.append(one.row(source.name_of(item)))
                 if len(rows) >= pcfg.shard_size:
                     flush()
+            if tally["prompts"] == source.count:  # read no further
+                break
+        counts.update(tally)
+        per_source.append({**source.entry(), **{k: tally[k] for k in (
+            "records", "records_ok", "quarantined", "duplicates", "prompts")}})
+        if tally["over_count"]:
+            per_source[-1]["over_count"] = tally["over_count"]
+        if source.count is not None and tally["prompts"] < source.count:
+            warnings.append(f"{per_source[-1]['uri']} gave {tally['prompts']} of the {source.count} prompts "
+                            "asked of it: it has no more that pass quarantine and dedup")
+            print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     bar.close()
+    inputs_read = sum(len(s.files) if s.dataset is None else 1 for s in sources)
     summary = {
-        "stage": stage, "output": output, "input_files": len(files),
+        "stage": stage, "output": output, "input_files": inputs_read,
         # every record read is quarantined or makes prompts: records = records_ok + quarantined
         "records": counts["records"], "records_ok": counts["records_ok"], "prompts": len(seen),
         "duplicates": counts["duplicates"], "quarantined": len(quarantine),
         "quarantine_kinds": dict(sorted(kinds.items())), "quarantine_file": storage.join(output, QUARANTINE),
-        "shards": len(shards) + bool(rows),
+        "shards": len(shards) + bool(rows), "sources": per_source, "warnings": warnings,
     }
     report = "".join(line + "\n" for line in quarantine)
     if not seen:
@@ -139,11 +163,13 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
         storage.write_text(summary["quarantine_file"], report)
         kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
         raise DFlashError(f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in "
-                          f"{len(files)} files "
+                          f"{inputs_read} files or datasets "
                           f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
-                          f"{summary['quarantine_file']}", file=", ".join(inputs)).with_summary(summary)
+                          f"{summary['quarantine_file']}",
+                          file=", ".join(s.uri for s in sources)).with_summary(summary)
     if responses:
-        summary.update(_response_checks(len(seen), thinking, pcfg.tokenizer))
+        checks = _response_checks(len(seen), thinking, pcfg.tokenizer)
+        summary.update({**checks, "warnings": warnings + checks["warnings"]})
     if rows:
         flush()
     storage.write_text(storage.join(output, QUARANTINE), report)

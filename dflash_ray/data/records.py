@@ -215,10 +215,22 @@ def _parquet(uri: str) -> Iterator[RawRecord]:
         for batch in pq.ParquetFile(io.BytesIO(data)).iter_batches(batch_size=1024):
             for row in batch.to_pylist():
                 number += 1
-                yield RawRecord(uri, number, record=row)
+                yield RawRecord(uri, number, record=arrow_row(row))
     except (pa.ArrowException, OSError) as e:  # corrupt or truncated: the file's rest is one entry
         what = "not a readable Parquet file" if number == 0 else f"unreadable after row {number}"
         yield RawRecord(uri, number + 1, error=BadRecord(f"{what}: {e}", "corrupt_file"))
+
+
+def arrow_row(value: Any) -> Any:
+    """A row read through Arrow as the record it was written from: Arrow gives every row every key
+    of its column's struct type, None where the row had none, which would read as a field present
+    and null (a ShareGPT row with a null `messages` column beside its `conversations`, a tool schema
+    with every other tool's parameters). Keys whose value is None are dropped, at every depth."""
+    if isinstance(value, dict):
+        return {k: arrow_row(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [arrow_row(v) for v in value]
+    return value
 
 
 def raw_preview(item: RawRecord) -> str:
