@@ -304,7 +304,7 @@ class Coordinator:
                 logging.getLogger(__name__).warning("resuming from step %d; newer checkpoints do not verify: %s",
                                                     step, "; ".join(rejected))
             self.step = step
-            self.metrics = [m for m in state.get("metrics", []) if m["step"] < self.step]
+            self.metrics = [m for m in state.get("metrics", []) if m["step"] <= self.step]  # row k: the k-th step, done
             return
         if rejected:
             raise DFlashError(f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
