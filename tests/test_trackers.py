@@ -29,13 +29,13 @@ def wandb_history(path) -> list[dict]:
     holding `Record` protobufs, after a 7-byte file header."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, part, rows = Path(path).read_bytes(), 7, b"", []
-    while pos + 7 <= len(data):
+    raw, pos, part, rows = Path(path).read_bytes(), 7, b"", []
+    while pos + 7 <= len(raw):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        part += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        part += raw[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL, LAST
             record = pb.Record()
@@ -143,3 +143,11 @@ def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target
     assert [r["_step"] for r in rows] == [m["step"] for m in metrics]
     assert [r["loss"] for r in rows] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
     assert [r["_step"] for r in rows if "heldout_tau" in r] == [2, 4, 6]
+
+
+def test_a_tracker_that_cannot_start_is_an_error(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tracking").write_text("a file where the folder goes")
+    with pytest.raises(DFlashError) as e:
+        Trackers(["tensorboard"], str(tmp_path / "out"), {}).start("a", CONFIG)
+    assert e.value.field == "train.trackers" and "tensorboard tracker did not start" in str(e.value)

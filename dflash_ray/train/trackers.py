@@ -8,10 +8,10 @@ and copied back when a run resumes, so a resumed run continues the same logs:
 
 - TensorBoard: the same folder; the first event after a resume purges the steps an interrupted
   attempt wrote after its last checkpoint (`purge_step`), so a reader sees each step once.
-- W&B: one run whose id is derived from the output, `resume="allow"` (offline, each attempt is a
-  folder; `wandb sync` puts them in that one run).
-- MLflow: a `file:` store unless MLFLOW_TRACKING_URI names another; one run, found again by its `dflash.run_key` tag; steps it already holds are not logged
-  again (MLflow cannot remove a point).
+- W&B: one run whose id is derived from the output, `resume="allow"`; online, it ignores steps it
+  already holds; offline, each attempt is a folder and `wandb sync` puts them all in that one run.
+- MLflow: a `file:` store unless MLFLOW_TRACKING_URI names another; one run, found again by its
+  `dflash.run_key` tag; steps it already holds are not logged again (MLflow cannot remove a point).
 
 A tracker that fails while logging warns once and is dropped: a full disk or a lost connection must
 not end a run of days. A tracker that cannot start is an error.
@@ -71,22 +71,20 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 class TensorBoard:
     def __init__(self, env: dict[str, str], run_key: str):
-        self.writer, self.logdir, self.config = None, "", ""
+        self.writer, self.logdir, self.config, self.writer_class = None, "", "", None
 
     def start(self, run_name: str, config: dict, logdir: str) -> str:
         import yaml
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (a missing piece fails here)
+        from torch.utils.tensorboard import SummaryWriter
 
         Path(logdir).mkdir(parents=True, exist_ok=True)
-        self.logdir = logdir
+        self.logdir, self.writer_class = logdir, SummaryWriter
         self.config = "\n".join("    " + line for line in yaml.safe_dump(config, sort_keys=False).splitlines())
         return logdir
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:  # the first step of this attempt: later steps of an earlier one are purged
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(self.logdir, purge_step=step)
+            self.writer = self.writer_class(self.logdir, purge_step=step)
             self.writer.add_text("config", self.config, step)  # markdown: indented = verbatim
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
