@@ -199,6 +199,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     max_restarts: int = 3  # actor deaths survived (reload the last checkpoint) before failing
+    trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -322,6 +323,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "plan.mfu": _within(0, 1, low_open=True),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 def _value(cfg: Any, dotted: str) -> Any:
@@ -352,6 +354,10 @@ def check(cfg: RunConfig) -> None:
         if len(tr.layer_types) != tr.num_layers:
             raise DFlashError(f"{len(tr.layer_types)} entries for train.num_layers={tr.num_layers}; allowed: one "
                               "per drafter layer", field="train.layer_types")
+    bad = [t for t in tr.trackers if t not in TRACKERS]
+    if bad or len(set(tr.trackers)) < len(tr.trackers):
+        raise DFlashError(f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}",
+                          field="train.trackers")
     bad_inputs = [x for x in cfg.pipeline.inputs if not isinstance(x, str) or not x]
     if bad_inputs:
         raise DFlashError(f"{bad_inputs!r}: allowed: a list of file or folder URIs", field="pipeline.inputs")

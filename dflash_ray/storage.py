@@ -317,3 +317,27 @@ def arrow_filesystem(uri: str):
             max_attempts=int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)))
         return pafs.S3FileSystem(retry_strategy=retry, **kwargs), f"{bucket}/{key}"
     return pafs.LocalFileSystem(), str(local_path(uri).absolute())
+
+
+def upload_tree(src: str | Path, uri: str, *, skip: dict[str, tuple[int, int]] | None = None) -> None:
+    """Copy the files under the local folder `src` to `uri`, keeping their relative paths (links left
+    out). With `skip` (relative path -> (size, mtime_ns), updated here), unchanged files are not
+    copied again: a folder synced at every checkpoint sends only what changed."""
+    for path in sorted(Path(src).rglob("*")):
+        if path.is_symlink() or not path.is_file():
+            continue
+        rel = path.relative_to(src).as_posix()
+        stat = path.stat()
+        if skip is not None and skip.get(rel) == (stat.st_size, stat.st_mtime_ns):
+            continue
+        upload_file(path, join(uri, rel))
+        if skip is not None:
+            skip[rel] = (stat.st_size, stat.st_mtime_ns)
+
+
+def download_tree(uri: str, dest: str | Path) -> None:
+    """Copy every file under the folder `uri` into the local folder `dest` (the reverse of `upload_tree`)."""
+    for file in list_files(uri):
+        write_bytes(str(Path(dest) / basename(file)), read_bytes(file))
+    for folder in list_dirs(uri):
+        download_tree(folder, Path(dest) / basename(folder))

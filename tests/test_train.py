@@ -129,7 +129,7 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
             *[x for s in SETTINGS for x in ("--set", s)], "--stop-after-step", "2"]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["ok"] and summary["step"] == 2
+    assert summary["ok"] and summary["step"] == 2 and summary["trackers"] == {}  # none unless train.trackers
     assert main(args) == 2 and "--resume" in capsys.readouterr().err
     # a resume under settings that change what is trained is refused, naming the fields
     assert main(args[:-2] + ["--resume", "--set", "train.heldout=4"]) == 2

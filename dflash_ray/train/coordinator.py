@@ -29,6 +29,7 @@ from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import placement
+from dflash_ray.train.trackers import Trackers, check_installed, driver_env
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
 
@@ -190,13 +191,14 @@ def _rendezvous(_worker) -> tuple[str, int]:
 
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
-               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource"}
+               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers"}
 
 
 class Coordinator:
     def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str, drafter_cfg: dict,
-                 init: str):
-        """`drafter_cfg` and `init`: `drafter_config` and `drafter_init`, computed on the driver."""
+                 init: str, tracking_env: dict[str, str] | None = None):
+        """`drafter_cfg` and `init`: `drafter_config` and `drafter_init`, computed on the driver;
+        `tracking_env`: the trackers' settings from the driver's environment."""
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
@@ -208,6 +210,8 @@ class Coordinator:
         self.rendezvous: tuple[str, int] | None = None
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self._gauges: dict[str, Any] = {}
+        self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
+        self.tracked = 0  # the last step sent to the trackers: steps replayed after a restart are not sent again
 
     def _plan(self) -> None:
         """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so
@@ -300,7 +304,7 @@ class Coordinator:
                 logging.getLogger(__name__).warning("resuming from step %d; newer checkpoints do not verify: %s",
                                                     step, "; ".join(rejected))
             self.step = step
-            self.metrics = [m for m in state.get("metrics", []) if m["step"] < self.step]
+            self.metrics = [m for m in state.get("metrics", []) if m["step"] <= self.step]  # row k: the k-th step, done
             return
         if rejected:
             raise DFlashError(f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
@@ -321,6 +325,7 @@ class Coordinator:
         checkpoint.rotate(self.output, self.cfg.train.keep_checkpoints, upto=self.step)
         storage.write_text(storage.join(self.output, "metrics.jsonl"),
                            "".join(json.dumps(m) + "\n" for m in self.metrics))
+        self.trackers.sync()
 
     def _evaluate(self) -> float | None:
         """Simulated tau of drafter 0 on the held-out samples (features from target 0)."""
@@ -392,6 +397,9 @@ class Coordinator:
                 self.metrics[-1]["heldout_tau"] = self._evaluate()
                 if self.metrics[-1]["heldout_tau"] is not None:
                     self._gauge("heldout_tau").set(self.metrics[-1]["heldout_tau"])
+            if self.step > self.tracked:
+                self.trackers.log(self.step, self.metrics[-1])
+                self.tracked = self.step
             if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self._checkpoint()
             if stop_after_step is not None and self.step >= stop_after_step:
@@ -405,19 +413,23 @@ class Coordinator:
 
         started = time.perf_counter()
         self._plan()
-        while True:
-            self._start_actors()
-            try:
-                self._resume()
-                self._train(stop_after_step)
-                break
-            except RayActorError as e:
-                self.restarts += 1
-                if self.restarts > self.cfg.train.max_restarts:
-                    raise DFlashError(f"an actor died {self.restarts} times, over the budget of "
-                                      f"{self.cfg.train.max_restarts} restarts; last: {e}") from None
-            finally:
-                self._stop_actors()
+        tracked = self.trackers.start(self.run_name, self.cfg.to_dict())
+        try:
+            while True:
+                self._start_actors()
+                try:
+                    self._resume()
+                    self._train(stop_after_step)
+                    break
+                except RayActorError as e:
+                    self.restarts += 1
+                    if self.restarts > self.cfg.train.max_restarts:
+                        raise DFlashError(f"an actor died {self.restarts} times, over the budget of "
+                                          f"{self.cfg.train.max_restarts} restarts; last: {e}") from None
+                finally:
+                    self._stop_actors()
+        finally:
+            self.trackers.finish()
         last = self.metrics[-1] if self.metrics else {}
         heldout = [m for m in self.metrics if m.get("heldout_tau") is not None]
         return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
@@ -426,7 +438,7 @@ class Coordinator:
                 "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
-                "seconds": round(time.perf_counter() - started, 1),
+                "seconds": round(time.perf_counter() - started, 1), "trackers": tracked,
                 "checkpoint": checkpoint.step_dir(self.output, self.step)}
 
     def progress(self) -> dict[str, Any]:
@@ -465,6 +477,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
 
     from dflash_ray.registry import pin
 
+    check_installed(cfg.train.trackers)
     target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
     drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
     check_mask_row(target, drafter_cfg)
@@ -472,7 +485,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
                                                   resources=on_node(cfg.ray.head_resource)).remote(
-        target, data, output, cfg, run_name, drafter_cfg, init)
+        target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
     try:
