@@ -143,3 +143,17 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
     assert "generate.memory_utilization=0.001" in error
     assert len(summary["deaths"]) <= 2  # both generators at most, never the restart budget
     assert "Available memory on node" in done.stderr  # the human message says it too
+
+
+def test_selfprompt_stops_at_the_first_task_whose_engine_cannot_start(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cli = Path(sys.executable).with_name("dflash-ray")
+    done = subprocess.run([str(cli), "selfprompt", "--model", SMOLLM2, "--count", "8", "--output", str(tmp_path / "out"),
+                           "--json", "--set", "ray.num_cpus=2", "--set", "generate.generators=2",
+                           "--set", "generate.memory_utilization=0.001", "--set", "generate.max_model_len=1024"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith("a self-prompt task failed: ") and "stopped at once" in error
+    assert "Available memory on node" in error and "generate.memory_utilization=0.001" in error
+    assert "Traceback" not in error and not (tmp_path / "out").exists()

@@ -2,7 +2,9 @@
 
 The `selfprompt.count` candidates are split over `generate.generators` Ray tasks, each holding one
 engine with generate's resources and backend; every candidate's seed comes from its index, so the
-result does not depend on how many tasks ran. The driver drops cut, short and repeated messages
+result does not depend on how many tasks ran. The driver reads every task's stream as it comes; a
+task that fails (an engine that cannot start) stops the run at once with that task's own error,
+the others cancelled. The driver drops cut, short and repeated messages
 (counted by reason) and writes `self-prompts.jsonl`, then the manifest. A rerun with the same
 settings finds the manifest and does nothing; other settings into the same output are refused.
 """
@@ -39,7 +41,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     from tqdm import tqdm
 
     from dflash_ray.generation.selfprompt import select
-    from dflash_ray.stages.generate import check_model, engine_options
+    from dflash_ray.stages.generate import check_model, engine_options, failure_cause
 
     scfg = cfg.selfprompt
     if scfg.count < 1:
@@ -61,11 +63,20 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     streams = [write.remote(model, gcfg, scfg, list(range(t, scfg.count, tasks))) for t in range(tasks)]
     candidates: list[dict[str, Any]] = []
     with tqdm(total=scfg.count, desc="selfprompt", unit="prompt", disable=not progress) as bar:
-        for stream in streams:  # the others keep running meanwhile
-            for ref in stream:
-                part = ray.get(ref)
-                candidates += part
-                bar.update(len(part))
+        live = list(streams)
+        while live:
+            ready, _ = ray.wait(live, num_returns=1)
+            try:
+                part = ray.get(next(ready[0]))
+            except StopIteration:
+                live.remove(ready[0])
+                continue
+            except Exception as e:
+                for stream in live:
+                    ray.cancel(stream, force=True)
+                raise DFlashError(f"a self-prompt task failed: {failure_cause(e)} (stopped at once)") from None
+            candidates += part
+            bar.update(len(part))
     records, dropped = select(candidates, scfg)
     storage.write_text(storage.join(output, FILE), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     summary = {"stage": "selfprompt", "output": output, "file": storage.join(output, FILE), "model": model,
