@@ -31,12 +31,6 @@ class RayConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StorageConfig:
-    max_attempts: int = 6  # tries per storage call on transient errors (S3 throttling, resets)
-    backoff_s: float = 0.2  # first backoff; doubles each try
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class SourceConfig:
     """One source of a dataset mix (`prompts.sources`). At most one of `count` and `weight`; neither:
     all of its prompts."""
@@ -241,7 +235,6 @@ class PlanConfig:
 class RunConfig:
     seed: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
-    storage: StorageConfig = field(default_factory=StorageConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     selfprompt: SelfPromptConfig = field(default_factory=SelfPromptConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -280,7 +273,6 @@ SHARE = _within(0, 1)
 # dotted field -> (test, allowed range); a None value (the field's "auto") is not tested
 RANGES: dict[str, tuple[Any, str]] = {
     "ray.num_cpus": _at_least(1), "ray.object_store_memory": _at_least(1),
-    "storage.max_attempts": _at_least(1), "storage.backoff_s": _at_least(0),
     "prompts.max_prompt_tokens": _at_least(0),  # 0: no budget
     "prompts.shard_size": _at_least(1), "prompts.mix_total": _at_least(0), "prompts.shuffle_buffer": _at_least(1),
     "selfprompt.count": _at_least(0), "selfprompt.temperature": _at_least(0),

@@ -9,7 +9,8 @@ S3 endpoint, region and credentials come from the standard AWS environment varia
 from config files. Transient S3 errors (throttling, 5xx, dropped connections) are retried with
 exponential backoff by botocore's standard retry mode; `AWS_MAX_ATTEMPTS` sets the number of tries.
 Failures a retry cannot fix (no such bucket, access denied, no credentials, an endpoint that does
-not answer) are raised as `DFlashError` naming the URI and what to set; a missing object as
+not answer), and throttling that outlasts the tries, are raised as `DFlashError` naming the URI and
+what to set; a missing object as
 `MissingObject`, which is also a `FileNotFoundError`.
 """
 
@@ -58,7 +59,7 @@ def _s3_client(pid: int):  # keyed by pid: a client must not cross a fork
     from botocore.config import Config
 
     attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))
-    return boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": attempts}))
+    return boto3.client("s3", config=Config(retries={"mode": "standard", "total_max_attempts": attempts}))
 
 
 def s3_client():
@@ -69,6 +70,9 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                     "TokenRefreshRequired", "InvalidClientTokenId"}
+# the service asks for fewer requests, or is briefly down: retried, and reported once the tries run out
+_OVERLOADED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+               "RequestThrottled", "ServiceUnavailable", "503", "InternalError", "500"}
 CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an "
                     "instance profile or IAM role provides credentials")
 
@@ -127,6 +131,12 @@ def _classify(uri: str, action: str, error: Exception) -> Exception | None:
     if code in _DENIED:
         return DFlashError(f"access denied ({code}) by {_endpoint()}: the credentials in use need s3:{action} "
                            f"on bucket '{bucket}' (grant it, or {CREDENTIALS_HINT} that hold it)", file=uri)
+    if code in _OVERLOADED:
+        tries = int(error.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)) + 1
+        return DFlashError(f"{_endpoint()} still answered {code} after {tries} tries of s3:{action}: the service is "
+                           "overloaded or throttling this bucket; raise AWS_MAX_ATTEMPTS (now "
+                           f"{os.environ.get('AWS_MAX_ATTEMPTS', DEFAULT_MAX_ATTEMPTS)}) or send fewer requests at "
+                           "once (fewer generate.generators, a lower tokenize.concurrency)", file=uri)
     if code in _BAD_CREDENTIALS:
         return DFlashError(f"the S3 service rejected the credentials ({code}): {CREDENTIALS_HINT}, valid "
                            f"for {_endpoint()}", file=uri)
