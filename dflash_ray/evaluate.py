@@ -25,10 +25,14 @@ from dflash_ray.errors import DFlashError
 
 
 def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
-    rows = manifest.read_rows(uri, ["id", "source", "messages", "tools"], limit)
+    """The prompts to measure on. A conversation that generation answers turn by turn is measured on
+    its first turn: its later turns need the target's own earlier answers in the history."""
+    from dflash_ray.generation.shard import Conversation
+
+    rows = manifest.read_rows(uri, None, limit)  # all columns: `regenerate` is absent from older shards
     if not rows:
         raise DFlashError("no prompts", file=uri)
-    return rows
+    return [{**row, "messages": Conversation.of(row).history} for row in rows]
 
 
 def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> float | None:

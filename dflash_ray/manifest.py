@@ -87,8 +87,8 @@ def report_uri(folder: str, name: str) -> str:
     return storage.join(folder, name if read_manifest(folder) is None else f"_failed-{name}")
 
 
-def read_rows(uri: str, columns: list[str], limit: int) -> list[dict[str, Any]]:
-    """The first `limit` rows of a Parquet dataset, with only `columns` read."""
+def read_rows(uri: str, columns: list[str] | None, limit: int) -> list[dict[str, Any]]:
+    """The first `limit` rows of a Parquet dataset, with only `columns` read (None: all)."""
     import pyarrow.parquet as pq
 
     rows: list[dict[str, Any]] = []

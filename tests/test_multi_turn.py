@@ -107,3 +107,26 @@ def test_a_cut_earlier_answer_rejects_the_conversation_naming_the_turn(tiny_qwen
     result = ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0").run([prompt.row("chat")])
     (reject,) = result.rejects  # random weights never stop in 4 tokens
     assert not result.completions and reject["kind"] == "truncated" and reject["reason"].startswith("turn 1: ")
+
+
+def test_evaluation_measures_a_conversation_on_its_first_turn(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ray import manifest
+    from dflash_ray.data.prompts import shard_bytes
+    from dflash_ray.evaluate import _prompt_rows
+
+    new, old = tmp_path / "new", tmp_path / "old"
+    rows = [p.row("chat") for p in normalize(CONVERSATION) + normalize({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]})]
+    for folder, table in ((new, pa.Table.from_pylist(rows)),  # and a shard from before the column existed
+                          (old, pa.Table.from_pylist([{k: v for k, v in r.items() if k != "regenerate"} for r in rows]))):
+        folder.mkdir()
+        (folder / "prompts-00000.parquet").write_bytes(shard_bytes(table.to_pylist(), table.schema))
+        manifest.write_manifest(str(folder), kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": 2}],
+                                summary={})
+    assert [[m["content"] for m in r["messages"]] for r in _prompt_rows(str(new), 10)] == [
+        ["Name a primary colour."], ["Be brief.", "Hi"]]
+    assert [len(r["messages"]) for r in _prompt_rows(str(old), 10)] == [3, 2]  # as they were: no turns to answer
+    assert pq.read_schema(new / "prompts-00000.parquet").names[-1] == "regenerate"
