@@ -130,3 +130,23 @@ def test_evaluation_measures_a_conversation_on_its_first_turn(tmp_path):
         ["Name a primary colour."], ["Be brief.", "Hi"]]
     assert [len(r["messages"]) for r in _prompt_rows(str(old), 10)] == [3, 2]  # as they were: no turns to answer
     assert pq.read_schema(new / "prompts-00000.parquet").names[-1] == "regenerate"
+
+
+def test_a_conversation_that_outgrows_the_engine_keeps_the_turns_that_fit(tiny_qwen3_dir, qwen3_tokenizer):
+    from dflash_ray.generation.engines import HFEngine
+    from dflash_ray.registry import stop_token_ids
+
+    def run(max_model_len: int):
+        cfg = GenerateConfig(backend="transformers", max_tokens=4, max_model_len=max_model_len, temperature=0.0,
+                             enable_thinking=False, truncated="keep")
+        engine = Recording(HFEngine(tiny_qwen3_dir, cfg, stop_token_ids(qwen3_tokenizer)))
+        (prompt,) = normalize(CONVERSATION)
+        return engine, ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0").run([prompt.row("chat")])
+
+    whole, result = run(512)
+    assert len(whole.prompts) == 3 and result.counts()["conversations_cut"] == 0
+    cut, result = run(len(whole.prompts[2]))  # the third turn's prompt no longer fits
+    assert len(cut.prompts) == 2 and not result.rejects and result.counts()["conversations_cut"] == 1
+    (record,) = result.completions
+    assert record["prompt_token_ids"] == whole.prompts[1]  # the second turn, as in the whole run
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user"]

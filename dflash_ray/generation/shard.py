@@ -54,12 +54,14 @@ class ShardResult:
     rejects: list[dict[str, Any]] = field(default_factory=list)  # id, source, kind, reason, record
     output_tokens: int = 0  # every generated token, rejected outputs included
     seconds: float = 0.0  # engine time
+    conversations_cut: int = 0  # kept up to the last turn whose prompt fit max_model_len
 
     def counts(self) -> dict[str, int]:
         out = {"completions": len(self.completions), "rejected": len(self.rejects)}
         for r in self.rejects:
             out[r["kind"]] = out.get(r["kind"], 0) + 1
         out["truncated_kept"] = sum(1 for c in self.completions if c["finish_reason"] == "length")
+        out["conversations_cut"] = self.conversations_cut
         return out
 
 
@@ -97,7 +99,8 @@ class ShardGenerator:
     def run(self, rows: list[dict[str, Any]], heartbeat: Callable[[], None] = lambda: None) -> ShardResult:
         """Every prompt row's completions, a user turn at a time: all conversations' first turns in
         batches, then the second turns of those that have one (with their answers in the history), and
-        so on. A conversation with a degenerate answer is rejected whole, naming the turn."""
+        so on. A conversation with a degenerate answer is rejected whole, naming the turn; one whose next
+        prompt outgrows `max_model_len` is kept up to the turn before."""
         result = ShardResult()
         ready: list[tuple[Conversation, list[int]]] = []
         for row in rows:
@@ -141,7 +144,11 @@ class ShardGenerator:
                 try:
                     following.append((conv, self.render(conv.prompt())))
                 except BadRecord as e:
-                    result.rejects.append(_reject(row, e.kind, conv.where() + str(e)))
+                    if e.kind != "prompt_too_long":
+                        result.rejects.append(_reject(row, e.kind, conv.where() + str(e)))
+                        continue
+                    result.completions.append(record)  # the turns that fit the engine are kept
+                    result.conversations_cut += 1
             heartbeat()
         return following
 
@@ -188,10 +195,10 @@ class Conversation:
 
     def prompt(self) -> dict[str, Any]:
         """The row as the engine answers it now: its history up to the current user turn."""
-        return {**self.row, "messages": self.history}
+        return {**self.row, "messages": list(self.history)}
 
     def answer(self, text: str) -> None:
-        self.history += [{"role": "assistant", "content": text}, self.pending.pop(0)]
+        self.history = self.history + [{"role": "assistant", "content": text}, self.pending.pop(0)]
         self.turn += 1
 
     def seed(self, seed: int) -> int:

@@ -291,8 +291,10 @@ def _totals(done: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return {"prompts": sum(e["prompts"] for e in done.values()),
             "completions": sum(e["rows"] for e in done.values()),
             "rejected": sum(e["counts"]["rejected"] for e in done.values()),
-            "rejected_kinds": {k: v for k, v in sorted(kinds.items()) if k != "truncated_kept" and v},
+            "rejected_kinds": {k: v for k, v in sorted(kinds.items())
+                               if k not in ("truncated_kept", "conversations_cut") and v},
             "truncated_kept": kinds.get("truncated_kept", 0),
+            "conversations_cut": kinds.get("conversations_cut", 0),
             "output_tokens": sum(e["output_tokens"] for e in done.values()),
             "generator_nodes": sorted({e["node"] for e in done.values() if e.get("node")})}
 
