@@ -149,7 +149,7 @@ def test_selfprompt_stops_at_the_first_task_whose_engine_cannot_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cli = Path(sys.executable).with_name("dflash-ray")
     done = subprocess.run([str(cli), "selfprompt", "--model", SMOLLM2, "--count", "8", "--output", str(tmp_path / "out"),
-                           "--json", "--set", "ray.num_cpus=2", "--set", "generate.generators=2",
+                           "--json", "--set", "ray.num_cpus=2", "--set", "generate.generators=1",
                            "--set", "generate.memory_utilization=0.001", "--set", "generate.max_model_len=1024"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]

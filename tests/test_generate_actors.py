@@ -40,9 +40,12 @@ def _output_ids(uri: str) -> tuple[list[str], list[str], list[str]]:
     return [r["id"] for r in rows], [r["id"] for r in rejected], generators
 
 
-def _wait(pool_status, until, timeout: float = 240):
+def _wait(pool_status, until, future, timeout: float = 240):
+    """Poll the pool until `until` holds; a run that ended meanwhile raises its own error."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if future.done():
+            future.result()  # a failed run: its error, not a time-out
         try:
             status = pool_status()
         except Exception:  # the pool is not up yet
@@ -70,7 +73,8 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
 
     output = f"{s3_bucket}/completions"
     cfg, future = _start(prompts, output, ["generate.generators=2"])
-    seen = _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 1 and len(s["leased_by"]) == 2)
+    seen = _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 1 and len(s["leased_by"]) == 2,
+                 future)
     victim = sorted(seen["leased_by"])[0]  # holds a shard right now
     ray.kill(ray.get_actor(f"{NAME}-{victim}", namespace=NAMESPACE))
     summary = future.result(timeout=600)
@@ -107,11 +111,11 @@ def test_scaling_one_two_one_mid_run_loses_and_duplicates_nothing(prompts, tmp_p
     cfg, future = _start(prompts, output, ["generate.generators=1", "generate.backend=transformers",
                                            "generate.shard_size=1", "generate.max_tokens=16",
                                            "generate.truncated=keep"])
-    _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2)
+    _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2, future)
     assert scale(2, cfg)["generators_target"] == 2
-    _wait(lambda: status(cfg), lambda s: s["done_by"].get("g1", 0) >= 1)
+    _wait(lambda: status(cfg), lambda s: s["done_by"].get("g1", 0) >= 1, future)
     scale(1, cfg)
-    mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1)
+    mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1, future)
     assert mid["generators"] == ["g0"] and not mid["finished"]  # g1 drained; work was still left
     summary = future.result(timeout=600)
 
