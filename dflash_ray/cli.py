@@ -17,15 +17,11 @@ from dflash_ray.errors import DFlashError, GateFailed
 
 
 def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    """`prompts`, and `responses` (the same stage, keeping each record's last answer)."""
     from dflash_ray.data.prompts import run_prompts
 
-    return run_prompts(args.input or [], args.output, cfg, progress=not args.json)
-
-
-def _cmd_responses(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.data.prompts import run_prompts
-
-    return run_prompts(args.input or [], args.output, cfg, progress=not args.json, responses=True)
+    return run_prompts(args.input or [], args.output, cfg, progress=not args.json,
+                       responses=args.command == "responses")
 
 
 def _cmd_selfprompt(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -165,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="existing responses (the last assistant turns of chat datasets) as completions")
     p.add_argument("--input", nargs="+", metavar="URI", help=INPUTS_HELP)
     p.add_argument("--output", required=True, metavar="URI", help="a completions folder `dflash-ray tokenize` reads")
-    p.set_defaults(run=_cmd_responses)
+    p.set_defaults(run=_cmd_prompts)
 
     p = sub.add_parser("selfprompt", parents=[common], help="prompts the target writes itself (chat JSONL)")
     p.add_argument("--model", required=True, metavar="PATH", help="target model (path, URI or short name)")

@@ -10,8 +10,7 @@ from config files. Transient S3 errors (throttling, 5xx, dropped connections) ar
 exponential backoff by botocore's standard retry mode; `AWS_MAX_ATTEMPTS` sets the number of tries.
 Failures a retry cannot fix (no such bucket, access denied, no credentials, an endpoint that does
 not answer), and throttling that outlasts the tries, are raised as `DFlashError` naming the URI and
-what to set; a missing object as
-`MissingObject`, which is also a `FileNotFoundError`.
+what to set; a missing object as `MissingObject`, which is also a `FileNotFoundError`.
 """
 
 from __future__ import annotations

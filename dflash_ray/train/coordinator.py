@@ -211,7 +211,6 @@ class Coordinator:
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self._gauges: dict[str, Any] = {}
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
-        self.tracked = 0  # the last step sent to the trackers: steps replayed after a restart are not sent again
 
     def _plan(self) -> None:
         """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so
@@ -397,9 +396,7 @@ class Coordinator:
                 self.metrics[-1]["heldout_tau"] = self._evaluate()
                 if self.metrics[-1]["heldout_tau"] is not None:
                     self._gauge("heldout_tau").set(self.metrics[-1]["heldout_tau"])
-            if self.step > self.tracked:
-                self.trackers.log(self.step, self.metrics[-1])
-                self.tracked = self.step
+            self.trackers.log(self.step, self.metrics[-1])
             if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self._checkpoint()
             if stop_after_step is not None and self.step >= stop_after_step:

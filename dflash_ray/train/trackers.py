@@ -186,6 +186,7 @@ class Trackers:
         self.remote = storage.join(output, "tracking")
         self.run_key = "dflash-" + hashlib.sha1(output.rstrip("/").encode()).hexdigest()[:16]
         self.local, self.uploaded = None, {}
+        self.logged = 0  # the last step logged: steps replayed after an actor restart are not logged again
 
     def start(self, run_name: str, config: dict) -> dict[str, str]:
         """Start each tracker; returns where each logs."""
@@ -222,6 +223,9 @@ class Trackers:
                     pass
 
     def log(self, step: int, row: dict[str, Any]) -> None:
+        if step <= self.logged:
+            return
+        self.logged = step
         values = scalars(row)
         for name, tracker in list(self.active.items()):
             self._guard(name, "log", lambda: tracker.log(step, values))
