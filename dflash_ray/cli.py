@@ -56,6 +56,12 @@ def _cmd_scale(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return scale(args.count, _named(cfg, args.name))
 
 
+def _cmd_pause(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.stages.generate import pause
+
+    return pause(args.command == "pause", _named(cfg, args.name))
+
+
 def _cmd_status(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.stages.generate import status
 
@@ -182,6 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("count", type=int, metavar="N")
     p.add_argument("--name", help="the generation's name (generate.name)")
     p.set_defaults(run=_cmd_scale)
+
+    for command, what in (("pause", "generators finish their shard and wait, engines loaded"),
+                          ("resume", "a paused generation goes on")):
+        p = sub.add_parser(command, parents=[common], help=f"pause or resume a running generation: {what}")
+        p.add_argument("--name", help="the generation's name (generate.name)")
+        p.set_defaults(run=_cmd_pause)
 
     p = sub.add_parser("status", parents=[common], help="progress of a generation: shards, generators, tokens/s, ETA")
     p.add_argument("--name", help="a running generation's name (generate.name)")

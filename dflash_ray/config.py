@@ -78,6 +78,7 @@ class GenerateConfig:
     generator_gpus: float = 0.0  # per generator actor; set to tensor_parallel_size on GPU
     node_resource: str = ""  # a custom resource of the generation nodes that every generator asks for
     shard_size: int = 256  # prompts per work unit
+    start_paused: bool = False  # engines load but take no shard until `dflash-ray resume`
     # sampling and template
     temperature: float = 0.6
     top_p: float = 0.95

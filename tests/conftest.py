@@ -4,16 +4,32 @@ packaged tokenizers and tiny random models. Nothing is downloaded."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import uuid
 
 import pytest
 
 
+_ports = random.Random(os.getpid())
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that binds now, drawn below the kernel's ephemeral range (32768 and up) and above Ray's
+    worker ports (10002-19999): between this check and the server's own bind, no outgoing connection
+    of any process can be given it, and no two calls of one session return the same port."""
+    while True:
+        port = _ports.randrange(20000, 32000)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
 
 
 @pytest.fixture(scope="session")

@@ -124,6 +124,13 @@ def few_prompts(tmp_path_factory):
     return str(tmp / "prompts")
 
 
+def tiny_share() -> str:
+    """A `generate.memory_utilization` that gives an engine 16 MiB whatever the machine: less than its
+    own footprint, so vLLM refuses on any node size (a fixed share stops failing on a large node)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # a NUMA node holds at most this
+    return f"{16 * MiB / total:.3g}"
+
+
 def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_prompts, tmp_path):
     """The bar of issue 13: not nine restarts of the same failure, and the cause in the message."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -131,7 +138,8 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
     started = time.monotonic()
     done = subprocess.run([str(cli), "generate", "--prompts", few_prompts, "--output", str(tmp_path / "out"),
                            "--model", SMOLLM2, "--generators", "2", "--json", "--set", "ray.num_cpus=2",
-                           "--set", "generate.memory_utilization=0.001", "--set", "generate.max_model_len=1024"],
+                           "--set", f"generate.memory_utilization={tiny_share()}",
+                           "--set", "generate.max_model_len=1024"],
                           capture_output=True, text=True, env=env, timeout=300)
     seconds = time.monotonic() - started
     assert done.returncode == 2, done.stderr[-3000:]
@@ -140,7 +148,7 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
     error = summary["error"]
     assert "before its first shard" in error and "stopped at once" in error
     assert "ValueError: Available memory on node" in error  # vLLM's own words, from its worker's log
-    assert "generate.memory_utilization=0.001" in error
+    assert f"generate.memory_utilization={float(tiny_share())}" in error
     assert len(summary["deaths"]) <= 2  # both generators at most, never the restart budget
     assert "Available memory on node" in done.stderr  # the human message says it too
 
@@ -150,10 +158,11 @@ def test_selfprompt_stops_at_the_first_task_whose_engine_cannot_start(tmp_path):
     cli = Path(sys.executable).with_name("dflash-ray")
     done = subprocess.run([str(cli), "selfprompt", "--model", SMOLLM2, "--count", "8", "--output", str(tmp_path / "out"),
                            "--json", "--set", "ray.num_cpus=2", "--set", "generate.generators=1",
-                           "--set", "generate.memory_utilization=0.001", "--set", "generate.max_model_len=1024"],
+                           "--set", f"generate.memory_utilization={tiny_share()}",
+                           "--set", "generate.max_model_len=1024"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
     assert error.startswith("a self-prompt task failed: ") and "stopped at once" in error
-    assert "Available memory on node" in error and "generate.memory_utilization=0.001" in error
+    assert "Available memory on node" in error and f"generate.memory_utilization={float(tiny_share())}" in error
     assert "Traceback" not in error and not (tmp_path / "out").exists()

@@ -40,8 +40,9 @@ def _output_ids(uri: str) -> tuple[list[str], list[str], list[str]]:
     return [r["id"] for r in rows], [r["id"] for r in rejected], generators
 
 
-def _wait(pool_status, until, future, timeout: float = 240):
-    """Poll the pool until `until` holds; a run that ended meanwhile raises its own error."""
+def _wait(pool_status, until, future, timeout: float = 300):
+    """Poll the pool until `until` holds; a run that ended meanwhile raises its own error.
+    Every state waited for is one the test made stable (a paused pool), never a passing moment."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if future.done():
@@ -54,6 +55,11 @@ def _wait(pool_status, until, future, timeout: float = 240):
             return status
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting; last status {status}")
+
+
+def _engines_up(n: int):
+    """`n` generators alive, every one of them past its engine start (it asked for work)."""
+    return lambda s: s["generators_alive"] == n and not s["generators_starting"]
 
 
 def _start(prompts: str, output: str, overrides: list[str]):
@@ -69,13 +75,15 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
     import ray
 
     from dflash_ray.generation.actors import NAMESPACE
-    from dflash_ray.stages.generate import run_generate, status
+    from dflash_ray.stages.generate import pause, run_generate, status
 
     output = f"{s3_bucket}/completions"
-    cfg, future = _start(prompts, output, ["generate.generators=2"])
-    seen = _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 1 and len(s["leased_by"]) == 2,
-                 future)
-    victim = sorted(seen["leased_by"])[0]  # holds a shard right now
+    cfg, future = _start(prompts, output, ["generate.generators=2", "generate.start_paused=true"])
+    held = _wait(lambda: status(cfg), _engines_up(2), future)  # both engines loaded, neither has a shard
+    assert held["paused"] and held["shards_done"] == 0 and not held["leased_by"]
+    resumed = pause(False, cfg)  # both held lease calls take a shard at once
+    assert not resumed["paused"] and sorted(resumed["leased_by"]) == ["g0", "g1"]
+    victim = "g0"  # holds a shard right now: its first takes longer than these two calls
     ray.kill(ray.get_actor(f"{NAME}-{victim}", namespace=NAMESPACE))
     summary = future.result(timeout=600)
 
@@ -105,18 +113,28 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
 
 
 def test_scaling_one_two_one_mid_run_loses_and_duplicates_nothing(prompts, tmp_path):
-    from dflash_ray.stages.generate import scale, status
+    from dflash_ray.stages.generate import pause, scale, status
 
     output = str(tmp_path / "completions")
     cfg, future = _start(prompts, output, ["generate.generators=1", "generate.backend=transformers",
                                            "generate.shard_size=1", "generate.max_tokens=16",
-                                           "generate.truncated=keep"])
+                                           "generate.truncated=keep", "generate.start_paused=true"])
+    _wait(lambda: status(cfg), _engines_up(1), future)
+    pause(False, cfg)
     _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2, future)
+    pause(True, cfg)  # g1's engine starts while g0 waits: g0 cannot finish the run first
     assert scale(2, cfg)["generators_target"] == 2
+    _wait(lambda: status(cfg), _engines_up(2), future)
+    pause(False, cfg)
     _wait(lambda: status(cfg), lambda s: s["done_by"].get("g1", 0) >= 1, future)
+    paused = pause(True, cfg)  # work is left: g1 has done one of 48 shards, g0 a few
+    left = paused["shards_total"] - paused["shards_done"]
+    assert left > len(paused["leased_by"])
     scale(1, cfg)
-    mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1, future)
-    assert mid["generators"] == ["g0"] and not mid["finished"]  # g1 drained; work was still left
+    mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1 and not s["leased_by"], future)
+    assert mid["generators"] == ["g0"] and not mid["finished"]  # g1 drained while work was still left
+    assert mid["shards_done"] < mid["shards_total"]
+    pause(False, cfg)
     summary = future.result(timeout=600)
 
     assert summary["restarts"] == 0 and summary["generators_started"] == 2

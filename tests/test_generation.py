@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dflash_ray.config import GenerateConfig
-from dflash_ray.generation.book import ShardBook
+from dflash_ray.generation.book import PAUSED, ShardBook
 from dflash_ray.generation.degenerate import classify, tail_cycle
 from dflash_ray.generation.engines import Output
 from dflash_ray.generation.shard import ShardGenerator, prompt_seed, split_reasoning
@@ -107,6 +107,21 @@ def test_book_first_completion_wins_and_a_drained_generator_gets_no_work():
     assert book.lease("g1") is None and book.lease("g0")["index"] == 1
     with pytest.raises(ValueError):
         book.set_target(-1)
+
+
+def test_a_paused_book_hands_out_nothing_but_lets_held_shards_finish_and_drains_go():
+    book = ShardBook(UNITS, {}, target=2, lease_timeout_s=10, clock=Clock())
+    book.register("g0"), book.register("g1")
+    first = book.lease("g0")
+    book.paused = True
+    assert book.lease("g1") == PAUSED and book.status()["paused"]
+    assert book.complete("g0", first["index"], {"prompts": 2, "output_tokens": 3, "generator": "g0"})
+    assert book.lease("g0") == PAUSED and book.status()["shards_leased"] == 0
+    book.set_target(1)
+    assert book.reconcile() == (0, ["g1"])
+    assert book.lease("g1") is None  # a draining generator stops, paused or not
+    book.paused = False
+    assert book.lease("g0")["index"] == 1
 
 
 def test_a_bad_prompt_fails_alone_and_records_replay_exactly(tiny_qwen3_dir, qwen3_tokenizer):

@@ -4,10 +4,15 @@ The pool is a named actor in the `dflash-ray` namespace, so `dflash-ray scale` a
 status` (or `jobs/scale.py` from a laptop) find it from any process on the cluster. It records each
 finished shard in `_progress.json` on storage, which a restarted job reads to skip finished shards,
 and publishes the run's figures as Ray dashboard metrics.
+
+The pool is an async actor so that a paused pool can hold a generator's `lease` call open until it
+resumes (or the generator is asked to drain) without blocking the pool's other calls; every
+method still runs on its one event loop, so the book is never touched by two calls at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -17,7 +22,7 @@ import ray
 
 from dflash_ray import storage
 from dflash_ray.config import GenerateConfig
-from dflash_ray.generation.book import PROGRESS, ShardBook
+from dflash_ray.generation.book import PAUSED, PROGRESS, ShardBook
 
 NAMESPACE = "dflash-ray"
 
@@ -28,7 +33,8 @@ class ShardPool:
                  output: str, plan: str):
         from ray.util import metrics
 
-        self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s)
+        self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused)
+        self._changed = asyncio.Event()  # set (and replaced) when a held `lease` call should look again
         self.asked: set[str] = set()  # generators that asked for work: their engine started
         self.output, self.plan = output, plan
         tags = {"run": cfg.name}
@@ -68,11 +74,26 @@ class ShardPool:
         self._publish()
         return back, gid in self.asked
 
-    def lease(self, gid: str) -> dict[str, Any] | None:
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def lease(self, gid: str) -> dict[str, Any] | None:
+        """A shard, or None (stop); while the pool is paused the call waits, the engine kept loaded."""
         self.asked.add(gid)
-        unit = self.book.lease(gid)
+        while (unit := self.book.lease(gid)) == PAUSED:
+            self._publish()
+            await self._changed.wait()
         self._publish()
         return unit
+
+    async def pause(self, paused: bool) -> dict[str, Any]:
+        """Pause (no new shard; those leased finish) or resume the run. On resume the held `lease`
+        calls take their shards before this returns, so the status it returns shows them."""
+        self.book.paused = paused
+        self._wake()
+        await asyncio.sleep(0)  # the woken calls were scheduled first: they run now
+        return self._publish()
 
     def heartbeat(self, gid: str) -> None:
         self.book.heartbeat(gid)
@@ -95,6 +116,8 @@ class ShardPool:
         """(generators to start, generators to drain, generators whose lease timed out)."""
         late = self.book.expire()
         start, drain = self.book.reconcile()
+        if drain:  # a draining generator held in `lease` stops now
+            self._wake()
         self._publish()
         return start, drain, late
 

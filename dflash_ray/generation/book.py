@@ -5,7 +5,9 @@ No Ray here: the pool actor wraps one `ShardBook`. The rules that make output ex
   heartbeat for `lease_timeout_s`, goes back to the front of the queue;
 - the first `complete` of a shard wins and is recorded; a later one (a timed-out generator that
   finished after all) is refused, and its files are never listed in the dataset manifest;
-- a generator asked to drain gets no new shard; the one it holds finishes normally.
+- a generator asked to drain gets no new shard; the one it holds finishes normally;
+- a paused book hands out no shard: a generator that asks is told to wait (`PAUSED`), its engine
+  kept loaded; the shards already leased finish normally.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 PROGRESS = "_progress.json"  # finished shards of a generation, on storage next to its output
+PAUSED = "paused"  # `lease`: work is left but the book is paused; ask again once it resumes
 
 
 @dataclass(slots=True)
@@ -32,7 +35,7 @@ def _generator_order(gid: str) -> tuple[int, str]:
 
 class ShardBook:
     def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], target: int,
-                 lease_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+                 lease_timeout_s: float, clock: Callable[[], float] = time.monotonic, paused: bool = False):
         self.units = {int(u["index"]): u for u in units}
         self.done = {int(k): v for k, v in done.items()}
         self.pending = collections.deque(i for i in sorted(self.units) if i not in self.done)
@@ -41,6 +44,7 @@ class ShardBook:
         self.alive: set[str] = set()
         self.draining: set[str] = set()
         self.timeout, self.clock = lease_timeout_s, clock
+        self.paused = paused
         self.lease_count = 0
         self.tokens = 0  # generated during this run
         self.prompts_run = 0
@@ -75,10 +79,13 @@ class ShardBook:
         return start, drain
 
     # shards
-    def lease(self, gid: str) -> dict[str, Any] | None:
+    def lease(self, gid: str) -> dict[str, Any] | str | None:
+        """A shard for `gid`; None when it should stop (draining, gone, or no work left); `PAUSED`."""
         self.expire()
         if gid in self.draining or gid not in self.alive or not self.pending:
             return None
+        if self.paused:
+            return PAUSED
         index = self.pending.popleft()
         self.lease_count += 1
         now = self.clock()
@@ -133,7 +140,7 @@ class ShardBook:
             "generators_draining": len(self.draining), "generators": sorted(self.alive, key=_generator_order),
             "leased_by": {lease.generator: i for i, lease in self.leases.items()},
             "done_by": dict(collections.Counter(str(e.get("generator")) for e in self.done.values())),
-            "tokens_generated": self.tokens,
+            "paused": self.paused, "tokens_generated": self.tokens,
             "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,
             "eta_s": round((total - done) / rate, 1) if rate else None,
             "finished": self.finished,

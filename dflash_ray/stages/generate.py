@@ -339,6 +339,15 @@ def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
     return {"stage": "scale", "name": cfg.generate.name, **status}
 
 
+def pause(paused: bool, cfg: RunConfig) -> dict[str, Any]:
+    """Pause a running generation (`dflash-ray pause`: generators finish the shard they hold and
+    wait, engines loaded) or resume it (`dflash-ray resume`)."""
+    import ray
+
+    status = ray.get(_pool(cfg).pause.remote(paused))
+    return {"stage": "resume" if not paused else "pause", "name": cfg.generate.name, **status}
+
+
 def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
     """A running generation's figures from its pool; or, with `output`, a stopped one's from storage."""
     import ray
