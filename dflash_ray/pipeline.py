@@ -157,7 +157,7 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
     return {
         "training_steps": train["step"], "train_loss": train["loss"],
         "stream_nodes": train["stream_nodes"], "coordinator_node": train["coordinator_node"],
-        "heldout_tau_start": train["heldout_tau_first"], "heldout_tau_end": train["heldout_tau"],
+        "heldout_tau_start": train["heldout_tau_start"], "heldout_tau_end": train["heldout_tau"],
         "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
         "tau_trained_sampled": after["tau_sampled"],
         "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],

@@ -171,7 +171,7 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
         "ray": {"head_resource": "head_node"},
         "prompts": {"tokenizer": "smollm2-135m-instruct"}, "tokenize": {"tokenizer": "smollm2-135m-instruct"},
         "generate": {"name": NAME, "generators": 1, "shard_size": 1, "max_tokens": 40, "max_model_len": 1024,
-                     "truncated": "keep", "node_resource": "gen_node"},
+                     "truncated": "keep", "node_resource": "gen_node", "start_paused": True},
         "validate": {"gate": {"min_median_response": 8, "max_mode_share": 0.9}},  # answers cut at 40 tokens
         "train": {"num_streams": 1, "actor_cpus": 0.5, "max_steps": 6, "num_anchors": 8, "checkpoint_every": 100,
                   "heldout": 2, "eval_every": 2, "node_resource": "train_node"},
@@ -183,21 +183,28 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
     assert submitted.returncode == 0, submitted.stderr
 
     # from the laptop: wait for the generation to show up, then scale it to 2 generators
-    deadline, status = time.time() + 300, None
-    while time.time() < deadline:
-        probe = _submit(address, env, f"status-{int(time.time() * 1000)}", "jobs/status.py", "--name", NAME,
-                        "--json", wait=True)
-        line = [x for x in probe.stdout.splitlines() if x.startswith('{"ok": true')]
-        if line:
-            status = json.loads(line[-1])
-            break
-        time.sleep(2)
-    assert status is not None and status["generators_target"] == 1, (
-        "the generation never started: " + probe.stdout[-1500:] + probe.stderr[-1500:]
-        + _ray(env, "job", "logs", "--address", address, "pipeline-1", check=False).stdout[-3000:])
+    def generation_status(until) -> dict:
+        deadline, status, probe = time.time() + 300, None, None
+        while time.time() < deadline:
+            probe = _submit(address, env, f"status-{int(time.time() * 1000)}", "jobs/status.py", "--name", NAME,
+                            "--json", wait=True)
+            line = [x for x in probe.stdout.splitlines() if x.startswith('{"ok": true')]
+            if line and until(status := json.loads(line[-1])):
+                return status
+            time.sleep(2)
+        raise AssertionError(f"the generation never reached the state waited for; last {status}: "
+                             + probe.stdout[-1500:] + probe.stderr[-1500:]
+                             + _ray(env, "job", "logs", "--address", address, "pipeline-1", check=False).stdout[-3000:])
+
+    # the generation starts paused, so it is still there to scale, whoever is quick
+    status = generation_status(lambda s: True)
+    assert status["generators_target"] == 1 and status["paused"] and status["shards_done"] == 0
     scaled = _submit(address, env, "scale-1", "jobs/scale.py", "generators", "2", "--name", NAME, "--json",
                      wait=True)
     assert '"generators_target": 2' in scaled.stdout, scaled.stdout + scaled.stderr
+    generation_status(lambda s: s["generators_alive"] == 2)
+    resumed = _submit(address, env, "resume-1", "jobs/resume.py", "--name", NAME, "--json", wait=True)
+    assert '"paused": false' in resumed.stdout, resumed.stdout + resumed.stderr
 
     deadline = time.time() + 900
     while time.time() < deadline:

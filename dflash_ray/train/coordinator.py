@@ -202,6 +202,7 @@ class Coordinator:
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
+        self.heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
         self.drafter_cfg_json = json.dumps(drafter_cfg)
         self.layer_ids = drafter_cfg["dflash_config"]["target_layer_ids"]
         self.init = init
@@ -375,6 +376,8 @@ class Coordinator:
                 if step < self.total_steps and step not in ahead[s]:
                     ahead[s][step] = target.features.remote(self.schedule.batch_for(step, s))
 
+        if tcfg.eval_every and self.step == 0 and self.heldout_start is None:
+            self.heldout_start = self._evaluate()  # the untrained start: what learning is measured against
         while self.step < self.total_steps:
             start = time.perf_counter()
             if tcfg.colocate:  # each stream computes its own features in place
@@ -435,6 +438,7 @@ class Coordinator:
                 "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
+                "heldout_tau_start": self.heldout_start,
                 "seconds": round(time.perf_counter() - started, 1), "trackers": tracked,
                 "checkpoint": checkpoint.step_dir(self.output, self.step)}
 
