@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class DFlashError(Exception):
     """Bad input or configuration: the message names the file, record and field at fault."""
@@ -38,3 +40,15 @@ class GateFailed(DFlashError):
     """The validation gate refused a dataset: the message names each failed rule and its numbers."""
 
     exit_code = 3
+
+
+def failure_cause(e: Exception) -> str:
+    """One line for an actor's failure: the error it raised (an engine's own, for a start failure),
+    or how Ray says it died."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    m = re.match(r"([\w.]*(?:Error|Exception)): (.*)", last)
+    if m:  # "builtins.ValueError: ..." -> "ValueError: ..."; our own errors speak for themselves
+        kind = m.group(1).rsplit(".", 1)[-1]
+        return (m.group(2) if kind == "DFlashError" else f"{kind}: {m.group(2)}")[:1500]
+    return f"{type(e).__name__}: {last}"[:1500]

@@ -162,7 +162,7 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
         "tau_trained_sampled": after["tau_sampled"],
         "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],
         "ngram_draft_share": after["ngram_draft_share"],
-        "tau_trained_vllm": after.get("tau_vllm"), "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
+        "tau_trained_vllm": after.get("tau_vllm"), "vllm_outputs_equal": after.get("vllm_outputs_equal"), "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
         "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
         "lossless": before["lossless"] and after["lossless"],
         "plots": storage.join(work, "train/metrics.png"), "drafter": drafter,

@@ -15,6 +15,17 @@ _ports = random.Random(os.getpid())
 _given: set[int] = set()
 
 
+# A test that asks for one of these is an integration test; so is one marked by hand (a vLLM engine,
+# a CLI in a subprocess). `make test-fast` runs the others: no Ray, S3 server or engine.
+INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "two_nodes"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if INTEGRATION_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+
+
 def free_port() -> int:
     """A port that binds now, drawn below the kernel's ephemeral range (32768 and up) and above Ray's
     worker ports (10002-19999): between this check and the server's own bind, no outgoing connection

@@ -18,7 +18,8 @@ from dflash_ray.errors import DFlashError
 from dflash_ray.generation.engines import (
     cpu_kv_cache_bytes, engine_error, free_memory, kv_bytes_per_token, kv_cache_bytes, model_config)
 from dflash_ray.registry import SMOLLM2
-from dflash_ray.stages.generate import failure_cause, same_error
+from dflash_ray.errors import failure_cause
+from dflash_ray.stages.generate import same_error
 
 MiB = 1024**2
 SMOLLM2_CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -216,6 +216,7 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
     assert "SUCCEEDED" in state, logs[-3000:]
     summary = json.loads([x for x in logs.splitlines() if x.startswith('{"ok": true')][-1])
     assert summary["stage"] == "pipeline" and summary["completions"] > 0 and summary["lossless"]
+    assert summary["vllm_outputs_equal"] is True and summary["tau_trained_vllm"] >= 1  # vLLM served the export
     generation = json.loads((work / "completions" / "_manifest.json").read_text())["summary"]
     assert generation["generators_started"] == 2 and generation["restarts"] == 0
     assert (work / "drafter" / "config.json").exists() and (work / "train" / "metrics.png").exists()

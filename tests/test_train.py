@@ -129,20 +129,25 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path):
     assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
 
 
-@pytest.mark.parametrize("role", ["target", "drafter"])
-def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
-    cfg = load_config(None, SETTINGS + ["train.epochs=6"])  # 48 steps: the kill lands well before the end
-    name = f"kill-{role}"
+def _train_and_kill(target, data, output: str, cfg, name: str, role: str) -> dict:
+    """Train in a thread; once a checkpoint exists, kill the stream-1 actor of `role`. The run's
+    summary, or its error under "error"."""
     result = {}
-    thread = threading.Thread(target=lambda: result.update(
-        run_train(target, data, str(tmp_path / "out"), cfg, progress=False, run_name=name)))
+
+    def train():
+        try:
+            result.update(run_train(target, data, output, cfg, progress=False, run_name=name))
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=train)
     thread.start()
     victim = None
     while thread.is_alive() and victim is None:
         try:
             candidate = ray.get_actor(f"{name}-{role}-1")
             # wait until training is under way (a checkpoint exists), then kill
-            if checkpoint.complete_steps(str(tmp_path / "out")):
+            if checkpoint.complete_steps(output):
                 victim = candidate
         except ValueError:
             pass
@@ -150,8 +155,45 @@ def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
     assert victim is not None, "the run ended before the actor could be killed"
     ray.kill(victim)
     thread.join(timeout=300)
+    return result
+
+
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
+    cfg = load_config(None, SETTINGS + ["train.epochs=6"])  # 48 steps: the kill lands well before the end
+    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, f"kill-{role}", role)
     assert result["step"] == result["total_steps"] == 48
     assert result["restarts"] == 1
+
+
+def test_a_death_past_the_restart_budget_fails_the_run_with_a_clear_error(ray_cluster, target, data, tmp_path):
+    from dflash_ray.errors import DFlashError
+
+    cfg = load_config(None, SETTINGS + ["train.epochs=6", "train.max_restarts=0"])
+    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, "kill-budget", "drafter")
+    error = result.get("error")
+    assert isinstance(error, DFlashError), result
+    assert error.field == "train.max_restarts" and "over the budget of 0 restarts" in str(error)
+    assert "killed by `ray.kill`" in str(error) and "\n" not in str(error)  # the cause, in one line
+    assert checkpoint.complete_steps(str(tmp_path / "out"))  # what was trained is kept for a resume
+
+
+def test_training_with_target_and_output_on_s3_resumes_and_exports_there(ray_cluster, target, data, s3_bucket):
+    """The target read from `s3://`, checkpoints written there, a resume from them, the export to S3."""
+    from dflash_ray.drafter.export import export_checkpoint
+
+    storage.upload_tree(target, f"{s3_bucket}/target")
+    out = f"{s3_bucket}/run"
+    cfg = load_config(None, SETTINGS)
+    assert run_train(f"{s3_bucket}/target", data, out, cfg, progress=False, stop_after_step=4)["step"] == 4
+    resumed = run_train(f"{s3_bucket}/target", data, out, cfg, progress=False)
+    assert resumed["step"] == 8 and resumed["checkpoint"].startswith(out)
+    assert storage.exists(storage.join(out, "metrics.png"))
+    export_checkpoint(resumed["checkpoint"], f"{s3_bucket}/drafter", dtype="float32")
+    names = {storage.basename(f) for f in storage.list_files(f"{s3_bucket}/drafter", (".json", ".safetensors"))}
+    assert {"config.json", "model.safetensors"} <= names
+    step, weights = _final_weights(out)
+    assert step == 8 and len(weights) > 0
 
 
 def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp_path, capsys):
@@ -188,6 +230,41 @@ def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, tar
     with pytest.raises(DFlashError) as e:  # raised in the coordinator actor, not a dead-actor error
         run_train(target, data, str(tmp_path / "x"), load_config(None, SETTINGS + ["train.heldout=16"]), progress=False)
     assert e.value.field == "train.heldout"
+
+
+def test_a_ragged_batch_trains_as_its_samples_do_alone(target, tmp_path):
+    """batch_size > 1 with different lengths: padding changes neither the target's features nor the
+    loss; the batch's loss and gradient are its samples' weighted together."""
+    import json
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i, n in enumerate((23, 48, 31)):
+        ids = torch.randint(0, 490, (n,), generator=g).tolist()
+        rows.append({"id": f"r{i}", "source": "x", "input_ids": ids, "loss_mask": [0] * 7 + [1] * (n - 7),
+                     "seq_len": n, "truncated": False})
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    part = str(tmp_path / "part-0.parquet")
+    storage.write_bytes(part, buf.getvalue())
+
+    cfg = load_config(None, SETTINGS + ["train.num_anchors=64", "train.batch_size=3"])  # every valid anchor
+    drafter_json = json.dumps(drafter_config(target, cfg))
+    feats = TargetWorker(target, [0, 1, 2], cfg.train)
+    worker = DrafterWorker(target, drafter_json, "target", cfg.train, 0, 1)
+    together = feats.features([(part, i) for i in range(3)])
+    _, loss, weight = worker.averaged_gradients(together)
+    grad = worker.flat_grad().clone()
+    losses, weights, grads = [], [], []
+    for i in range(3):
+        alone = feats.features([(part, i)])
+        n = rows[i]["seq_len"]
+        torch.testing.assert_close(together["features"][i, :n], alone["features"][0, :n])
+        _, loss_i, weight_i = worker.averaged_gradients(alone)
+        losses.append(loss_i), weights.append(weight_i), grads.append(worker.flat_grad().clone())
+    assert weight == pytest.approx(sum(weights))
+    assert loss == pytest.approx(sum(l * w for l, w in zip(losses, weights)) / weight, rel=1e-5)
+    torch.testing.assert_close(grad, sum(gr * w for gr, w in zip(grads, weights)) / weight, rtol=1e-4, atol=1e-6)
 
 
 def test_bf16_training_keeps_fp32_master_weights(target, data):

@@ -107,6 +107,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
     from dflash_ray import storage
     from dflash_ray.registry import resolve
 
+    if storage.is_s3(checkpoint) and storage.exists(storage.join(checkpoint, "drafter", CONFIG)):
+        checkpoint = storage.join(checkpoint, "drafter")  # only that folder is fetched from S3
     source = resolve(checkpoint)
     if (Path(source) / "drafter" / CONFIG).exists():
         source = str(Path(source) / "drafter")

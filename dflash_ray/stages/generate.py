@@ -35,7 +35,7 @@ from typing import Any
 from dflash_ray import manifest, storage
 from dflash_ray.cluster import connect, on_node
 from dflash_ray.config import GenerateConfig, RunConfig
-from dflash_ray.errors import DFlashError
+from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.generation.book import PROGRESS
 from dflash_ray.registry import pin
 
@@ -103,18 +103,6 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
 
 
 POOL_TIMEOUT_S = 120.0  # a call to the pool actor; it answers at once unless it is gone
-
-
-def failure_cause(e: Exception) -> str:
-    """One line for a generator's failure: the error it raised (the engine's own, for a start failure),
-    or how Ray says it died."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
-    m = re.match(r"([\w.]*(?:Error|Exception)): (.*)", last)
-    if m:  # "builtins.ValueError: ..." -> "ValueError: ..."; our own errors speak for themselves
-        kind = m.group(1).rsplit(".", 1)[-1]
-        return (m.group(2) if kind == "DFlashError" else f"{kind}: {m.group(2)}")[:1500]
-    return f"{type(e).__name__}: {last}"[:1500]
 
 
 def same_error(cause: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_ray import manifest, storage
 from dflash_ray.cluster import connect
 from dflash_ray.config import GenerateConfig, RunConfig, SelfPromptConfig
-from dflash_ray.errors import DFlashError
+from dflash_ray.errors import DFlashError, failure_cause
 
 FILE = "self-prompts.jsonl"
 
@@ -41,7 +41,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     from tqdm import tqdm
 
     from dflash_ray.generation.selfprompt import select
-    from dflash_ray.stages.generate import check_model, engine_options, failure_cause
+    from dflash_ray.stages.generate import check_model, engine_options
 
     scfg = cfg.selfprompt
     if scfg.count < 1:

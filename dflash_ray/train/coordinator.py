@@ -26,7 +26,7 @@ from typing import Any
 from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
-from dflash_ray.errors import DFlashError
+from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import placement
 from dflash_ray.train.trackers import Trackers, check_installed, driver_env
@@ -425,7 +425,8 @@ class Coordinator:
                     self.restarts += 1
                     if self.restarts > self.cfg.train.max_restarts:
                         raise DFlashError(f"an actor died {self.restarts} times, over the budget of "
-                                          f"{self.cfg.train.max_restarts} restarts; last: {e}") from None
+                                          f"{self.cfg.train.max_restarts} restarts; last: {failure_cause(e)}",
+                                          field="train.max_restarts") from None
                 finally:
                     self._stop_actors()
         finally:
@@ -502,9 +503,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
             bar.refresh()
         summary = ray.get(run_ref)
     except ray.exceptions.RayTaskError as e:
-        cause = e.as_instanceof_cause()
-        if isinstance(cause, DFlashError):
-            raise cause from None
+        if isinstance(e.cause, DFlashError):  # the coordinator's own error, as it raised it
+            raise e.cause from None
         raise
     finally:
         if bar is not None:
