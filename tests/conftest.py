@@ -18,11 +18,12 @@ _given: set[int] = set()
 # A test that asks for one of these is an integration test; so is one marked by hand (a vLLM engine,
 # a CLI in a subprocess). `make test-fast` runs the others: no Ray, S3 server or engine.
 INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "two_nodes"}
+INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_export.py", "test_gpu_check.py"}
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if INTEGRATION_FIXTURES & set(item.fixturenames):
+        if INTEGRATION_FIXTURES & set(item.fixturenames) or item.path.name in INTEGRATION_FILES:
             item.add_marker(pytest.mark.integration)
 
 
