@@ -80,6 +80,27 @@ def test_compiled_flex_attention_compiles_one_graph_per_bucket_for_every_layer_t
     assert sum(counters["graph_break"].values()) == breaks_before  # nothing ran outside the graphs
 
 
+def test_the_block_mask_traces_to_one_graph_per_bucket_for_every_layer_type():
+    """The GPU compiles `create_block_mask` over `flex_block_mask`'s mask_mod; inductor cannot compile
+    it on the CPU (torch 2.13), so this traces the same call with the aot_eager backend."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch._dynamo.reset()
+    traced = torch.compile(create_block_mask, backend="aot_eager", dynamic=False)
+    graphs_before = counters["stats"]["unique_graphs"]
+    lengths = [S for S in LENGTHS if S > 32]
+    for S in lengths:
+        padded = bucket_length(S, 32)
+        mask = torch.zeros(2, padded, dtype=torch.long)
+        mask[:, S // 4:S] = 1
+        anchors, _ = sample_anchors(mask, 4, torch.Generator().manual_seed(S))
+        for layer_type in (FULL, SLIDING):
+            eager = flex_block_mask(anchors, padded, 4, layer_type, 8)
+            got = traced(eager.mask_mod, 2, None, 16, padded + 16, device="cpu")
+            assert torch.equal(got.to_dense(), eager.to_dense())
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2  # buckets 64 and 96
+
+
 def test_a_compiled_function_past_its_shape_limit_raises_instead_of_running_eagerly(monkeypatch):
     monkeypatch.setattr(drafter_model, "MAX_SHAPES", 1)
     double = compile_static(lambda x: x * 2)
