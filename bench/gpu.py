@@ -7,10 +7,14 @@ One JSON line per check, each with "ok":
 - fused_ce: the fused linear + CE (Triton on CUDA) against the naive fp32-logits reference: relative
   error of loss and gradient (hard labels, and distillation's soft targets), peak memory ratio, time ratio.
 - flex_attention: the DFlash block mask through compiled flex attention against the dense SDPA mask,
-  full and sliding layers: output and gradient error, fwd+bwd time ratio (forward only on the CPU).
+  full and sliding layers: output and gradient error, fwd+bwd time ratio (forward only on the CPU);
+  then sequences of many lengths padded to `length_bucket` multiples: the graphs compiled (one per
+  bucket, shared by both layer types) and graph breaks (none: nothing runs eagerly).
 - train_step: one colocated stream (`ColocatedWorker`: target and drafter on one device, the code the
   Ray actor runs): tokens/s, step split (target / drafter / optimizer), peak memory, model FLOP
-  utilisation by the project's FLOP model (`plan.train_flops_per_token`); and what the paired
+  utilisation by the project's FLOP model (`plan.train_flops_per_token`); steps over sequences of
+  many lengths: the attention shapes met and the graphs compiled (flex attention and its block mask
+  on the GPU; none on the CPU, which runs the dense mask); and what the paired
   path's trip of one batch's features through host memory (device → host → device) costs against it;
   and the same step with distillation (the target's top-32 over the response positions).
 - speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
@@ -73,6 +77,8 @@ class Sizes:
     sliding_window: int
     anchors: int
     seq_len: int
+    lengths: list  # sequence lengths the shape checks meet, padded to multiples of `length_bucket`
+    length_bucket: int
     steps: int  # timed training steps, after `warmup`
     warmup: int
     spec_hidden: int  # the speculative-decoding target (fp32, narrower: exact greedy comparisons)
@@ -88,12 +94,12 @@ class Sizes:
 FULL_SIZES = Sizes(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, vocab=248320,
                    target_layers=6, layer_ids=[1, 2, 3, 4, 5], drafter_layers=5,
                    layer_types=[SLIDING] * 4 + [FULL], sliding_window=2048, anchors=512, seq_len=3072,
-                   steps=4, warmup=2, spec_hidden=1024, spec_vocab=32000, spec_tokens=64,
-                   spec_train_steps=100)
+                   lengths=[2100, 2222, 2345, 2500, 2560, 2700, 2850, 2999, 3072], length_bucket=512, steps=4,
+                   warmup=2, spec_hidden=1024, spec_vocab=32000, spec_tokens=64, spec_train_steps=100)
 TINY_SIZES = Sizes(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, target_layers=4,
                    layer_ids=[0, 1, 2], drafter_layers=2, layer_types=[SLIDING, FULL], sliding_window=32,
-                   anchors=16, seq_len=96, steps=2, warmup=1, spec_hidden=64, spec_vocab=512, spec_tokens=24,
-                   spec_train_steps=30)
+                   anchors=16, seq_len=96, lengths=[40, 47, 55, 61, 64, 70, 77, 85, 90, 96], length_bucket=32,
+                   steps=2, warmup=1, spec_hidden=64, spec_vocab=512, spec_tokens=24, spec_train_steps=30)
 
 
 def _sync(device: str) -> None:
@@ -177,20 +183,31 @@ def check_fused_ce(sz: Sizes, device: str) -> dict:
             "time_ratio_naive_over_fused": n["seconds"] / f["seconds"]}
 
 
-def _anchors(sz: Sizes, device: str) -> torch.Tensor:
+def _anchors(sz: Sizes, device: str, seq_len: int | None = None, padded: int | None = None) -> torch.Tensor:
+    """Anchors in the last 3/4 of `seq_len` positions, right-padded (loss_mask 0) to `padded`."""
     from dflash_ray.drafter.blocks import sample_anchors
 
-    mask = torch.zeros(1, sz.seq_len, dtype=torch.long)
-    mask[:, sz.seq_len // 4:] = 1
+    seq_len = seq_len or sz.seq_len
+    mask = torch.zeros(1, padded or seq_len, dtype=torch.long)
+    mask[:, seq_len // 4:seq_len] = 1
     anchors, _ = sample_anchors(mask, sz.anchors, torch.Generator().manual_seed(0))
     return anchors.to(device)
 
 
+def _graphs_and_breaks() -> tuple[int, int]:
+    """Graphs torch.compile has built in this process, and graph breaks (code it left to eager)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def check_flex_attention(sz: Sizes, device: str) -> dict:
-    from dflash_ray.drafter.blocks import dense_mask, flex_block_mask
-    from dflash_ray.drafter.model import flex_attention
+    from dflash_ray.drafter.blocks import bucket_length, dense_mask, flex_block_mask
+    from dflash_ray.drafter.model import compiled_flex_attention
 
     cuda = device.startswith("cuda")
+    flex = compiled_flex_attention()  # the CPU too: forward only
+    graphs, breaks = _graphs_and_breaks()
     dtype = torch.bfloat16 if cuda else torch.float32
     anchors = _anchors(sz, device)
     Q, KV = sz.anchors * sz.block, sz.seq_len + sz.anchors * sz.block
@@ -199,13 +216,13 @@ def check_flex_attention(sz: Sizes, device: str) -> dict:
     k0 = torch.randn(1, sz.kv_heads, KV, sz.head_dim, generator=g).to(device, dtype)
     v0 = torch.randn(1, sz.kv_heads, KV, sz.head_dim, generator=g).to(device, dtype)
     dout = torch.randn(1, sz.heads, Q, sz.head_dim, generator=g).to(device, dtype)
-    out = {"check": "flex_attention", "compiled": cuda, "queries": Q, "keys": KV, "backward": cuda}
+    out = {"check": "flex_attention", "compiled": True, "queries": Q, "keys": KV, "backward": cuda}
     ok = True
     for layer_type in (FULL, SLIDING):
         dense = dense_mask(anchors, sz.seq_len, sz.block, layer_type, sz.sliding_window)
         block = flex_block_mask(anchors, sz.seq_len, sz.block, layer_type, sz.sliding_window)
         runs = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
-                "flex": lambda q, k, v: flex_attention(q, k, v, block)}
+                "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True)}
         res = {}
         for name, attn in runs.items():
             q, k, v = (t.clone().requires_grad_(cuda) for t in (q0, k0, v0))
@@ -228,19 +245,36 @@ def check_flex_attention(sz: Sizes, device: str) -> dict:
         out[f"{tag}_time_ratio_sdpa_over_flex"] = res["sdpa"]["seconds"] / res["flex"]["seconds"]
         tol = 2e-2 if cuda else 1e-5
         ok = ok and out[f"{tag}_out_rel_err"] < tol and out.get(f"{tag}_grad_rel_err", 0.0) < 2 * tol
-    out["ok"] = ok
+    # many sequence lengths, each padded to a bucket as training pads them: one graph per bucket
+    for seq_len in sz.lengths:
+        padded = bucket_length(seq_len, sz.length_bucket)
+        anchors = _anchors(sz, device, seq_len, padded)
+        q = q0.clone().requires_grad_(cuda)
+        k, v = (torch.randn(1, sz.kv_heads, padded + Q, sz.head_dim, generator=g).to(device, dtype)
+                .requires_grad_(cuda) for _ in range(2))
+        for layer_type in (FULL, SLIDING):
+            o = flex(q, k, v, block_mask=flex_block_mask(anchors, padded, sz.block, layer_type, sz.sliding_window),
+                     enable_gqa=True)
+            if cuda:
+                o.backward(dout)
+    shapes = {bucket_length(n, sz.length_bucket) for n in sz.lengths + [sz.seq_len]}
+    per_shape = 2 if cuda else 1  # on the GPU the block mask is compiled too
+    now_graphs, now_breaks = _graphs_and_breaks()
+    out.update(lengths=len(set(sz.lengths)), length_bucket=sz.length_bucket, shapes=len(shapes),
+               compiled_graphs=now_graphs - graphs, graph_breaks=now_breaks - breaks, graphs_per_shape=per_shape)
+    out["ok"] = ok and out["compiled_graphs"] <= per_shape * len(shapes) and out["graph_breaks"] == 0
     return out
 
 
-def _dataset(folder: Path, sz: Sizes, rows: int) -> str:
+def _dataset(folder: Path, sz: Sizes, lengths: list[int], name: str = "part-0") -> str:
+    """One row per length: random tokens, the first quarter prompt (loss_mask 0)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     g = torch.Generator().manual_seed(2)
-    prompt = sz.seq_len // 4
-    table = pa.Table.from_pylist([{"input_ids": torch.randint(0, sz.vocab - 2, (sz.seq_len,), generator=g).tolist(),
-                                   "loss_mask": [0] * prompt + [1] * (sz.seq_len - prompt)} for _ in range(rows)])
-    path = folder / "part-0.parquet"
+    table = pa.Table.from_pylist([{"input_ids": torch.randint(0, sz.vocab - 2, (n,), generator=g).tolist(),
+                                   "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)} for n in lengths])
+    path = folder / f"{name}.parquet"
     pq.write_table(table, path)
     return str(path)
 
@@ -249,6 +283,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     from transformers import AutoConfig
 
     from dflash_ray.config import TrainConfig
+    from dflash_ray.drafter.blocks import bucket_length
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.export import to_hf_config
     from dflash_ray.plan import train_flops_per_token
@@ -265,13 +300,14 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     built = time.perf_counter() - started
     cfg = TrainConfig(actor_gpus=1 if cuda else 0, num_anchors=sz.anchors, num_layers=sz.drafter_layers,
                       layer_types=sz.layer_types, sliding_window=sz.sliding_window, target_layer_ids=sz.layer_ids,
-                      init="random", colocate=True, torch_threads=torch.get_num_threads())
+                      init="random", colocate=True, torch_threads=torch.get_num_threads(),
+                      length_bucket=sz.length_bucket)
     dcfg = from_target(AutoConfig.from_pretrained(target), mask_token_id=sz.vocab - 1, num_layers=sz.drafter_layers,
                        target_layer_ids=sz.layer_ids, layer_types=sz.layer_types, sliding_window=sz.sliding_window)
     worker = ColocatedWorker(target, sz.layer_ids, json.dumps(to_hf_config(dcfg, torch.bfloat16)), "random", cfg, 0, 1)
     total = sz.warmup + sz.steps
     worker.set_total_steps(total)
-    data = _dataset(tmp, sz, 2)
+    data = _dataset(tmp, sz, [sz.seq_len] * 2)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     stats, walls = [], []
@@ -286,13 +322,30 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     def mean(key):
         return sum(s[key] for s in timed) / len(timed)
 
+    # steps over sequences of many lengths: the attention shapes they meet, the graphs compiled for them
+    varied = _dataset(tmp, sz, sz.lengths, name="varied")
+    shapes = set()  # (context length, query count) as each attention layer receives them
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a: shapes.add((a[1].shape[1], a[0].shape[1])))
+             for layer in worker.drafter.layers]
+    graphs, breaks = _graphs_and_breaks()
+    for i in range(len(sz.lengths)):
+        worker.train_samples(total + i, [(varied, i)])
+    now_graphs, now_breaks = _graphs_and_breaks()
+    for hook in hooks:
+        hook.remove()
+    buckets = {bucket_length(n, sz.length_bucket) for n in sz.lengths}
+    shape_stats = {"lengths": len(set(sz.lengths)), "length_bucket": sz.length_bucket, "buckets": len(buckets),
+                   "attention_shapes": len(shapes), "compiled_graphs": now_graphs - graphs,
+                   "graph_breaks": now_breaks - breaks}
+    shapes_ok = len(shapes) <= len(buckets) and now_breaks == breaks and now_graphs - graphs <= 2 * len(buckets)
+
     # with distillation the target also runs its last layers and its head over the response positions
     # and sends its top-32: the same worker, its settings switched (a frozen config, replaced whole)
     import dataclasses
 
     worker.cfg = worker.target.cfg = dataclasses.replace(cfg, distill=0.5, distill_top_k=32)
     distilled = []
-    for step in range(total, total + 1 + sz.warmup):
+    for step in range(total + len(sz.lengths), total + len(sz.lengths) + 1 + sz.warmup):
         distilled.append(worker.train_samples(step, [(data, step % 2)]))
     distilled = distilled[1:]
 
@@ -313,7 +366,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     flops = train_flops_per_token(target_params, drafter_params, head_params, kept * sz.block / sz.seq_len) * sz.seq_len
     losses = [s["loss"] for s in stats]
     finite = all(map(torch.isfinite, torch.tensor(losses + [s["loss"] for s in distilled])))
-    return {"check": "train_step", "ok": finite and timed[-1]["grad_norm"] > 0,
+    return {"check": "train_step", "ok": finite and timed[-1]["grad_norm"] > 0 and shapes_ok, **shape_stats,
             "device": place.device, "dtype": str(place.dtype).removeprefix("torch."), "attention": place.attention,
             "seq_len": sz.seq_len, "anchors": sz.anchors, "drafter_layers": sz.drafter_layers,
             "target_params_run": target_params, "drafter_params": drafter_params, "head_params": head_params,

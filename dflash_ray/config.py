@@ -166,6 +166,8 @@ class TrainConfig:
     seed: int = 0
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU actors, fp32 on CPU ones
     attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: compiled flex on GPU, the dense SDPA mask on CPU
+    length_bucket: int = 512  # the drafter pads each batch's context to a multiple of this (the target runs
+    # unpadded), so compiled attention meets at most max_seq_len / length_bucket shapes: one graph each
     # drafter architecture
     num_layers: int = 1
     num_heads: int | None = None  # drafter attention shape; None: the target's
@@ -299,6 +301,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "evaluate.temperature": _at_least(0), "evaluate.top_p": _within(0, 1, low_open=True),
     "train.num_streams": _at_least(1), "train.batch_size": _at_least(1), "train.epochs": _at_least(1),
     "train.max_steps": _at_least(0), "train.num_anchors": _at_least(1), "train.lr": _above(0),
+    "train.length_bucket": _at_least(1),
     "train.weight_decay": _at_least(0), "train.warmup_ratio": _within(0, 1, high_open=True),
     "train.clip": _above(0), "train.num_layers": _at_least(1), "train.block_size": _at_least(2),
     "train.sliding_window": _at_least(1), "train.loss_decay": _above(0), "train.num_target_features": _at_least(1),

@@ -21,3 +21,6 @@ def test_gpu_check_runs_every_check_on_cpu_tiny():
     assert checks["train_step"]["tokens_per_s"] > 0 and checks["train_step"]["attention"] == "sdpa"
     assert checks["speculative"]["equal_outputs"] == checks["speculative"]["prompts"]
     assert checks["fused_ce"]["loss_rel_err"] < 1e-5
+    flex, train = checks["flex_attention"], checks["train_step"]
+    assert flex["lengths"] == 10 and flex["compiled_graphs"] == flex["shapes"] == 2 and flex["graph_breaks"] == 0
+    assert train["lengths"] == 10 and train["attention_shapes"] == train["buckets"] == 2

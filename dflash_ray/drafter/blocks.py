@@ -7,13 +7,17 @@ excluded. A query of block j sees context positions strictly before a_j, its own
 other block: bidirectional within the block for full-attention layers, causal for sliding ones
 (which also see only the last `sliding_window` positions, of the context and the block alike).
 
-Anchor slots are fixed in number (`num_anchors`), with a keep mask, so shapes never change and a
-compiled attention never recompiles. A slot that is not kept attends to its own block only and
-carries zero loss weight.
+Shapes reaching a compiled attention are bounded, not constant: anchor slots are fixed in number
+(`num_anchors`), with a keep mask, so the query count never changes, and training pads the context to
+a multiple of `train.length_bucket` (`bucket_length`), so the key count takes one value per bucket. A
+slot that is not kept attends to its own block only and carries zero loss weight. Padded context
+positions carry loss_mask 0, so they are never anchors, labels or visible context (every anchor lies
+before them): the loss is that of the unpadded batch.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,19 +108,31 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
                   soft_ids=soft_ids, soft_probs=soft_probs)
 
 
-def _visible(q_idx, kv_idx, anchors_b, seq_len: int, block_size: int, layer_type: str, window: int):
-    """The mask rule, written once for the dense mask and flex attention's mask_mod alike."""
+def bucket_length(seq_len: int, bucket: int) -> int:
+    """The context length a batch of `seq_len` positions is padded to: the next multiple of `bucket`."""
+    return -(-seq_len // bucket) * bucket
+
+
+def _window_and_lookahead(layer_type: str, seq_len: int, block_size: int, sliding_window: int) -> tuple[int, int]:
+    """A layer type as two numbers: how far back a query sees (context and block alike) and how far
+    ahead inside its block (0: causal; block_size - 1: bidirectional)."""
+    if layer_type == SLIDING:
+        return sliding_window, 0
+    return seq_len + block_size, block_size - 1  # farther than any key
+
+
+def _visible(q_idx, kv_idx, anchors_b, seq_len: int, block_size: int, window, lookahead):
+    """The mask rule, written once for the dense mask and flex attention's mask_mod alike. `window`
+    and `lookahead` are numbers (not a layer-type string) so that flex attention, given them as
+    tensors, compiles one graph for every layer type of a shape."""
     j = q_idx // block_size
     k = q_idx % block_size
     a = anchors_b[j]
     is_ctx = kv_idx < seq_len
     kv_block = (kv_idx - seq_len) // block_size
     kv_k = (kv_idx - seq_len) % block_size
-    ctx_ok = kv_idx < a
-    block_ok = kv_block == j
-    if layer_type == SLIDING:
-        ctx_ok = ctx_ok & (a + k - kv_idx < window)
-        block_ok = block_ok & (kv_k <= k) & (k - kv_k < window)
+    ctx_ok = (kv_idx < a) & (a + k - kv_idx < window)
+    block_ok = (kv_block == j) & (kv_k - k <= lookahead) & (k - kv_k < window)
     return (is_ctx & ctx_ok) | (~is_ctx & block_ok)
 
 
@@ -127,20 +143,34 @@ def dense_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type:
     Q = A * block_size
     q_idx = torch.arange(Q, device=anchors.device)[:, None]
     kv_idx = torch.arange(seq_len + Q, device=anchors.device)[None, :]
-    masks = [_visible(q_idx, kv_idx, anchors[b], seq_len, block_size, layer_type, sliding_window)
-             for b in range(B)]
+    rule = _window_and_lookahead(layer_type, seq_len, block_size, sliding_window)
+    masks = [_visible(q_idx, kv_idx, anchors[b], seq_len, block_size, *rule) for b in range(B)]
     return torch.stack(masks)[:, None]
 
 
 def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL,
                     sliding_window: int = 2048):
-    """The same rule as a flex_attention BlockMask (never materializes the dense mask on GPU)."""
+    """The same rule as a flex_attention BlockMask (never materializes the dense mask on GPU). Built
+    by a compiled `create_block_mask` on the GPU (one graph per shape, as for the attention); eagerly
+    on the CPU, where inductor fails to compile it (torch 2.13)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, A = anchors.shape
     Q = A * block_size
+    window, lookahead = (torch.tensor(x, device=anchors.device)
+                         for x in _window_and_lookahead(layer_type, seq_len, block_size, sliding_window))
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return _visible(q_idx, kv_idx, anchors[b], seq_len, block_size, layer_type, sliding_window)
+        return _visible(q_idx, kv_idx, anchors[b], seq_len, block_size, window, lookahead)
 
-    return create_block_mask(mask_mod, B, None, Q, seq_len + Q, device=str(anchors.device))
+    create = compiled_create_block_mask() if anchors.is_cuda else create_block_mask
+    return create(mask_mod, B, None, Q, seq_len + Q, device=str(anchors.device))
+
+
+@functools.cache
+def compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_ray.drafter.model import compile_static
+
+    return compile_static(create_block_mask)

@@ -12,6 +12,7 @@ Parameter names match the `DFlashDraftModel` checkpoint format that vLLM and SGL
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -79,20 +80,39 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
-_COMPILED_FLEX = None
+MAX_SHAPES = 64  # graphs one compiled function may hold; bucketed lengths keep a run well below
+
+
+def compile_static(fn):
+    """`fn` compiled for static shapes: one graph per distinct input shape, which callers keep few
+    (training pads the context to `train.length_bucket` multiples and keeps the anchor count fixed).
+    Past MAX_SHAPES shapes it raises instead of falling back to eager, where flex attention
+    materializes the whole score matrix (an out-of-memory error at scale)."""
+    compiled = torch.compile(fn, dynamic=False)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=MAX_SHAPES, fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+@functools.cache
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention as eager
+
+    return compile_static(eager)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
     """Flex attention, compiled on CUDA (uncompiled it materializes the scores and is slow); the CPU
-    runs it eagerly, forward only (its backward is not implemented there)."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention as eager
-
+    runs it eagerly, since compiled flex attention has no backward there (forward only: torch 2.13)."""
     if not q.is_cuda:
+        from torch.nn.attention.flex_attention import flex_attention as eager
+
         return eager(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(eager, dynamic=False)
-    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 class MLP(nn.Module):

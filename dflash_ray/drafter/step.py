@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ray.drafter.blocks import Blocks, dense_mask, flex_block_mask, make_blocks, sample_anchors
+from dflash_ray.drafter.blocks import (Blocks, bucket_length, dense_mask, flex_block_mask, make_blocks,
+                                      sample_anchors)
 from dflash_ray.drafter.loss import LossOutput, acceptance_lengths, dflash_loss
 from dflash_ray.drafter.model import DFlashDrafter
 
@@ -25,14 +26,29 @@ def attention_masks(drafter: DFlashDrafter, anchors: torch.Tensor, seq_len: int,
     return {t: build(anchors, seq_len, cfg.block_size, t, cfg.sliding_window) for t in set(cfg.layer_types)}
 
 
+def pad_positions(length: int, *tensors_BS: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor [B, S, ...] right-padded with zeros to `length` positions."""
+    out = []
+    for t in tensors_BS:
+        pad = [0, 0] * (t.dim() - 2) + [0, length - t.shape[1]]
+        out.append(F.pad(t, pad))
+    return out
+
+
 def forward_loss(drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
                  input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
                  generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
                  gamma: float | None = None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 distill: float = 0.0) -> StepOutput:
+                 distill: float = 0.0, length_bucket: int = 1) -> StepOutput:
     """`teacher`: the target's top-k next-token ids and probabilities [B, S, k] (`target_outputs`);
-    `distill`: the share of each position's target they carry (the label carries the rest)."""
+    `distill`: the share of each position's target they carry (the label carries the rest);
+    `length_bucket`: the context is padded to a multiple of it (loss_mask 0 there, so the loss and
+    the anchors drawn are those of the unpadded batch) to bound the shapes attention sees."""
     cfg = drafter.cfg
+    padded = bucket_length(input_ids_BS.shape[1], length_bucket)
+    if padded > input_ids_BS.shape[1]:
+        features_BSF, input_ids_BS, loss_mask_BS = pad_positions(padded, features_BSF, input_ids_BS, loss_mask_BS)
+        teacher = tuple(pad_positions(padded, *teacher)) if teacher is not None else None
     anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
     blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id,
                          block_size=cfg.block_size, gamma=gamma, teacher=teacher, distill=distill)

@@ -167,7 +167,7 @@ class DrafterWorker:
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
                                num_anchors=self.cfg.num_anchors, generator=self.generator,
                                attention=self.place.attention, gamma=self.cfg.loss_decay, teacher=teacher,
-                               distill=self.cfg.distill)
+                               distill=self.cfg.distill, length_bucket=self.cfg.length_bucket)
         params = list(self.drafter.parameters())
         self.opt.zero_grad(set_to_none=False)
         weight = out.loss.weight_sum.detach().float()
