@@ -33,11 +33,12 @@ def main() -> None:
     import torch
     from bench.side_by_side import train_side_by_side
     from dflash_ray import storage
-    from dflash_ray.demo import demo_config
+    from dflash_ray.stages.demo import demo_config
     from dflash_ray.drafter.export import save_drafter
-    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.stages.evaluate import run_evaluate
     from dflash_ray.registry import SMOLLM2
-    from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config, drafter_init
+    from dflash_ray.drafter.shape import drafter_config, drafter_init
+    from dflash_ray.train.schedule import Schedule, dataset_samples
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     # the demo's settings; the target worker sends its top-k whenever any variant distills

@@ -36,8 +36,8 @@ def main() -> None:
     import ray
 
     from dflash_ray.config import load_config
-    from dflash_ray.data.prompts import run_prompts
-    from dflash_ray.demo import bundled_inputs
+    from dflash_ray.stages.prompts import run_prompts
+    from dflash_ray.stages.demo import bundled_inputs
     from dflash_ray.registry import SMOLLM2
 
     work = tempfile.mkdtemp(prefix="bench-generate-")

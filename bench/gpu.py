@@ -286,7 +286,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     from dflash_ray.drafter.blocks import bucket_length
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.export import to_hf_config
-    from dflash_ray.plan import train_flops_per_token
+    from dflash_ray.stages.plan import train_flops_per_token
     from dflash_ray.tiny_models import tiny_qwen3
     from dflash_ray.train.workers import ColocatedWorker
 

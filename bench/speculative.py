@@ -26,12 +26,12 @@ def main() -> None:
     from transformers import AutoConfig
 
     from dflash_ray.config import load_config
-    from dflash_ray.data.prompts import run_prompts
-    from dflash_ray.demo import bundled_inputs
+    from dflash_ray.stages.prompts import run_prompts
+    from dflash_ray.stages.demo import bundled_inputs
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.export import save_drafter
     from dflash_ray.drafter.model import DFlashDrafter
-    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.stages.evaluate import run_evaluate
     from dflash_ray.registry import SMOLLM2, resolve
 
     work = tempfile.mkdtemp(prefix="bench-spec-")

@@ -27,7 +27,8 @@ def main() -> None:
     from bench.side_by_side import train_side_by_side
     from dflash_ray.config import load_config
     from dflash_ray.registry import SMOLLM2
-    from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config, sample_prompts, split_heldout
+    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     # the demo's training settings, with both streams' samples in one batch

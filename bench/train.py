@@ -37,7 +37,7 @@ def _data(folder: str, n: int, seq_len: int) -> None:
 
 def _stream(target: str, data: str, out: str, settings: list[str]) -> dict:
     from dflash_ray.config import load_config
-    from dflash_ray.train.coordinator import run_train
+    from dflash_ray.stages.train import run_train
 
     cfg = load_config(None, settings)
     run_train(target, data, out, cfg, progress=False)
@@ -53,7 +53,8 @@ def _fused(target: str, data: str, settings: list[str], steps: int) -> float:
     import torch
 
     from dflash_ray.config import load_config
-    from dflash_ray.train.coordinator import Schedule, dataset_samples, drafter_config, drafter_init
+    from dflash_ray.drafter.shape import drafter_config, drafter_init
+    from dflash_ray.train.schedule import Schedule, dataset_samples
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     cfg = load_config(None, settings)

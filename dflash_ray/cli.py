@@ -18,7 +18,7 @@ from dflash_ray.errors import DFlashError, GateFailed
 
 def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     """`prompts`, and `responses` (the same stage, keeping each record's last answer)."""
-    from dflash_ray.data.prompts import run_prompts
+    from dflash_ray.stages.prompts import run_prompts
 
     return run_prompts(args.input or [], args.output, cfg, progress=not args.json,
                        responses=args.command == "responses")
@@ -79,7 +79,7 @@ def _cmd_tokenize(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _cmd_validate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.data.validate import run_validate
+    from dflash_ray.stages.validate import run_validate
 
     report = run_validate(args.input, cfg, report_dir=args.report, tokenizer_name=args.tokenizer)
     summary = {k: report[k] for k in ("stage", "input", "tokenizer", "passed", "failed_rules", "rules")}
@@ -92,13 +92,13 @@ def _cmd_validate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _cmd_export(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.drafter.export import export_checkpoint
+    from dflash_ray.stages.export import run_export
 
-    return export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
+    return run_export(args.checkpoint, args.out_dir, dtype=args.dtype)
 
 
 def _cmd_evaluate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.stages.evaluate import run_evaluate
 
     return run_evaluate(args.drafter, args.target, args.prompts, cfg, heldout_uri=args.heldout, engine=args.engine,
                         tokenizer_name=args.tokenizer)
@@ -107,7 +107,7 @@ def _cmd_evaluate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray import storage
     from dflash_ray.train import checkpoint
-    from dflash_ray.train.coordinator import run_train
+    from dflash_ray.stages.train import run_train
 
     if not args.resume and checkpoint.complete_steps(args.output):
         raise DFlashError("holds checkpoints of an earlier run: pass --resume to continue it, or choose "
@@ -117,7 +117,7 @@ def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.demo import demo_config, run_demo
+    from dflash_ray.stages.demo import demo_config, run_demo
 
     return run_demo(args.workdir, demo_config(args.config, args.overrides), progress=not args.json)
 
@@ -125,7 +125,7 @@ def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 def _cmd_pipeline(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     import dataclasses
 
-    from dflash_ray.pipeline import run_pipeline
+    from dflash_ray.stages.pipeline import run_pipeline
 
     changes = {k: v for k, v in (("workdir", args.workdir), ("target", args.target)) if v}
     if args.input:
@@ -137,7 +137,7 @@ def _cmd_pipeline(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 def _cmd_plan(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     import dataclasses
 
-    from dflash_ray.plan import run_plan
+    from dflash_ray.stages.plan import run_plan
 
     if args.cluster:
         cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, cluster=args.cluster))

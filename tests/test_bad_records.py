@@ -12,7 +12,7 @@ import pytest
 
 from dflash_ray import cli, manifest, storage
 from dflash_ray.config import load_config
-from dflash_ray.data.prompts import run_prompts
+from dflash_ray.stages.prompts import run_prompts
 from dflash_ray.errors import DFlashError
 
 NO_BUDGET = load_config(None, ["prompts.max_prompt_tokens=0"])
@@ -270,7 +270,7 @@ def test_gate_fails_the_seed_dataset_in_any_layout(seed_layouts, layout, capsys,
 @pytest.mark.parametrize("layout", ["file", "folder", "hf"])
 def test_train_reads_every_layout(seed_layouts, layout):
     from dflash_ray.data.tokenized import read_table
-    from dflash_ray.train.coordinator import dataset_samples
+    from dflash_ray.train.schedule import dataset_samples
 
     samples = dataset_samples(seed_layouts[layout])
     assert len(samples) == 100 and len(set(samples)) == 100

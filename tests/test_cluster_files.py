@@ -151,3 +151,20 @@ def test_pins_reads_the_pins_the_makefile_installs():
     done = subprocess.run([sys.executable, "tools/pins.py", "no-deps"], cwd=ROOT, capture_output=True, text=True,
                           check=True)
     assert done.stdout.split() == _project()["tool"]["dflash-ray"]["no-deps"]
+
+
+def test_every_cli_stage_has_its_driver_in_stages_and_none_lives_elsewhere():
+    """The layout: one driver per command in `dflash_ray/stages/` (the generation's controls in
+    `generate.py`, `responses` in `prompts.py`); no `run_*` driver anywhere else in the package."""
+    import re
+
+    from dflash_ray.cli import _parser
+
+    commands = set(_parser()._subparsers._group_actions[0].choices)
+    home = {"scale": "generate", "pause": "generate", "resume": "generate", "status": "generate",
+            "responses": "prompts"}
+    stages = {p.stem for p in (ROOT / "dflash_ray" / "stages").glob("*.py") if p.stem != "__init__"}
+    assert {home.get(c, c) for c in commands} <= stages, {home.get(c, c) for c in commands} - stages
+    outside = [f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "dflash_ray").rglob("*.py") if "stages" not in p.parts
+               for m in re.findall(r"^def (run_\w+)\(", p.read_text(), re.M)]
+    assert not outside, outside

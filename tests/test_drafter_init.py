@@ -62,7 +62,7 @@ def test_a_llama_target_keeps_unit_qk_norms(tmp_path):
 
 
 def test_auto_copies_only_layers_the_drafter_can_hold_and_forcing_it_fails_before_training(tiny_qwen3_dir, tiny_qwen35_dir):
-    from dflash_ray.train.coordinator import run_train
+    from dflash_ray.stages.train import run_train
 
     qwen3, hybrid = AutoConfig.from_pretrained(tiny_qwen3_dir), AutoConfig.from_pretrained(tiny_qwen35_dir)
     assert init_mode(qwen3, "auto") == "target" and init_mode(qwen3, "random") == "random"

@@ -115,7 +115,7 @@ def test_zero_generators_is_refused_before_anything_starts(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def few_prompts(tmp_path_factory):
-    from dflash_ray.data.prompts import run_prompts
+    from dflash_ray.stages.prompts import run_prompts
 
     tmp = tmp_path_factory.mktemp("prompts")
     raw = tmp / "raw.jsonl"

@@ -6,7 +6,7 @@ import torch
 
 from dflash_ray.cli import main
 from dflash_ray.config import load_config
-from dflash_ray.data.prompts import run_prompts
+from dflash_ray.stages.prompts import run_prompts
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.export import load_drafter, save_drafter
 from dflash_ray.drafter.model import DFlashDrafter

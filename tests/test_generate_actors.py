@@ -19,8 +19,8 @@ NAME = "gen-test"
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory, ray_cluster):
-    from dflash_ray.data.prompts import run_prompts
-    from dflash_ray.demo import bundled_inputs
+    from dflash_ray.stages.prompts import run_prompts
+    from dflash_ray.stages.demo import bundled_inputs
 
     out = str(tmp_path_factory.mktemp("prompts"))
     run_prompts(bundled_inputs(small=True), out, load_config(None, [f"prompts.tokenizer={SMOLLM2}"]), progress=False)

@@ -21,7 +21,7 @@ import yaml
 from dflash_ray import manifest
 from dflash_ray.config import SourceConfig, load_config
 from dflash_ray.data import hub, mix
-from dflash_ray.data.prompts import run_prompts
+from dflash_ray.stages.prompts import run_prompts
 from dflash_ray.errors import DFlashError
 
 ROOT = Path(__file__).resolve().parent.parent

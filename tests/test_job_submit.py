@@ -159,7 +159,7 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
     where each actor ran: generators on the generation node only (even after a second one is added
     mid-run), stream actors on the training node only, the coordinator on the head. Every metric
     the Grafana dashboard plots is in the nodes' export with the labels its queries filter on."""
-    from dflash_ray.demo import bundled_inputs
+    from dflash_ray.stages.demo import bundled_inputs
 
     address, env, metrics = cluster
     scraper = Scraper(list(metrics.values()))

@@ -114,8 +114,8 @@ def test_evaluation_measures_a_conversation_on_its_first_turn(tmp_path):
     import pyarrow.parquet as pq
 
     from dflash_ray import manifest
-    from dflash_ray.data.prompts import shard_bytes
-    from dflash_ray.evaluate import _prompt_rows
+    from dflash_ray.stages.prompts import shard_bytes
+    from dflash_ray.stages.evaluate import _prompt_rows
 
     new, old = tmp_path / "new", tmp_path / "old"
     rows = [p.row("chat") for p in normalize(CONVERSATION) + normalize({"messages": [

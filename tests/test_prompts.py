@@ -10,7 +10,7 @@ import pytest
 from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
 from dflash_ray.data.formats import BadRecord, normalize
-from dflash_ray.data.prompts import run_prompts
+from dflash_ray.stages.prompts import run_prompts
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 GOOD = [

@@ -74,7 +74,7 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, 
                                                                      qwen3_tokenizer):
     import shutil
 
-    from dflash_ray.pipeline import run_pipeline
+    from dflash_ray.stages.pipeline import run_pipeline
 
     target = tmp_path / "target"  # the tiny model with a real tokenizer beside it, as a target has
     shutil.copytree(tiny_qwen3_dir, target)

@@ -11,7 +11,7 @@ from dflash_ray import storage
 from dflash_ray.config import load_config
 from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint
-from dflash_ray.train.coordinator import run_train
+from dflash_ray.stages.train import run_train
 from test_train import SETTINGS, _final_weights, data, target  # noqa: F401  (module fixtures: tiny target, 16 samples)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_ray import manifest, storage
 from dflash_ray.config import SelfPromptConfig, load_config
-from dflash_ray.data.prompts import run_prompts
+from dflash_ray.stages.prompts import run_prompts
 from dflash_ray.errors import DFlashError
 from dflash_ray.generation.selfprompt import select, user_turn_opening
 

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
-from dflash_ray.data.validate import run_validate
+from dflash_ray.stages.validate import run_validate
 from dflash_ray.stages.tokenize import run_tokenize
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()

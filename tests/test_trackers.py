@@ -113,7 +113,7 @@ def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target
     """TensorBoard and W&B (offline) on a run trained in two slices, with held-out evaluations:
     every numeric field of metrics.jsonl, at its step, once."""
     from dflash_ray.config import load_config
-    from dflash_ray.train.coordinator import run_train
+    from dflash_ray.stages.train import run_train
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # passed to the coordinator by the driver
     monkeypatch.setenv("WANDB_PROJECT", "dflash-test")

@@ -14,7 +14,8 @@ from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
 from dflash_ray.tiny_models import tiny_qwen3
 from dflash_ray.train import checkpoint
-from dflash_ray.train.coordinator import drafter_config, run_train
+from dflash_ray.drafter.shape import drafter_config
+from dflash_ray.stages.train import run_train
 from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
 SETTINGS = ["train.actor_cpus=0.5", "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
@@ -298,7 +299,7 @@ def test_distillation_sends_the_targets_top_k_and_trains_on_it(target, data):
 
 
 def test_heldout_takes_whole_prompts(data):
-    from dflash_ray.train.coordinator import dataset_samples, sample_prompts, split_heldout
+    from dflash_ray.train.schedule import dataset_samples, sample_prompts, split_heldout
 
     samples = dataset_samples(data)
     assert sample_prompts(samples) == [f"s{i}" for i in range(16)]

@@ -1,4 +1,4 @@
-"""`dflash-ray validate`: loss-mask statistics over a tokenized dataset, and a gate.
+"""Loss-mask statistics over a tokenized dataset, the gate's rules and the report (`stages/validate.py` runs them).
 
 The seed project trained for days on data where 87% of samples had a loss-mask sum of exactly 6
 (`<think>\\n\\n</think>\\n\\nOK.<|im_end|>`); nobody had decoded a sample. This stage streams over
@@ -11,7 +11,6 @@ any tokenized dataset, this project's or another's (see `dflash_ray.data.tokeniz
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_ray import storage
-from dflash_ray.config import GateConfig, RunConfig
-from dflash_ray.data.tokenized import TokenizedData, iter_batches, open_tokenized, read_table
+from dflash_ray.config import GateConfig
+from dflash_ray.data.tokenized import TokenizedData, iter_batches, read_table
 from dflash_ray.errors import DFlashError
 
 TOP_VALUES = 5
@@ -68,7 +67,7 @@ def _empty_thinking(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, thin
     return count
 
 
-def _scan(data: TokenizedData, tokenizer) -> _Scan:
+def scan(data: TokenizedData, tokenizer) -> _Scan:
     think = tokenizer.convert_tokens_to_ids("<think>") if "<think>" in tokenizer.get_vocab() else -1
     think_end = tokenizer.convert_tokens_to_ids("</think>") if think >= 0 else -1
     blank = {i for t, i in tokenizer.get_vocab().items()
@@ -109,7 +108,7 @@ def _scan(data: TokenizedData, tokenizer) -> _Scan:
                  empty, sources, source_loss, locations)
 
 
-def _distribution(values: np.ndarray) -> dict[str, float]:
+def distribution(values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {"mean": 0.0, "median": 0.0, "p10": 0.0, "p90": 0.0, "min": 0, "max": 0}
     p10, median, p90 = np.percentile(values, [10, 50, 90])
@@ -144,7 +143,7 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
     return out
 
 
-def _examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[dict[str, Any]]:
+def examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[dict[str, Any]]:
     """Decode the samples at global row indices (prompt tail and response); a dataset without
     ids names a sample by its file and row."""
     wanted = sorted(set(indices))
@@ -165,7 +164,7 @@ def _examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[
     return [out[i] for i in indices if i in out]
 
 
-def _histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
+def histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
     from dflash_ray.plots import COLOR, png_figure
 
     with png_figure() as (_, (ax,), buf):
@@ -185,7 +184,7 @@ def _human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _markdown(report: dict[str, Any]) -> str:
+def markdown(report: dict[str, Any]) -> str:
     s, lm = report["stats"], report["stats"]["loss_mask_sum"]
     lines = [f"# Validation report: {report['input']}", "",
              f"**Gate: {'PASSED' if report['passed'] else 'FAILED'}**", ""]
@@ -214,56 +213,3 @@ def _markdown(report: dict[str, Any]) -> str:
                       "", "```", ex["response"], "```"]
     lines += ["", "![loss-mask sums](loss_mask_sum.png)", "", "![seq_len](seq_len.png)", ""]
     return "\n".join(lines)
-
-
-def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = None,
-                 tokenizer_name: str | None = None) -> dict[str, Any]:
-    """Compute the report, write it (when `report_dir`), and return it; the caller enforces the gate."""
-    from dflash_ray.registry import load_tokenizer
-
-    vcfg = cfg.validate
-    data = open_tokenized(input_uri)
-    made_by = data.made_by or {}
-    tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") \
-        or cfg.tokenize.tokenizer
-    tokenizer = load_tokenizer(tokenizer_name)
-    scan = _scan(data, tokenizer)
-    n = int(scan.loss_sums.size)
-    if n == 0:
-        raise DFlashError("the dataset holds no samples", file=input_uri)
-    values, counts = np.unique(scan.loss_sums, return_counts=True)
-    order = np.argsort(-counts, kind="stable")[:TOP_VALUES]
-    tokens, loss_tokens = int(scan.seq_lens.sum()), int(scan.loss_sums.sum())
-    stats = {
-        "samples": n, "tokens": tokens, "loss_tokens": loss_tokens,
-        "response_fraction": loss_tokens / max(tokens, 1),
-        "loss_mask_sum": {**_distribution(scan.loss_sums), "most_common": [
-            {"value": int(values[i]), "count": int(counts[i]), "share": float(counts[i] / n)} for i in order]},
-        "seq_len": _distribution(scan.seq_lens),
-        "no_loss_share": float((scan.loss_sums == 0).mean()),
-        "empty_thinking_share": (scan.empty_thinking / n) if "<think>" in tokenizer.get_vocab() else None,
-        "offline_storage_bytes": vcfg.num_feature_layers * vcfg.hidden_size * 2 * tokens,
-        "sources": {src: {"samples": int(c), "median_response": float(np.median(np.concatenate(scan.source_loss[src])))}
-                    for src, c in scan.sources.most_common()},
-    }
-    rules = gate_rules(stats, vcfg.gate)
-    rng = np.random.default_rng(vcfg.seed)
-    mode = int(values[order[0]])
-    dominant = np.flatnonzero(scan.loss_sums == mode)[: vcfg.num_examples].tolist()
-    random_rows = sorted(rng.choice(n, size=min(n, vcfg.num_examples), replace=False).tolist())
-    report = {
-        "stage": "validate", "input": input_uri, "tokenizer": tokenizer_name,
-        "passed": all(r["passed"] for r in rules), "failed_rules": [r["rule"] for r in rules if not r["passed"]],
-        "rules": rules, "stats": stats,
-        "dominant_examples": _examples(scan, dominant, tokenizer, "id" in data.columns),
-        "random_examples": _examples(scan, random_rows, tokenizer, "id" in data.columns),
-    }
-    if report_dir:
-        storage.write_text(storage.join(report_dir, "report.json"), json.dumps(report, indent=1))
-        storage.write_text(storage.join(report_dir, "report.md"), _markdown(report))
-        storage.write_bytes(storage.join(report_dir, "loss_mask_sum.png"), _histogram_png(
-            scan.loss_sums, "Response tokens per sample (loss-mask sum)", "loss-mask sum"))
-        storage.write_bytes(storage.join(report_dir, "seq_len.png"), _histogram_png(
-            scan.seq_lens, "Sequence length", "tokens"))
-        report["report_dir"] = report_dir
-    return report

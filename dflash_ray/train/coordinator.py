@@ -1,4 +1,4 @@
-"""`dflash-ray train`: the coordinator drives N target→drafter streams.
+"""The training coordinator (a Ray actor that `stages/train.py` starts): it drives N target→drafter streams.
 
 The coordinator owns the run: a deterministic, seeded sample order per epoch, split over the
 streams; each stream's target computes the features of step t+1 while its drafter trains on step
@@ -17,7 +17,6 @@ that dies is replaced: every actor restarts from the last checkpoint, up to `max
 
 from __future__ import annotations
 
-import collections
 import json
 import socket
 import time
@@ -28,144 +27,9 @@ from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint
-from dflash_ray.train.devices import placement
-from dflash_ray.train.trackers import Trackers, check_installed, driver_env
+from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
+from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
-
-
-def drafter_config(target: str, cfg: RunConfig) -> dict:
-    from transformers import AutoConfig
-
-    from dflash_ray.drafter.config import from_target
-    from dflash_ray.drafter.export import to_hf_config
-    from dflash_ray.registry import config_dir
-
-    tcfg = cfg.train
-    target_cfg = AutoConfig.from_pretrained(config_dir(target))
-    text = getattr(target_cfg, "text_config", None) or target_cfg
-    special = tuple(t for t in (getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None),
-                                getattr(text, "pad_token_id", None)) if isinstance(t, int))
-    mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else next(
-        i for i in range(text.vocab_size - 1, -1, -1) if i not in special)
-    try:
-        dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
-                           num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
-                           layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
-                           block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
-                           num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
-                           intermediate_size=tcfg.intermediate_size)
-    except ValueError as e:  # a drafter shape the target cannot have
-        raise DFlashError(str(e), field="train") from None
-    return to_hf_config(dcfg, planned_placement(cfg).dtype)
-
-
-def check_mask_row(target: str, drafter_cfg: dict) -> None:
-    """Every mask query starts from the mask token's embedding row: a zero (untrained, padding) row
-    makes them all the same after the norm. Refused when its norm is near zero against the table's."""
-    import torch
-
-    from dflash_ray.registry import resolve
-    from dflash_ray.target.capture import embedding_rows
-
-    mask_id = drafter_cfg["dflash_config"]["mask_token_id"]
-    vocab = drafter_cfg["vocab_size"]
-    sample = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:256].tolist()
-    norms = embedding_rows(resolve(target), [mask_id] + sample).norm(dim=-1)
-    typical = float(norms[1:].median())
-    if float(norms[0]) < 0.05 * typical:
-        raise DFlashError(f"the embedding row of mask token {mask_id} has norm {float(norms[0]):.3g} against a "
-                          f"typical {typical:.3g}: an untrained row; choose a trained token",
-                          field="train.mask_token_id")
-
-
-def planned_placement(cfg: RunConfig):
-    """The placement the stream actors will choose, checked on the driver (which may hold no GPU)."""
-    tcfg = cfg.train
-    try:
-        return placement(tcfg.actor_gpus, 1 if tcfg.actor_gpus > 0 else 0, tcfg.dtype, tcfg.attention)
-    except ValueError as e:
-        raise DFlashError(str(e), field="train.attention") from None
-
-
-def drafter_init(target: str, cfg: RunConfig) -> str:
-    """How the drafter starts ("target" or "random"), checked on the driver before any actor."""
-    from transformers import AutoConfig
-
-    from dflash_ray.drafter.init import init_mode
-    from dflash_ray.registry import config_dir
-
-    try:
-        return init_mode(AutoConfig.from_pretrained(config_dir(target)), cfg.train.init)
-    except ValueError as e:
-        raise DFlashError(str(e), field="train.init") from None
-
-
-class Schedule:
-    """Which samples each stream trains on at each step: a seeded permutation per epoch."""
-
-    def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int):
-        self.samples, self.streams, self.batch, self.seed = samples, num_streams, batch_size, seed
-        self.steps_per_epoch = len(samples) // (num_streams * batch_size)
-        if self.steps_per_epoch == 0:
-            raise DFlashError(f"{len(samples)} samples are fewer than one step of {num_streams} streams "
-                              f"x {batch_size} sequences")
-        self._epoch, self._order = -1, None
-
-    def batch_for(self, step: int, stream: int) -> list[tuple[str, int]]:
-        import torch
-
-        epoch, i = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            self._order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(
-                self.seed * 7919 + epoch)).tolist()
-            self._epoch = epoch
-        start = (i * self.streams + stream) * self.batch
-        return [self.samples[j] for j in self._order[start:start + self.batch]]
-
-
-def dataset_samples(data: str) -> list[tuple[str, int]]:
-    """(file, row) of every sample of a tokenized dataset in any layout `open_tokenized` reads."""
-    from dflash_ray.data.tokenized import open_tokenized
-
-    dataset = open_tokenized(data)
-    return [(uri, r) for uri, n in zip(dataset.files, dataset.row_counts()) for r in range(n)]
-
-
-def sample_prompts(samples: list[tuple[str, int]]) -> list[str]:
-    """The prompt each sample answers (several completions of one prompt share it)."""
-    import pyarrow.parquet as pq
-
-    from dflash_ray.generation.shard import prompt_of
-
-    ids: dict[str, list] = {}
-    for uri in dict.fromkeys(uri for uri, _ in samples):
-        fs, path = storage.arrow_filesystem(uri)
-        ids[uri] = pq.read_table(path, filesystem=fs, columns=["id"]).column("id").to_pylist()
-    return [prompt_of(str(ids[uri][row])) for uri, row in samples]
-
-
-def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | None = None) -> tuple[list, list]:
-    """A seeded choice of at least `count` held-out samples, and the rest (both in dataset order).
-
-    With `prompts`, whole prompts are held out: no completion of a held-out prompt is trained on.
-    """
-    import torch
-
-    if count <= 0:
-        return [], samples
-    prompts = prompts or [str(i) for i in range(len(samples))]
-    sizes = collections.Counter(prompts)
-    unique = list(sizes)
-    chosen: set[str] = set()
-    held = 0
-    for i in torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed + 104729)).tolist():
-        if held >= count:
-            break
-        chosen.add(unique[i])
-        held += sizes[unique[i]]
-    if held >= len(samples):
-        raise DFlashError(f"{count} leaves no training sample out of {len(samples)}", field="train.heldout")
-    return ([s for s, p in zip(samples, prompts) if p in chosen], [s for s, p in zip(samples, prompts) if p not in chosen])
 
 
 def _free_port() -> int:
@@ -448,72 +312,3 @@ class Coordinator:
                 "last": self.metrics[-1] if self.metrics else None}
 
 
-def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
-    from dflash_ray.plots import COLOR, png_figure
-
-    steps = [m["step"] for m in metrics]
-    with png_figure(3, (12, 3.2)) as (_, axes, buf):
-        for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
-                                  ("loss", "simulated acceptance length", "tokens/s")):
-            ax.plot(steps, [m[key] for m in metrics], color=COLOR, label="train batches")
-            ax.set_title(title)
-            ax.set_xlabel("step")
-        held = [m for m in metrics if m.get("heldout_tau") is not None]
-        if held:
-            axes[1].plot([m["step"] for m in held], [m["heldout_tau"] for m in held], "o-", color="#c0504d",
-                         label="held-out")
-            axes[1].legend()
-    return buf.getvalue()
-
-
-def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after_step: int | None = None,
-              progress: bool = True, run_name: str | None = None) -> dict[str, Any]:
-    """Train, resuming from the newest complete checkpoint in `output` when there is one.
-    `stop_after_step` ends the run (with a checkpoint) after that step, to train in slices."""
-    import uuid
-
-    import ray
-    from tqdm import tqdm
-
-    from dflash_ray.cluster import connect
-
-    from dflash_ray.registry import pin
-
-    check_installed(cfg.train.trackers)
-    target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
-    drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
-    check_mask_row(target, drafter_cfg)
-    connect(cfg.ray)
-    run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
-                                                  resources=on_node(cfg.ray.head_resource)).remote(
-        target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
-    run_ref = coordinator.run.remote(stop_after_step)
-    bar = None
-    try:
-        while not ray.wait([run_ref], timeout=2.0)[0]:
-            state = ray.get(coordinator.progress.remote())
-            if state["total_steps"] is None:  # still planning
-                continue
-            if bar is None:
-                bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
-            bar.n = state["step"]
-            if state["last"]:
-                bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
-            bar.refresh()
-        summary = ray.get(run_ref)
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, DFlashError):  # the coordinator's own error, as it raised it
-            raise e.cause from None
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        ray.kill(coordinator)
-    metrics_uri = storage.join(output, "metrics.jsonl")
-    if storage.exists(metrics_uri):
-        metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
-        if metrics:
-            storage.write_bytes(storage.join(output, "metrics.png"), plot_metrics(metrics))
-            summary["metrics_png"] = storage.join(output, "metrics.png")
-    return summary

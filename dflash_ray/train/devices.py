@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_ray.config import RunConfig
+from dflash_ray.errors import DFlashError
+
 
 @dataclass(frozen=True, slots=True)
 class Placement:
@@ -60,3 +63,12 @@ def synchronize(device: str) -> None:
     """Wait for queued GPU work, so wall-clock timings mean what they say."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def planned_placement(cfg: RunConfig):
+    """The placement the stream actors will choose, checked on the driver (which may hold no GPU)."""
+    tcfg = cfg.train
+    try:
+        return placement(tcfg.actor_gpus, 1 if tcfg.actor_gpus > 0 else 0, tcfg.dtype, tcfg.attention)
+    except ValueError as e:
+        raise DFlashError(str(e), field="train.attention") from None

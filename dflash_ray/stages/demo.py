@@ -18,7 +18,7 @@ from typing import Any
 from dflash_ray import storage
 from dflash_ray.config import RunConfig, apply_override, config_from_dict
 from dflash_ray.errors import DFlashError
-from dflash_ray.pipeline import run_pipeline
+from dflash_ray.stages.pipeline import run_pipeline
 from dflash_ray.registry import SMOLLM2
 
 SMALL_FILES = ("demo_chats.jsonl", "demo_sharegpt.jsonl", "demo_alpaca.jsonl")  # 48 prompts, 4 bad records

@@ -26,7 +26,7 @@ def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, 
     """Keep `eval_count` prompts (a seeded choice by id) out of generation and training. `answered`:
     the rows are completions (existing responses); the kept-aside part keeps their prompt fields."""
     from dflash_ray.data import schema
-    from dflash_ray.data.prompts import shard_bytes
+    from dflash_ray.stages.prompts import shard_bytes
 
     train_schema = schema.COMPLETIONS if answered else schema.PROMPTS
     rows = manifest.read_rows(prompts, list(train_schema.names), 10**9)
@@ -45,8 +45,8 @@ def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, 
 def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """prompts → (eval prompts kept aside) → generate → tokenize → validate → train → evaluate the
     untrained and trained drafter → export, every output under `pipeline.workdir`."""
-    from dflash_ray.data.prompts import run_prompts
-    from dflash_ray.data.validate import run_validate
+    from dflash_ray.stages.prompts import run_prompts
+    from dflash_ray.stages.validate import run_validate
     from dflash_ray.stages.generate import run_generate
     from dflash_ray.stages.tokenize import run_tokenize
 
@@ -130,9 +130,10 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
 
     from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
     from dflash_ray.drafter.init import initial_drafter
-    from dflash_ray.evaluate import run_evaluate
+    from dflash_ray.stages.evaluate import run_evaluate
     from dflash_ray.registry import resolve
-    from dflash_ray.train.coordinator import drafter_config, drafter_init, run_train
+    from dflash_ray.drafter.shape import drafter_config, drafter_init
+    from dflash_ray.stages.train import run_train
 
     target = cfg.pipeline.target
     train = timed("train", run_train, target, storage.join(work, "tokenized"), storage.join(work, "train"), cfg,

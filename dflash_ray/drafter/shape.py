@@ -1,0 +1,76 @@
+"""The drafter's shape, decided in one place from the target's config and the `train` settings,
+on the driver before any actor starts: a bad setting fails here, naming its field."""
+
+from __future__ import annotations
+
+import functools
+
+from dflash_ray.config import RunConfig
+from dflash_ray.errors import DFlashError
+
+
+@functools.lru_cache(maxsize=8)
+def target_config(target: str):
+    """The target's Hugging Face config: the one read of it that every shape decision shares."""
+    from transformers import AutoConfig
+
+    from dflash_ray.registry import config_dir
+
+    return AutoConfig.from_pretrained(config_dir(target))
+
+
+def drafter_config(target: str, cfg: RunConfig) -> dict:
+    """The drafter's whole shape, in the serving format's config: sizes, vocabulary, RoPE and norms
+    from the target; depth, heads, layer types, block and captured layers from `train`; the dtype
+    the stream actors will compute in (their planned placement, checked here too)."""
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import to_hf_config
+    from dflash_ray.train.devices import planned_placement
+
+    tcfg = cfg.train
+
+    target_cfg = target_config(target)
+    text = getattr(target_cfg, "text_config", None) or target_cfg
+    special = tuple(t for t in (getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None),
+                                getattr(text, "pad_token_id", None)) if isinstance(t, int))
+    mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else next(
+        i for i in range(text.vocab_size - 1, -1, -1) if i not in special)
+    try:
+        dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
+                           num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
+                           layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
+                           block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
+                           num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
+                           intermediate_size=tcfg.intermediate_size)
+    except ValueError as e:  # a drafter shape the target cannot have
+        raise DFlashError(str(e), field="train") from None
+    return to_hf_config(dcfg, planned_placement(cfg).dtype)
+
+
+def check_mask_row(target: str, drafter_cfg: dict) -> None:
+    """Every mask query starts from the mask token's embedding row: a zero (untrained, padding) row
+    makes them all the same after the norm. Refused when its norm is near zero against the table's."""
+    import torch
+
+    from dflash_ray.registry import resolve
+    from dflash_ray.target.capture import embedding_rows
+
+    mask_id = drafter_cfg["dflash_config"]["mask_token_id"]
+    vocab = drafter_cfg["vocab_size"]
+    sample = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:256].tolist()
+    norms = embedding_rows(resolve(target), [mask_id] + sample).norm(dim=-1)
+    typical = float(norms[1:].median())
+    if float(norms[0]) < 0.05 * typical:
+        raise DFlashError(f"the embedding row of mask token {mask_id} has norm {float(norms[0]):.3g} against a "
+                          f"typical {typical:.3g}: an untrained row; choose a trained token",
+                          field="train.mask_token_id")
+
+
+def drafter_init(target: str, cfg: RunConfig) -> str:
+    """How the drafter starts ("target" or "random"), checked on the driver before any actor."""
+    from dflash_ray.drafter.init import init_mode
+
+    try:
+        return init_mode(target_config(target), cfg.train.init)
+    except ValueError as e:
+        raise DFlashError(str(e), field="train.init") from None

@@ -1,0 +1,88 @@
+"""`dflash-ray train`: checks the run on the driver (the drafter's shape, the placement, the mask
+row, the trackers), starts the coordinator actor (`train.coordinator`) and follows it with a
+progress bar; the metrics plot is drawn from `metrics.jsonl` at the end. The coordinator's own
+errors reach the caller as they were raised."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dflash_ray import storage
+from dflash_ray.cluster import on_node
+from dflash_ray.config import RunConfig
+from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
+from dflash_ray.errors import DFlashError
+from dflash_ray.train.coordinator import Coordinator
+from dflash_ray.train.trackers import check_installed, driver_env
+
+
+def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
+    from dflash_ray.plots import COLOR, png_figure
+
+    steps = [m["step"] for m in metrics]
+    with png_figure(3, (12, 3.2)) as (_, axes, buf):
+        for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
+                                  ("loss", "simulated acceptance length", "tokens/s")):
+            ax.plot(steps, [m[key] for m in metrics], color=COLOR, label="train batches")
+            ax.set_title(title)
+            ax.set_xlabel("step")
+        held = [m for m in metrics if m.get("heldout_tau") is not None]
+        if held:
+            axes[1].plot([m["step"] for m in held], [m["heldout_tau"] for m in held], "o-", color="#c0504d",
+                         label="held-out")
+            axes[1].legend()
+    return buf.getvalue()
+
+
+def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after_step: int | None = None,
+              progress: bool = True, run_name: str | None = None) -> dict[str, Any]:
+    """Train, resuming from the newest complete checkpoint in `output` when there is one.
+    `stop_after_step` ends the run (with a checkpoint) after that step, to train in slices."""
+    import uuid
+
+    import ray
+    from tqdm import tqdm
+
+    from dflash_ray.cluster import connect
+
+    from dflash_ray.registry import pin
+
+    check_installed(cfg.train.trackers)
+    target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
+    drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
+    check_mask_row(target, drafter_cfg)
+    connect(cfg.ray)
+    run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
+                                                  resources=on_node(cfg.ray.head_resource)).remote(
+        target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
+    run_ref = coordinator.run.remote(stop_after_step)
+    bar = None
+    try:
+        while not ray.wait([run_ref], timeout=2.0)[0]:
+            state = ray.get(coordinator.progress.remote())
+            if state["total_steps"] is None:  # still planning
+                continue
+            if bar is None:
+                bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
+            bar.n = state["step"]
+            if state["last"]:
+                bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
+            bar.refresh()
+        summary = ray.get(run_ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, DFlashError):  # the coordinator's own error, as it raised it
+            raise e.cause from None
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        ray.kill(coordinator)
+    metrics_uri = storage.join(output, "metrics.jsonl")
+    if storage.exists(metrics_uri):
+        metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
+        if metrics:
+            storage.write_bytes(storage.join(output, "metrics.png"), plot_metrics(metrics))
+            summary["metrics_png"] = storage.join(output, "metrics.png")
+    return summary

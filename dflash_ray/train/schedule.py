@@ -1,0 +1,78 @@
+"""Which samples a run trains on and in what order: the dataset's samples, the held-out split (whole
+prompts), and a seeded permutation per epoch split over the streams. A step's batch follows from
+the step and the seed alone, so a resume replays exactly what an uninterrupted run does."""
+
+from __future__ import annotations
+
+import collections
+
+from dflash_ray import storage
+from dflash_ray.errors import DFlashError
+
+
+class Schedule:
+    """Which samples each stream trains on at each step: a seeded permutation per epoch."""
+
+    def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int):
+        self.samples, self.streams, self.batch, self.seed = samples, num_streams, batch_size, seed
+        self.steps_per_epoch = len(samples) // (num_streams * batch_size)
+        if self.steps_per_epoch == 0:
+            raise DFlashError(f"{len(samples)} samples are fewer than one step of {num_streams} streams "
+                              f"x {batch_size} sequences")
+        self._epoch, self._order = -1, None
+
+    def batch_for(self, step: int, stream: int) -> list[tuple[str, int]]:
+        import torch
+
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(
+                self.seed * 7919 + epoch)).tolist()
+            self._epoch = epoch
+        start = (i * self.streams + stream) * self.batch
+        return [self.samples[j] for j in self._order[start:start + self.batch]]
+
+
+def dataset_samples(data: str) -> list[tuple[str, int]]:
+    """(file, row) of every sample of a tokenized dataset in any layout `open_tokenized` reads."""
+    from dflash_ray.data.tokenized import open_tokenized
+
+    dataset = open_tokenized(data)
+    return [(uri, r) for uri, n in zip(dataset.files, dataset.row_counts()) for r in range(n)]
+
+
+def sample_prompts(samples: list[tuple[str, int]]) -> list[str]:
+    """The prompt each sample answers (several completions of one prompt share it)."""
+    import pyarrow.parquet as pq
+
+    from dflash_ray.generation.shard import prompt_of
+
+    ids: dict[str, list] = {}
+    for uri in dict.fromkeys(uri for uri, _ in samples):
+        fs, path = storage.arrow_filesystem(uri)
+        ids[uri] = pq.read_table(path, filesystem=fs, columns=["id"]).column("id").to_pylist()
+    return [prompt_of(str(ids[uri][row])) for uri, row in samples]
+
+
+def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | None = None) -> tuple[list, list]:
+    """A seeded choice of at least `count` held-out samples, and the rest (both in dataset order).
+
+    With `prompts`, whole prompts are held out: no completion of a held-out prompt is trained on.
+    """
+    import torch
+
+    if count <= 0:
+        return [], samples
+    prompts = prompts or [str(i) for i in range(len(samples))]
+    sizes = collections.Counter(prompts)
+    unique = list(sizes)
+    chosen: set[str] = set()
+    held = 0
+    for i in torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed + 104729)).tolist():
+        if held >= count:
+            break
+        chosen.add(unique[i])
+        held += sizes[unique[i]]
+    if held >= len(samples):
+        raise DFlashError(f"{count} leaves no training sample out of {len(samples)}", field="train.heldout")
+    return ([s for s, p in zip(samples, prompts) if p in chosen], [s for s, p in zip(samples, prompts) if p not in chosen])
