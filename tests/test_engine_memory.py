@@ -132,6 +132,7 @@ def tiny_share() -> str:
     return f"{16 * MiB / total:.3g}"
 
 
+@pytest.mark.integration
 def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_prompts, tmp_path):
     """The bar of issue 13: not nine restarts of the same failure, and the cause in the message."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -154,6 +155,7 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
     assert "Available memory on node" in done.stderr  # the human message says it too
 
 
+@pytest.mark.integration
 def test_selfprompt_stops_at_the_first_task_whose_engine_cannot_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cli = Path(sys.executable).with_name("dflash-ray")

@@ -2,6 +2,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from dflash_ray.cli import main
@@ -20,6 +21,7 @@ def test_ngram_baseline_simulation():
     assert simulate_steps([7], [1, 2, 3, 1, 2, 3, 1, 2, 3]) == [(1, False)] * 4 + [(4, True)]
 
 
+@pytest.mark.slow
 def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
     from transformers import AutoConfig
 

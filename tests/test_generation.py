@@ -154,6 +154,7 @@ def test_truncation_policy_keeps_or_rejects(qwen3_tokenizer):
         assert bad.kind == "truncated" and gen._keeps(bad) == bool(kept)
 
 
+@pytest.mark.slow
 def test_several_samples_per_prompt_get_their_own_ids_and_seeds(tiny_qwen3_dir, qwen3_tokenizer):
     from dflash_ray.generation.engines import HFEngine
     from dflash_ray.generation.shard import prompt_of

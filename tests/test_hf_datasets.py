@@ -142,6 +142,7 @@ def _rows(out: Path) -> list[dict]:
     return pa.concat_tables([pq.read_table(f) for f in manifest.dataset_files(str(out))]).to_pylist()
 
 
+@pytest.mark.slow
 def test_hub_datasets_read_offline_with_the_files_formats_quarantine_and_dedup(tmp_path, hub_env):
     out = tmp_path / "prompts"
     code, summary, stderr = _cli(hub_env, "prompts", "--input", "hf://datasets/tiny-org/chat",

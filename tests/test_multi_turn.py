@@ -4,6 +4,7 @@ answers in the history, and tokenization trains on every answer and nothing else
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dflash_ray.config import GenerateConfig, TokenizeConfig
 from dflash_ray.data.formats import normalize
@@ -43,6 +44,7 @@ def test_regenerate_is_the_default_for_conversations_and_keeps_the_user_turns():
     assert not normalize(CONVERSATION, "user_turns")[0].regenerate
 
 
+@pytest.mark.slow
 def test_three_turns_regenerated_by_smollm2_and_every_answer_under_the_mask(smollm2_tokenizer):
     from dflash_ray.generation.engines import HFEngine
     from dflash_ray.registry import resolve, stop_token_ids

@@ -109,6 +109,7 @@ def test_prompts_on_s3(tmp_path, s3_bucket):
     assert len(manifest.dataset_files(storage.join(s3_bucket, "prompts"))) == 1
 
 
+@pytest.mark.slow
 def test_cli_json_summary_and_errors(tmp_path):
     inputs = _write_inputs(tmp_path)
     cmd = [sys.executable, "-m", "dflash_ray.cli", "prompts", "--input", *inputs,

@@ -10,6 +10,7 @@ from dflash_ray.target.capture import load_embed_and_head, target_features
 from dflash_ray.tiny_models import tiny_qwen3
 
 
+@pytest.mark.slow
 def test_speculative_output_equals_target_decode(tmp_path):
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512, seed=3)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -56,6 +57,7 @@ def _chi_square_p_value(counts: dict, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("greedy_drafts", [True, False])
 def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path, greedy_drafts):
     """The first two sampled tokens (temperature 0.3, top-p 0.9) of 1,500 seeded speculative runs
