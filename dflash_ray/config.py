@@ -195,7 +195,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between held-out evaluations (and one at the end); 0: never
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
-    max_restarts: int = 3  # actor deaths survived (reload the last checkpoint) before failing
+    max_restarts: int = 3  # actor deaths or step errors (an OOM on one rank) survived, each by a restart of
+    # every stream actor from the last checkpoint, before failing
+    collective_timeout_s: float = 300.0  # an all-reduce waiting longer for a rank raises instead of hanging
+    fault_step: int = 0  # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
     trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
 
 
@@ -309,7 +312,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
     "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
     "train.distill": SHARE, "train.distill_top_k": _at_least(1),
-    "train.max_restarts": _at_least(0), "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
+    "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0), "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
     "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1),
     "pipeline.eval_prompts": _at_least(0),
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),

@@ -53,9 +53,22 @@ def _rendezvous(_worker) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), _free_port()
 
 
+def first_error(refs: list) -> list:
+    """The results of one step's calls on every stream; a rank's error is raised as soon as it is
+    known, while the other ranks may still wait for it in an all-reduce."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(refs)
+
+
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
-               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers"}
+               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers",
+               "collective_timeout_s", "fault_step"}
 
 
 class Coordinator:
@@ -66,6 +79,7 @@ class Coordinator:
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
+        self.failures: list[str] = []  # what each restart recovered from
         self.heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
         self.drafter_cfg_json = json.dumps(drafter_cfg)
         self.layer_ids = drafter_cfg["dflash_config"]["target_layer_ids"]
@@ -229,6 +243,10 @@ class Coordinator:
             self._gauges[name] = gauge
         return self._gauges[name]
 
+    def _fault(self, stream: int) -> bool:
+        """`train.fault_step`: drafter rank 1 raises at that step, in the run's first attempt only."""
+        return stream == 1 and self.restarts == 0 and self.step + 1 == self.cfg.train.fault_step
+
     def _train(self, stop_after_step: int | None) -> None:
         import ray
 
@@ -246,8 +264,8 @@ class Coordinator:
             start = time.perf_counter()
             if tcfg.colocate:  # each stream computes its own features in place
                 wait_s = 0.0
-                stats = ray.get([d.train_samples.remote(self.step, self.schedule.batch_for(self.step, s))
-                                 for s, d in enumerate(self.drafters)])
+                stats = first_error([d.train_samples.remote(self.step, self.schedule.batch_for(self.step, s),
+                                                            self._fault(s)) for s, d in enumerate(self.drafters)])
             else:
                 for k in range(tcfg.max_in_flight + 1):
                     submit(self.step + k)
@@ -256,7 +274,8 @@ class Coordinator:
                 ray.wait(refs, num_returns=len(refs))
                 wait_s = time.perf_counter() - ready_at
                 # each drafter resolves its own stream's features: they never pass through here
-                stats = ray.get([d.train_step.remote(self.step, ref) for d, ref in zip(self.drafters, refs)])
+                stats = first_error([d.train_step.remote(self.step, ref, self._fault(s))
+                                     for s, (d, ref) in enumerate(zip(self.drafters, refs))])
             self.step += 1
             self._record(stats, wait_s, time.perf_counter() - start)
             if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == self.total_steps):
@@ -273,7 +292,7 @@ class Coordinator:
 
     def run(self, stop_after_step: int | None = None) -> dict[str, Any]:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         started = time.perf_counter()
         self._plan()
@@ -285,10 +304,15 @@ class Coordinator:
                     self._resume()
                     self._train(stop_after_step)
                     break
-                except RayActorError as e:
+                except (RayActorError, RayTaskError) as e:
+                    if isinstance(e, RayTaskError) and isinstance(e.cause, DFlashError):
+                        raise e.cause from None  # bad input or settings: a restart would fail the same way
+                    # an actor died, or a rank raised (out of memory): the others may wait in an
+                    # all-reduce; every stream actor is stopped and the run goes on from its checkpoint
                     self.restarts += 1
+                    self.failures.append(f"step {self.step + 1}: {failure_cause(e)}")
                     if self.restarts > self.cfg.train.max_restarts:
-                        raise DFlashError(f"an actor died {self.restarts} times, over the budget of "
+                        raise DFlashError(f"a stream failed {self.restarts} times, over the budget of "
                                           f"{self.cfg.train.max_restarts} restarts; last: {failure_cause(e)}",
                                           field="train.max_restarts") from None
                 finally:
@@ -298,7 +322,7 @@ class Coordinator:
         last = self.metrics[-1] if self.metrics else {}
         heldout = [m for m in self.metrics if m.get("heldout_tau") is not None]
         return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
-                "restarts": self.restarts, "loss": last.get("loss"), "tau": last.get("tau"),
+                "restarts": self.restarts, "failures": self.failures, "loss": last.get("loss"), "tau": last.get("tau"),
                 "rendezvous": f"{self.rendezvous[0]}:{self.rendezvous[1]}" if self.rendezvous else None,
                 "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,

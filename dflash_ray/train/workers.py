@@ -11,6 +11,7 @@ None imports Ray.
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import math
@@ -142,9 +143,10 @@ class DrafterWorker:
         """Join the drafters' all-reduce group; `address` is rank 0's own node (it hosts the store)."""
         import torch.distributed as dist
 
-        if self.world > 1:
+        if self.world > 1:  # a rank that never reaches an all-reduce fails the others after the timeout
             dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                    world_size=self.world)
+                                    world_size=self.world,
+                                    timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
 
     def set_total_steps(self, total: int) -> None:
         self.total_steps = total
@@ -199,10 +201,13 @@ class DrafterWorker:
     def flat_grad(self) -> torch.Tensor:
         return torch.cat([p.grad.flatten() for p in self.drafter.parameters()])
 
-    def train_step(self, step: int, batch: dict[str, Any]) -> dict[str, float]:
-        """Averaged gradients, clipping, the scheduled learning rate, one AdamW step."""
+    def train_step(self, step: int, batch: dict[str, Any], fault: bool = False) -> dict[str, float]:
+        """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
+        before the all-reduce, as an out-of-memory error would (chaos testing)."""
         from dflash_ray.drafter.loss import per_position_accuracy
 
+        if fault:
+            raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")
         start = time.perf_counter()
         out, loss, positions = self.averaged_gradients(batch)  # reads figures back: the device is idle after
         stepping = time.perf_counter()
@@ -274,8 +279,8 @@ class ColocatedWorker(DrafterWorker):
         super().__init__(target, drafter_cfg_json, init, cfg, rank, world)
         self.target = TargetWorker(target, layer_ids, cfg)
 
-    def train_samples(self, step: int, samples: list[Sample]) -> dict[str, float]:
-        return self.train_step(step, self.target.features(samples, to_host=False))
+    def train_samples(self, step: int, samples: list[Sample], fault: bool = False) -> dict[str, float]:
+        return self.train_step(step, self.target.features(samples, to_host=False), fault)
 
     def evaluate_samples(self, samples: list[Sample]) -> list[float]:
         return self.evaluate(self.target.features(samples, to_host=False))
