@@ -188,6 +188,9 @@ class TrainConfig:
     colocate: bool = False  # target and drafter of a stream in one actor on one device: no feature transfer
     actor_cpus: float = 1.0  # per actor; each target+drafter pair is packed on one node
     actor_gpus: float = 0.0  # per actor; > 0 places the target (bf16) and the drafter on the GPU Ray gives it
+    target_gpus: float | None = None  # per target actor; None: actor_gpus. Over 1 spreads a target too big for
+    # one GPU over that many (its captured layers are gathered onto the first); the drafter keeps actor_gpus
+    placement_timeout_s: float = 600.0  # the stream actors' resources not granted by then: an error naming them
     node_resource: str = ""  # a custom resource of the training nodes that every stream actor asks for
     torch_threads: int = 1
     max_in_flight: int = 1  # target batches computed ahead of their drafter, per stream
@@ -309,6 +312,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.clip": _above(0), "train.num_layers": _at_least(1), "train.block_size": _at_least(2),
     "train.sliding_window": _at_least(1), "train.loss_decay": _above(0), "train.num_target_features": _at_least(1),
     "train.mask_token_id": _at_least(0), "train.actor_cpus": _above(0), "train.actor_gpus": _at_least(0),
+    "train.target_gpus": _at_least(0), "train.placement_timeout_s": _above(0),
     "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
     "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
     "train.distill": SHARE, "train.distill_top_k": _at_least(1),
@@ -353,6 +357,13 @@ def check(cfg: RunConfig) -> None:
         if len(tr.layer_types) != tr.num_layers:
             raise DFlashError(f"{len(tr.layer_types)} entries for train.num_layers={tr.num_layers}; allowed: one "
                               "per drafter layer", field="train.layer_types")
+    if tr.target_gpus is not None and tr.target_gpus > 1:
+        if tr.target_gpus != int(tr.target_gpus) or tr.actor_gpus <= 0:
+            raise DFlashError(f"{tr.target_gpus} GPUs spread a target over whole GPUs beside GPU drafters; "
+                              "allowed: a whole number with train.actor_gpus > 0", field="train.target_gpus")
+        if tr.colocate:
+            raise DFlashError("a target spread over several GPUs cannot share its actor with the drafter; "
+                              "allowed: train.colocate=false", field="train.target_gpus")
     bad = [t for t in tr.trackers if t not in TRACKERS]
     if bad or len(set(tr.trackers)) < len(tr.trackers):
         raise DFlashError(f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}",

@@ -183,6 +183,40 @@ def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_
     assert _final_weights(str(tmp_path / "faulty")) == _final_weights(str(tmp_path / "clean"))
 
 
+def test_streams_the_cluster_cannot_hold_are_refused_before_any_actor_with_the_numbers():
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.train.devices import check_resources
+
+    cfg = load_config(None, []).train  # 2 streams of a target and a drafter, 1 CPU each
+    with pytest.raises(DFlashError) as e:
+        check_resources(cfg, [{"CPU": 2.0, "memory": 1e10}])
+    assert e.value.field == "train.actor_cpus" and "need 2 CPU each" in str(e.value)
+    assert "have 2 CPU: room for 1" in str(e.value) and "train.colocate=true" in str(e.value)
+    check_resources(cfg, [{"CPU": 2.0}, {"CPU": 3.0}])  # one stream on each node
+    check_resources(load_config(None, ["train.colocate=true"]).train, [{"CPU": 2.0}])
+    gpu = load_config(None, ["train.actor_gpus=1", "train.target_gpus=2"]).train
+    check_resources(gpu, [{"CPU": 64.0, "GPU": 8.0}])  # 2 streams of 3 GPUs (target 2, drafter 1) on 8
+    with pytest.raises(DFlashError, match="need 2 CPU, 3 GPU each"):
+        check_resources(gpu, [{"CPU": 64.0, "GPU": 4.0}])
+    with pytest.raises(DFlashError) as e:
+        load_config(None, ["train.actor_gpus=1", "train.target_gpus=2", "train.colocate=true"])
+    assert e.value.field == "train.target_gpus"
+
+
+def test_train_on_a_cluster_too_small_exits_2_at_once_naming_the_cpus(ray_cluster, target, data, tmp_path, capsys):
+    import json
+    import time
+
+    from dflash_ray.cli import main
+
+    started = time.monotonic()
+    code = main(["train", "--data", data, "--target", target, "--output", str(tmp_path / "out"), "--json"])
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and time.monotonic() - started < 30
+    assert "need 2 CPU each" in error and "have 2 CPU" in error, error
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_death_past_the_restart_budget_fails_the_run_with_a_clear_error(ray_cluster, target, data, tmp_path):
     from dflash_ray.errors import DFlashError
 

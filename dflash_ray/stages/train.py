@@ -14,6 +14,7 @@ from dflash_ray.config import RunConfig
 from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
 from dflash_ray.errors import DFlashError
 from dflash_ray.train.coordinator import Coordinator
+from dflash_ray.train.devices import check_resources
 from dflash_ray.train.trackers import check_installed, driver_env
 
 
@@ -53,6 +54,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
     check_mask_row(target, drafter_cfg)
     connect(cfg.ray)
+    check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
                                                   resources=on_node(cfg.ray.head_resource)).remote(

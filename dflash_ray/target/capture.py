@@ -85,7 +85,8 @@ def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[in
     missing = [i for i in layer_ids if i not in captured]
     if missing:
         raise RuntimeError(f"layers {missing} were not reached by the forward")
-    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    # a target spread over several GPUs leaves its layers' outputs on theirs: gathered where the ids are
+    features = torch.cat([captured[i].to(input_ids.device) for i in layer_ids], dim=-1)
     if top_k == 0:
         return features, None, None
     hidden = out.last_hidden_state  # final-normed

@@ -27,6 +27,7 @@ from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint
+from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
 from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
@@ -110,16 +111,23 @@ class Coordinator:
 
         tcfg = self.cfg.train
         resources = on_node(tcfg.node_resource)
-        bundle = {"CPU": tcfg.actor_cpus, **({"GPU": tcfg.actor_gpus} if tcfg.actor_gpus else {}), **resources}
-        opts = {"num_cpus": tcfg.actor_cpus, "num_gpus": tcfg.actor_gpus, "resources": resources}
+        bundles = stream_bundles(tcfg)
         self.targets, self.drafters, self.groups = [], [], []
         for s in range(tcfg.num_streams):
-            pg = placement_group([bundle] if tcfg.colocate else [bundle, bundle], strategy="STRICT_PACK")
-            ray.get(pg.ready())
+            pg = placement_group(bundles, strategy="STRICT_PACK")
             self.groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise DFlashError(f"stream {s}'s actors ({bundles}, on one node) were not placed in "
+                                  f"{tcfg.placement_timeout_s:g} s: the cluster has {ray.available_resources()} "
+                                  "free; other work holds the rest, or the autoscaler cannot add such a node",
+                                  field="train.placement_timeout_s") from None
 
             def at(index: int, role: str) -> dict:
-                return {**opts, "name": f"{self.run_name}-{role}-{s}", "scheduling_strategy":
+                gpus = bundles[index].get("GPU", 0)
+                return {"num_cpus": tcfg.actor_cpus, "num_gpus": gpus, "resources": resources,
+                        "name": f"{self.run_name}-{role}-{s}", "scheduling_strategy":
                         PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
             if tcfg.colocate:  # the stream's one actor is its target and its drafter

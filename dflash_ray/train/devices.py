@@ -53,10 +53,16 @@ def placement(actor_gpus: float, cuda_devices: int, dtype: str = "auto", attenti
     )
 
 
-def actor_placement(cfg) -> Placement:
-    """This process's placement for the training config `cfg` (a `TrainConfig`)."""
-    return placement(cfg.actor_gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                     cfg.dtype, cfg.attention)
+def target_gpus(cfg) -> float:
+    """GPUs of one target actor (`train.target_gpus`, else `train.actor_gpus`)."""
+    return cfg.actor_gpus if cfg.target_gpus is None else cfg.target_gpus
+
+
+def actor_placement(cfg, *, target: bool = False) -> Placement:
+    """This process's placement for the training config `cfg` (a `TrainConfig`); `target`: a target
+    actor's, which may spread over several GPUs."""
+    return placement(target_gpus(cfg) if target else cfg.actor_gpus,
+                     torch.cuda.device_count() if torch.cuda.is_available() else 0, cfg.dtype, cfg.attention)
 
 
 def synchronize(device: str) -> None:
@@ -72,3 +78,36 @@ def planned_placement(cfg: RunConfig):
         return placement(tcfg.actor_gpus, 1 if tcfg.actor_gpus > 0 else 0, tcfg.dtype, tcfg.attention)
     except ValueError as e:
         raise DFlashError(str(e), field="train.attention") from None
+
+
+def stream_bundles(cfg) -> list[dict[str, float]]:
+    """The resources of one stream's actors (target, drafter; or the one colocated actor), which a
+    placement group packs on one node."""
+    from dflash_ray.cluster import on_node
+
+    def bundle(gpus: float) -> dict[str, float]:
+        return {"CPU": cfg.actor_cpus, **({"GPU": gpus} if gpus else {}), **on_node(cfg.node_resource)}
+
+    return [bundle(cfg.actor_gpus)] if cfg.colocate else [bundle(target_gpus(cfg)), bundle(cfg.actor_gpus)]
+
+
+def check_resources(cfg, nodes: list[dict[str, float]]) -> None:
+    """Refuse, before any actor starts, streams that the cluster's nodes (each one's total resources)
+    can never hold: naming what one stream asks for, what the nodes have, and the settings to change.
+    Without it the placement would wait for resources that never come."""
+    need: dict[str, float] = {}
+    for bundle in stream_bundles(cfg):
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+
+    def fits(node: dict[str, float]) -> int:
+        return int(min(node.get(k, 0.0) / v for k, v in need.items() if v > 0) + 1e-9)
+
+    asked = ", ".join(f"{v:g} {k}" for k, v in sorted(need.items()))
+    have = "; ".join(", ".join(f"{n.get(k, 0.0):g} {k}" for k in sorted(need)) for n in nodes) or "no node"
+    room = sum(fits(n) for n in nodes)
+    if room < cfg.num_streams:
+        raise DFlashError(
+            f"{cfg.num_streams} training stream(s) need {asked} each, on one node; the cluster's nodes have "
+            f"{have}: room for {room}. Lower train.actor_cpus or train.actor_gpus, train.num_streams, or set "
+            "train.colocate=true (one actor per stream), or add nodes", field="train.actor_cpus")

@@ -48,7 +48,7 @@ class TargetWorker:
 
         torch.set_num_threads(cfg.torch_threads)
         self.layer_ids, self.cfg = layer_ids, cfg
-        self.place = actor_placement(cfg)
+        self.place = actor_placement(cfg, target=True)
         # a target too big for one GPU spreads its layers over the GPUs the actor holds
         spread = {"device_map": "auto"} if self.place.num_devices > 1 else {}
         self.model = AutoModelForCausalLM.from_pretrained(resolve(target), dtype=self.place.dtype, **spread).eval()
