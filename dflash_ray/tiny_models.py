@@ -34,14 +34,15 @@ def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 6
     return str(out_dir)
 
 
-def tiny_qwen35(out_dir: str | Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0) -> str:
+def tiny_qwen35(out_dir: str | Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0,
+                vocab_size: int = 248320) -> str:
     """A random hybrid Qwen3.5 LM (Gated-DeltaNet + full attention every 4th layer)."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
     layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
-    config = Qwen3_5TextConfig(vocab_size=248320, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    config = Qwen3_5TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=hidden_size // 4, linear_key_head_dim=16, linear_value_head_dim=16,
                                linear_num_key_heads=2, linear_num_value_heads=4, layer_types=layer_types,

@@ -7,12 +7,16 @@ from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import speculative_decode, target_decode
 from dflash_ray.drafter.step import forward_loss
 from dflash_ray.target.capture import load_embed_and_head, target_features
-from dflash_ray.tiny_models import tiny_qwen3
+from dflash_ray.tiny_models import tiny_qwen3, tiny_qwen35
 
 
 @pytest.mark.slow
-def test_speculative_output_equals_target_decode(tmp_path):
-    path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512, seed=3)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["qwen3", "qwen35-gated-deltanet"])
+def test_speculative_output_equals_target_decode(tmp_path, hybrid):
+    """Lossless, untrained and trained; a hybrid target's recurrent state is rolled back to the
+    accepted tokens (its cache cannot be cropped)."""
+    build = tiny_qwen35 if hybrid else tiny_qwen3
+    path = build(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512, seed=3)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
     cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=[0, 1, 2])

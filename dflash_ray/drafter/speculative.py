@@ -15,6 +15,7 @@ exactly as the target's own warped samples (tested statistically, both ways of d
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +74,12 @@ def _choose(logits: torch.Tensor, sampling: Sampling) -> int:
     return int(torch.multinomial(probs, 1, generator=sampling.generator))
 
 
+def has_recurrent_layers(target) -> bool:
+    """A hybrid target (Qwen3.5/3.6: Gated-DeltaNet layers) carries a recurrent state in its cache."""
+    types = getattr(target.config.get_text_config(decoder=True), "layer_types", None) or []
+    return any(t not in ("full_attention", "sliding_attention") for t in types)
+
+
 @torch.no_grad()
 def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
                   sampling: Sampling = Sampling()) -> Generation:
@@ -82,7 +89,7 @@ def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
 
     start = time.perf_counter()
     device = target.device
-    cache = DynamicCache()
+    cache = DynamicCache(config=target.config)  # a hybrid target's recurrent layers need their own cache
     ids = torch.tensor([prompt_ids], device=device)
     out_tokens: list[int] = []
     while len(out_tokens) < max_new_tokens:
@@ -132,7 +139,8 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
     K, layer_ids = cfg.block_size, cfg.target_layer_ids
     start = time.perf_counter()
     device = target.device  # the drafter, embedding and head live beside the target
-    cache = DynamicCache()
+    cache = DynamicCache(config=target.config)
+    recurrent = has_recurrent_layers(target)
     with capture(target, layer_ids, stop_after_last=False) as captured:
         logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache,
                         use_cache=True).logits
@@ -155,6 +163,7 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
             q = warp(draft_logits, sampling.temperature, sampling.top_p)
             drafts = torch.multinomial(q, 1, generator=sampling.generator)[:, 0]
         block_ids[0, 1:] = drafts
+        before = copy.deepcopy(cache) if recurrent else None  # a recurrent state cannot be cropped
         with capture(target, layer_ids, stop_after_last=False) as captured:
             logits = target(input_ids=block_ids, past_key_values=cache, use_cache=True,
                             position_ids=positions).logits[0]
@@ -175,7 +184,13 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
                 break
         out_tokens += new
         acceptance.append(len(new))
-        # the target processed block tokens 0..accepted; keep their cache and features only
-        cache.crop(n + accepted + 1)
+        # the target processed block tokens 0..accepted; keep their cache and features only (features
+        # are causal: the rejected tokens after them changed none)
+        if recurrent:  # back to the state before the block, then forward through the kept tokens only
+            cache = before
+            target(input_ids=block_ids[:, : accepted + 1], past_key_values=cache, use_cache=True,
+                   position_ids=positions[:, : accepted + 1])
+        else:
+            cache.crop(n + accepted + 1)
         context = torch.cat([context, feats[:, : accepted + 1]], dim=1)
     return Generation(out_tokens, acceptance, time.perf_counter() - start)
