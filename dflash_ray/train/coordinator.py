@@ -214,17 +214,19 @@ class Coordinator:
         self.trackers.sync()
 
     def _evaluate(self) -> float | None:
-        """Simulated tau of drafter 0 on the held-out samples (features from target 0)."""
+        """Simulated tau on the held-out samples, their batches spread over every stream (the drafters
+        hold the same weights, and each batch's anchors come from a fixed seed): no stream idles."""
         import ray
 
         if not self.heldout:
             return None
-        bs = self.cfg.train.batch_size
+        bs, n = self.cfg.train.batch_size, len(self.drafters)
         batches = [self.heldout[i:i + bs] for i in range(0, len(self.heldout), bs)]
         if self.cfg.train.colocate:
-            taus = ray.get([self.drafters[0].evaluate_samples.remote(b) for b in batches])
+            taus = ray.get([self.drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])
         else:
-            taus = ray.get([self.drafters[0].evaluate.remote(self.targets[0].features.remote(b)) for b in batches])
+            taus = ray.get([self.drafters[i % n].evaluate.remote(self.targets[i % n].features.remote(b))
+                            for i, b in enumerate(batches)])
         flat = [t for part in taus for t in part]
         return sum(flat) / len(flat) if flat else None
 
