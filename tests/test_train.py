@@ -27,20 +27,23 @@ def target(tmp_path_factory):
     return tiny_qwen3(tmp_path_factory.mktemp("target"), num_layers=4, hidden_size=64, vocab_size=512)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(16):
-        seq = torch.randint(0, 490, (12,), generator=g).repeat(4).tolist()
-        rows.append({"id": f"s{i}", "source": "x", "input_ids": seq, "loss_mask": [0] * 12 + [1] * 36,
-                     "seq_len": 48, "truncated": False})
-    folder = str(tmp_path_factory.mktemp("data"))
+def _tokenized(folder: str, sequences: list[list[int]], prefix: str = "s") -> str:
+    """A tokenized dataset of 48-token sequences, the first 12 tokens a prompt."""
+    rows = [{"id": f"{prefix}{i}", "source": "x", "input_ids": seq, "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48,
+             "truncated": False} for i, seq in enumerate(sequences)]
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buf)
     storage.write_bytes(storage.join(folder, "part-0.parquet"), buf.getvalue())
-    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": 16}], summary={})
+    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": len(rows)}],
+                            summary={})
     return folder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    return _tokenized(str(tmp_path_factory.mktemp("data")),
+                      [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +51,9 @@ def motif_data(tmp_path_factory):
     """One 12-token motif, each sample a rotation of it repeated: a drafter can learn what follows."""
     motif = torch.randint(0, 490, (12,), generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(16):
-        seq = motif.roll(-int(torch.randint(0, 12, (), generator=g))).repeat(4).tolist()
-        rows.append({"id": f"m{i}", "source": "x", "input_ids": seq, "loss_mask": [0] * 12 + [1] * 36,
-                     "seq_len": 48, "truncated": False})
-    folder = str(tmp_path_factory.mktemp("motif"))
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), buf)
-    storage.write_bytes(storage.join(folder, "part-0.parquet"), buf.getvalue())
-    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": 16}], summary={})
-    return folder
+    return _tokenized(str(tmp_path_factory.mktemp("motif")),
+                      [motif.roll(-int(torch.randint(0, 12, (), generator=g))).repeat(4).tolist() for _ in range(16)],
+                      prefix="m")
 
 
 def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_path):
