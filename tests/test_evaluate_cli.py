@@ -59,3 +59,40 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
 
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "nothing" in capsys.readouterr().err
+
+
+def test_export_checks_a_checkpoint_against_its_manifest(tmp_path, capsys):
+    """A same-size corruption or a truncation of a checkpoint's drafter weights is an error naming
+    the file and an earlier checkpoint to use; nothing is exported."""
+    from dflash_ray.train import checkpoint
+
+    cfg = from_target(_tiny_target_config(), mask_token_id=500, num_layers=1, target_layer_ids=[0, 1])
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "d", dtype=torch.float32)
+    files = {f"drafter/{p.name}": p.read_bytes() for p in (tmp_path / "d").iterdir()}
+    run = str(tmp_path / "run")
+    for step in (2, 4):
+        checkpoint.save(run, step, files)
+    step4 = checkpoint.step_dir(run, 4)
+
+    assert main(["export", step4, str(tmp_path / "good"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified_files"] == 2
+
+    weights = tmp_path / "run" / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = b"\xff" * 64  # same size, other weights
+    weights.write_bytes(bytes(data))
+    assert main(["export", step4, str(tmp_path / "bad"), "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert "model.safetensors" in error and "sha256" in error and "step-00000002" in error
+    weights.write_bytes(bytes(data[:100]))
+    assert main(["export", step4, str(tmp_path / "bad"), "--json"]) == 2
+    assert "truncated" in json.loads(capsys.readouterr().out)["error"]
+    assert not (tmp_path / "bad").exists()
+
+
+def _tiny_target_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)

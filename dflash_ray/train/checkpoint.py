@@ -60,7 +60,7 @@ def save(output: str, step: int, files: dict[str, bytes], meta: dict | None = No
     return commit(output, step, entries, meta)
 
 
-def _step_of(folder: str) -> int | None:
+def step_of(folder: str) -> int | None:
     name = storage.basename(folder)
     return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
@@ -69,7 +69,7 @@ def complete_steps(output: str) -> list[int]:
     """Steps whose manifest exists (files not yet verified), oldest first."""
     steps = []
     for folder in storage.list_dirs(storage.join(output, "checkpoints")):
-        step = _step_of(folder)
+        step = step_of(folder)
         if step is not None and storage.exists(storage.join(folder, MANIFEST)):
             steps.append(step)
     return sorted(steps)
@@ -151,7 +151,7 @@ def rotate(output: str, keep: int, upto: int | None = None) -> list[int]:
     folder OLDER than the newest one that verifies. Nothing newer is touched (an unverified newer
     checkpoint is never what a resume takes, and deleting it could lose the only copy of a step), and
     with `upto` (the step just written) neither is anything after it. Returns the deleted steps."""
-    folders = [s for s in (_step_of(f) for f in storage.list_dirs(storage.join(output, "checkpoints")))
+    folders = [s for s in (step_of(f) for f in storage.list_dirs(storage.join(output, "checkpoints")))
                if s is not None]
     kept: list[int] = []
     for step in reversed(complete_steps(output)):
