@@ -89,6 +89,25 @@ def test_corrupt_parquet_is_one_entry_and_the_other_files_go_on(tmp_path):
     assert "Parquet" in bad["reason"]
 
 
+def test_compressed_files_and_a_byte_order_mark_are_read(tmp_path):
+    """A folder of .jsonl.gz, .json.bz2 and a BOM-led .jsonl: every record read; a truncated gzip
+    and a .zst without its codec are one quarantine entry each, never skipped without a word."""
+    import bz2
+    import gzip
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl.gz").write_bytes(gzip.compress(_lines(_chat("one"), _chat("two")).encode()))
+    (tmp_path / "in" / "b.json.bz2").write_bytes(bz2.compress(json.dumps([_chat("three")]).encode()))
+    (tmp_path / "in" / "c.jsonl").write_bytes(b"\xef\xbb\xbf" + _lines(_chat("four")).encode())
+    (tmp_path / "in" / "d.jsonl.gz").write_bytes(gzip.compress(_lines(_chat("five")).encode())[:12])
+    summary = run_prompts([str(tmp_path / "in")], str(tmp_path / "out"), NO_BUDGET, progress=False)
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (5, 4, 1), summary
+    (bad,) = _quarantine(tmp_path / "out")
+    assert bad["file"].endswith("d.jsonl.gz") and bad["kind"] == "corrupt_file" and "decompress" in bad["reason"]
+    sources = {r["source"] for r in manifest.read_rows(str(tmp_path / "out"), ["source"], 10)}
+    assert sources == {"a", "b", "c"}
+
+
 def test_no_prompts_out_exits_2_and_a_failed_rerun_keeps_the_previous_output(tmp_path, capsys):
     good, bad, out = tmp_path / "good.jsonl", tmp_path / "bad.jsonl", str(tmp_path / "out")
     good.write_text(_lines(_chat("a"), _chat("b")))

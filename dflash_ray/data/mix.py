@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from dflash_ray import manifest, storage
 from dflash_ray.config import PromptsConfig
 from dflash_ray.data import hub
-from dflash_ray.data.records import SUFFIXES, RawRecord, iter_records
+from dflash_ray.data.records import COMPRESSIONS, SUFFIXES, RawRecord, iter_records
 
 
 @dataclass
@@ -44,7 +44,10 @@ class Source:
         """The prompt rows' `source`: the file's stem, or the dataset's ORG/NAME:SPLIT."""
         if self.dataset is not None:
             return self.dataset.name
-        return storage.basename(item.file).rsplit(".", 1)[0]
+        name = storage.basename(item.file)
+        if name.endswith(COMPRESSIONS):  # chat.jsonl.gz -> chat
+            name = name.rsplit(".", 1)[0]
+        return name.rsplit(".", 1)[0]
 
     def records(self, seed: int, buffer_size: int) -> Iterator[RawRecord]:
         if self.count == 0:  # a weight too small for a share of the total

@@ -7,6 +7,8 @@ layouts people actually save:
 - `.jsonl`: one record per line; a line holding a JSON array of objects yields each of them. A
   file whose first line is not JSON on its own (a pretty-printed array saved as `.jsonl`) is read
   as a JSON document, which reads true JSONL the same way.
+- `.jsonl.gz`, `.json.bz2`, `.jsonl.zst`, ...: the same, decompressed; a UTF-8 byte order mark
+  at the start of a file is dropped.
 - `.json`: a document of top-level values, read value by value: an array yields its elements, an
   object is one record, and several values in a row (a JSONL file saved as `.json`) are each read.
   A broken element is skipped up to its closing bracket and reported alone; the others go on.
@@ -22,7 +24,9 @@ from typing import Any, Iterator
 from dflash_ray import storage
 from dflash_ray.data.formats import BadRecord
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+COMPRESSIONS = (".gz", ".bz2", ".zst")  # JSON and JSONL files may come compressed
+SUFFIXES = (".jsonl", ".json", ".parquet") + tuple(f"{kind}{c}" for kind in (".jsonl", ".json") for c in COMPRESSIONS)
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors save JSON: not part of the first record
 RAW_PREVIEW = 2000  # characters of a bad record kept in quarantine
 _WHITESPACE = " \t\n\r"
 
@@ -47,11 +51,35 @@ def iter_records(uri: str) -> Iterator[RawRecord]:
     if uri.endswith(".parquet"):
         yield from _parquet(uri)
         return
-    data = storage.read_bytes(uri)
-    if uri.endswith(".json"):
+    data, name = storage.read_bytes(uri), uri
+    if uri.endswith(COMPRESSIONS):
+        name = uri.rsplit(".", 1)[0]
+        try:
+            data = _decompress(uri, data)
+        except Exception as e:  # corrupt, truncated, or a codec this install lacks: one entry
+            yield RawRecord(uri, 1, error=BadRecord(f"cannot decompress: {type(e).__name__}: {e}", "corrupt_file"))
+            return
+    data = data.removeprefix(BOM)
+    if name.endswith(".json"):
         yield from json_document(uri, data)
     else:
         yield from json_lines(uri, data)
+
+
+def _decompress(uri: str, data: bytes) -> bytes:
+    if uri.endswith(".gz"):
+        import gzip
+
+        return gzip.decompress(data)
+    if uri.endswith(".bz2"):
+        import bz2
+
+        return bz2.decompress(data)
+    try:
+        import zstandard
+    except ImportError:
+        raise RuntimeError("reading .zst needs the zstandard package (pip install zstandard)") from None
+    return zstandard.ZstdDecompressor().decompressobj().decompress(data)
 
 
 def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]:
