@@ -296,3 +296,23 @@ def test_train_reads_every_layout(seed_layouts, layout):
     uri, row = samples[-1]
     last = read_table(uri, ["input_ids", "loss_mask"]).slice(row, 1).to_pylist()[0]
     assert sum(last["loss_mask"]) > 6 and len(last["input_ids"]) == len(last["loss_mask"])
+
+
+def test_the_gate_refuses_ids_past_the_vocabulary_a_wrong_seq_len_and_no_tokenizer(tmp_path, capsys):
+    """What training cannot use stops at the gate, naming the file, record and field."""
+    def dataset(name, rows):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "part-0.parquet").write_bytes(_parquet_bytes(pa.Table.from_pylist(rows)))
+        return str(folder)
+
+    ok = {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "seq_len": 4}
+    past = dataset("past", [ok, {**ok, "input_ids": [1, 2, 3, 49152]}])
+    code, summary, _ = _cli(capsys, "validate", "--input", past, "--tokenizer", "smollm2-135m-instruct")
+    assert code == 2 and "token id 49152 is outside the tokenizer's vocabulary of 49152" in summary["error"]
+    assert "record 2" in summary["error"] and "input_ids" in summary["error"]
+    lying = dataset("lying", [ok, {**ok, "seq_len": 9}])
+    code, summary, _ = _cli(capsys, "validate", "--input", lying, "--tokenizer", "smollm2-135m-instruct")
+    assert code == 2 and "seq_len is 9 but input_ids has 4 tokens" in summary["error"]
+    code, summary, _ = _cli(capsys, "validate", "--input", dataset("plain", [ok]))
+    assert code == 2 and "--tokenizer" in summary["error"] and "names no tokenizer" in summary["error"]

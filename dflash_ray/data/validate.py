@@ -75,7 +75,8 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
     sums, lens, locations = [], [], []
     empty, sources = 0, collections.Counter()
     source_loss: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-    columns = ["input_ids", "loss_mask"] + (["source"] if "source" in data.columns else [])
+    columns = ["input_ids", "loss_mask"] + [c for c in ("source", "seq_len") if c in data.columns]
+    vocab = len(tokenizer)
     from tqdm import tqdm
 
     for uri in tqdm(data.files, desc="validate", unit=" files"):
@@ -90,6 +91,18 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
             if mvalues.size and (mvalues.min() < 0 or mvalues.max() > 1):
                 i = int(np.searchsorted(moffsets, np.flatnonzero((mvalues < 0) | (mvalues > 1))[0], "right")) - 1
                 raise DFlashError("loss_mask values must be 0 or 1", file=uri, record=rows + i + 1, field="loss_mask")
+            if ivalues.size and (ivalues.min() < 0 or ivalues.max() >= vocab):  # training would index past the table
+                k = int(np.flatnonzero((ivalues < 0) | (ivalues >= vocab))[0])
+                i = int(np.searchsorted(ioffsets, k, "right")) - 1
+                raise DFlashError(f"token id {int(ivalues[k])} is outside the tokenizer's vocabulary of {vocab}: "
+                                  "the ids were made by another tokenizer", file=uri, record=rows + i + 1, field="input_ids")
+            if "seq_len" in columns:
+                stated = np.asarray(batch.column("seq_len").to_numpy(zero_copy_only=False), dtype=np.int64)
+                wrong = np.flatnonzero(stated != np.diff(ioffsets))
+                if wrong.size:
+                    i = int(wrong[0])
+                    raise DFlashError(f"seq_len is {int(stated[i])} but input_ids has {int(ioffsets[i + 1] - ioffsets[i])} "
+                                      "tokens", file=uri, record=rows + i + 1, field="seq_len")
             csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
             batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
             sums.append(batch_sums)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from dflash_ray import storage
-from dflash_ray.config import RunConfig
+from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data.tokenized import open_tokenized
 from dflash_ray.data.validate import (
     TOP_VALUES, distribution, examples, gate_rules, histogram_png, markdown, scan)
@@ -24,8 +24,12 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
     vcfg = cfg.validate
     data = open_tokenized(input_uri)
     made_by = data.made_by or {}
+    set_in_config = cfg.tokenize.tokenizer if cfg.tokenize.tokenizer != TokenizeConfig().tokenizer else None
     tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") \
-        or cfg.tokenize.tokenizer
+        or set_in_config
+    if not tokenizer_name:  # a guess would decode the report's samples into garbage, and check ids against it
+        raise DFlashError("the dataset's manifest names no tokenizer (it was not tokenized here): give the one "
+                          "that made its ids with --tokenizer NAME_OR_PATH", file=input_uri, field="tokenize.tokenizer")
     tokenizer = load_tokenizer(tokenizer_name)
     found = scan(data, tokenizer)
     n = int(found.loss_sums.size)
