@@ -26,6 +26,7 @@ from typing import Any
 from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
+from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import placement
@@ -53,7 +54,8 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
                            layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
                            block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
                            num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
-                           intermediate_size=tcfg.intermediate_size)
+                           intermediate_size=tcfg.intermediate_size, family=tcfg.drafter,
+                           markov_rank=tcfg.markov_rank)
     except ValueError as e:  # a drafter shape the target cannot have
         raise DFlashError(str(e), field="train") from None
     return to_hf_config(dcfg, planned_placement(cfg).dtype)
@@ -67,7 +69,7 @@ def check_mask_row(target: str, drafter_cfg: dict) -> None:
     from dflash_ray.registry import resolve
     from dflash_ray.target.capture import embedding_rows
 
-    mask_id = drafter_cfg["dflash_config"]["mask_token_id"]
+    mask_id = mask_and_layer_ids(drafter_cfg)[0]
     vocab = drafter_cfg["vocab_size"]
     sample = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:256].tolist()
     norms = embedding_rows(resolve(target), [mask_id] + sample).norm(dim=-1)
@@ -203,7 +205,7 @@ class Coordinator:
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
         self.drafter_cfg_json = json.dumps(drafter_cfg)
-        self.layer_ids = drafter_cfg["dflash_config"]["target_layer_ids"]
+        self.layer_ids = mask_and_layer_ids(drafter_cfg)[1]
         self.init = init
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []
