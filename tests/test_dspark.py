@@ -111,8 +111,9 @@ def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
-        losses.append(float(out.loss.loss))
-    assert losses[-1] < 0.6 * losses[0], losses[::10]
+        losses.append(float(out.loss.loss.detach()))
+    # the BCE against a soft label cannot reach 0 (its floor is the label's entropy)
+    assert losses[-1] < 0.7 * losses[0], losses[::10]
     assert drafter.markov_head.markov_w2.weight.abs().sum() > 0  # the Markov head learned
     blk = out.blocks
     with torch.no_grad():
@@ -129,8 +130,8 @@ def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
-        first, last = first or float(out.loss.loss), float(out.loss.loss)
-    assert last < 0.6 * first
+        first, last = first or float(out.loss.loss.detach()), float(out.loss.loss.detach())
+    assert last < 0.6 * first, (first, last)
 
 
 def test_loss_terms_and_chunking():
@@ -236,10 +237,36 @@ def test_speculative_output_equals_target_decode(tmp_path):
     assert max(max(t.acceptance) for t in trained) <= 8  # K = 7 drafts plus the bonus token
 
 
+def test_sampled_drafts_come_from_the_markov_conditioned_q():
+    """Each sampled draft's q is the warped base logits plus the Markov bias of the draft before it
+    (the anchor first): the q the verification divides by is the one the draft was drawn from."""
+    drafter = _drafter(markov_rank=8).eval()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight)
+    g = torch.Generator().manual_seed(0)
+    embed, head, context = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), torch.randn(1, 9, 2 * H, generator=g)
+    sampling = Sampling(0.7, 0.95, torch.Generator().manual_seed(1), greedy_drafts=False)
+    drafts, q = families.get("dspark").propose(drafter, context, 17, embed, head, sampling)
+    assert drafts.shape == (5,) and q.shape == (5, V)
+    with torch.no_grad():
+        ids = torch.full((1, 5), V - 1)
+        ids[0, 0] = 17
+        h = drafter(context, F.embedding(ids, embed), torch.arange(9, 14)[None],
+                    attention_masks(drafter, torch.tensor([[9]]), 9, "sdpa"))[0]
+        prev = torch.cat([torch.tensor([17]), drafts[:-1]])
+        torch.testing.assert_close(q, warp(drafter.logits(h, head, prev), 0.7, 0.95))
+    assert (q[torch.arange(5), drafts] > 0).all()
+    greedy, none = families.get("dspark").propose(drafter, context, 17, embed, head, Sampling())
+    assert none is None
+    with torch.no_grad():
+        prev = torch.cat([torch.tensor([17]), greedy[:-1]])
+        assert torch.equal(drafter.logits(h, head, prev).argmax(-1), greedy)
+
+
+@pytest.mark.timeout(1800)
 def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
-    """Sampled drafts, each from q conditioned on the draft before it through the Markov head: the
-    first two tokens of 1,500 seeded runs against the target's exact joint distribution (chi-square
-    at a 0.1% false-alarm rate), as the DFlash test does."""
+    """Sampled drafts, the first drawn from q conditioned on the anchor through the Markov head: the
+    first two tokens of 1,500 seeded one-step runs against the target's exact joint distribution
+    (chi-square at a 0.1% false-alarm rate), as the DFlash test does."""
     from test_speculative import _chi_square_p_value  # tests/ is on the path (prepend import mode)
 
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=24, seed=5)
@@ -260,7 +287,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=False)
     counts, steps = {}, []
     for _ in range(n):
-        out = speculative_decode(target, drafter, embed, head, prompt, 4, set(), sampling)
+        out = speculative_decode(target, drafter, embed, head, prompt, 3, set(), sampling)  # one verify step
         key = tuple(out.token_ids[:2])
         counts[key] = counts.get(key, 0) + 1
         steps.append(out.acceptance[0])
