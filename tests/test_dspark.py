@@ -293,3 +293,42 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
         steps.append(out.acceptance[0])
     assert 1 in steps and max(steps) > 1, "both the accept and the reject paths must be exercised"
     assert _chi_square_p_value(counts, expected, n) > 1e-3
+
+
+def test_train_drafter_dspark_reaches_the_workers(tmp_path):
+    """`train.drafter=dspark` through the training roles (as plain classes): the drafter config is
+    DSpark's, the target sends its top-k distribution without `train.distill`, and steps learn."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ray import manifest, storage
+    from dflash_ray.config import load_config
+    from dflash_ray.train.coordinator import drafter_config
+    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+    target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": f"s{i}", "source": "x", "input_ids": torch.randint(0, 490, (12,), generator=g).repeat(4).tolist(),
+             "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48, "truncated": False} for i in range(4)]
+    data = str(tmp_path / "data")
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    storage.write_bytes(storage.join(data, "part-0.parquet"), buf.getvalue())
+    manifest.write_manifest(data, kind="tokenized", files=[{"name": "part-0.parquet", "rows": 4}], summary={})
+
+    cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.num_layers=1",
+                             "train.target_layer_ids=[0,1,2]", "train.num_anchors=16", "train.lr=3e-3",
+                             "train.distill_top_k=8"])
+    drafter_json = drafter_config(target, cfg)
+    assert drafter_json["architectures"] == ["DSparkDraftModel"] and drafter_json["markov_rank"] == 16
+    batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
+    assert batch["teacher_ids"].shape == (1, 48, 8)  # the TV term's target distribution, distill being 0
+    worker = DrafterWorker(target, json.dumps(drafter_json), "random", cfg.train, 0, 1)
+    assert isinstance(worker.drafter, DSparkDrafter)
+    worker.set_total_steps(25)
+    stats = [worker.train_step(step, batch) for step in range(25)]
+    assert stats[-1]["loss"] < 0.8 * stats[0]["loss"], [s["loss"] for s in stats]
+    assert 1 <= stats[-1]["tau"] <= 7 and 0 <= stats[-1]["acc_k1"] <= 1
+    assert max(worker.evaluate(batch)) >= 1
