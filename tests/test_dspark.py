@@ -295,29 +295,35 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     assert _chi_square_p_value(counts, expected, n) > 1e-3
 
 
-def test_train_drafter_dspark_reaches_the_workers(tmp_path):
-    """`train.drafter=dspark` through the training roles (as plain classes): the drafter config is
-    DSpark's, the target sends its top-k distribution without `train.distill`, and steps learn."""
+def _tiny_run_inputs(tmp_path, num_rows=4):
+    """A tiny target and a tokenized dataset of repeated random sequences."""
     import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from dflash_ray import manifest, storage
-    from dflash_ray.config import load_config
-    from dflash_ray.train.coordinator import drafter_config
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)
     g = torch.Generator().manual_seed(0)
     rows = [{"id": f"s{i}", "source": "x", "input_ids": torch.randint(0, 490, (12,), generator=g).repeat(4).tolist(),
-             "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48, "truncated": False} for i in range(4)]
+             "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48, "truncated": False} for i in range(num_rows)]
     data = str(tmp_path / "data")
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buf)
     storage.write_bytes(storage.join(data, "part-0.parquet"), buf.getvalue())
-    manifest.write_manifest(data, kind="tokenized", files=[{"name": "part-0.parquet", "rows": 4}], summary={})
+    manifest.write_manifest(data, kind="tokenized", files=[{"name": "part-0.parquet", "rows": num_rows}], summary={})
+    return target, data
 
+
+def test_train_drafter_dspark_reaches_the_workers(tmp_path):
+    """`train.drafter=dspark` through the training roles (as plain classes): the drafter config is
+    DSpark's, the target sends its top-k distribution without `train.distill`, and steps learn."""
+    from dflash_ray.config import load_config
+    from dflash_ray.train.coordinator import drafter_config
+    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+    target, data = _tiny_run_inputs(tmp_path)
     cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.num_layers=1",
                              "train.target_layer_ids=[0,1,2]", "train.num_anchors=16", "train.lr=3e-3",
                              "train.distill_top_k=8"])
@@ -332,3 +338,32 @@ def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     assert stats[-1]["loss"] < 0.8 * stats[0]["loss"], [s["loss"] for s in stats]
     assert 1 <= stats[-1]["tau"] <= 7 and 0 <= stats[-1]["acc_k1"] <= 1
     assert max(worker.evaluate(batch)) >= 1
+
+
+def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
+    """`train.drafter=dspark` end to end on a local Ray cluster (two streams); its checkpoint's drafter
+    (the serving format) loads as DSpark and decodes losslessly."""
+    from dflash_ray.config import load_config
+    from dflash_ray.drafter.export import load_drafter
+    from dflash_ray.train import checkpoint
+    from dflash_ray.train.coordinator import run_train
+
+    target, data = _tiny_run_inputs(tmp_path, num_rows=8)
+    cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.actor_cpus=0.5",
+                             "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
+                             "train.lr=3e-3", "train.checkpoint_every=2", "train.epochs=1", "train.distill_top_k=8"])
+    out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)
+    assert out["step"] == out["total_steps"] == 4
+    step, files, _ = checkpoint.load_latest(str(tmp_path / "run"))
+    assert step == 4
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (drafter_dir / name).write_bytes(files[f"drafter/{name}"])
+    drafter = load_drafter(drafter_dir).eval()
+    assert isinstance(drafter, DSparkDrafter) and drafter.cfg.block_size == 6
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    embed, head = load_embed_and_head(target)
+    prompt = [5, 9, 31, 2, 77]
+    assert speculative_decode(model, drafter, embed, head, prompt, 24, set()).token_ids == \
+        target_decode(model, prompt, 24, set()).token_ids
