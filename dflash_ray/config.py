@@ -169,6 +169,8 @@ class TrainConfig:
     length_bucket: int = 512  # the drafter pads each batch's context to a multiple of this (the target runs
     # unpadded), so compiled attention meets at most max_seq_len / length_bucket shapes: one graph each
     # drafter architecture
+    drafter: str = "dflash"  # the drafter family (dflash_ray/drafter/families.py): dflash or dspark
+    markov_rank: int = 256  # dspark: rank of its Markov head
     num_layers: int = 1
     num_heads: int | None = None  # drafter attention shape; None: the target's
     num_kv_heads: int | None = None
@@ -316,8 +318,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
     "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
     "train.distill": SHARE, "train.distill_top_k": _at_least(1),
-    "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0), "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
-    "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1),
+    "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0),
+    "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
+    "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1), "train.markov_rank": _at_least(1),
     "pipeline.eval_prompts": _at_least(0),
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
@@ -345,6 +348,10 @@ def check(cfg: RunConfig) -> None:
     if ev.ngram_min > ev.ngram_max:
         raise DFlashError(f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
                           field="evaluate.ngram_min")
+    from dflash_ray.drafter.families import FAMILIES
+
+    if tr.drafter not in FAMILIES:
+        raise DFlashError(f"{tr.drafter!r} is not one of {list(FAMILIES)}", field="train.drafter")
     ids = tr.target_layer_ids
     if ids is not None and (not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
                             or any(a >= b for a, b in zip(ids, ids[1:]))):

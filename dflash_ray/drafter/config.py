@@ -40,6 +40,10 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     block_size: int = BLOCK_SIZE
     tie_word_embeddings: bool = False
+    family: str = "dflash"  # the drafter family (`drafter/families.py`): its model, loss and decoding rule
+    markov_rank: int = 256  # DSpark: rank of the Markov head W1 [V, r] · W2 [r, V]
+    confidence_head: bool = True  # DSpark: a per-position acceptance estimate
+    confidence_with_markov: bool = True  # DSpark: the confidence head also reads W1[previous token]
     extra: dict[str, Any] = field(default_factory=dict)  # target fields kept for export
 
     def __post_init__(self):
@@ -51,6 +55,10 @@ class DrafterConfig:
         out = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if out:
             raise ValueError(f"target_layer_ids {out} outside the target's {self.num_target_layers} layers")
+        from dflash_ray.drafter.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ValueError(f"drafter family '{self.family}' is unknown; valid: {', '.join(FAMILIES)}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's "
                              f"{self.vocab_size}-entry embedding table")
@@ -78,7 +86,8 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
                 layer_types: list[str] | None = None, intermediate_size: int | None = None,
                 num_heads: int | None = None, num_kv_heads: int | None = None,
                 head_dim: int | None = None, sliding_window: int = 2048, block_size: int = BLOCK_SIZE,
-                special_token_ids: tuple[int, ...] = ()) -> DrafterConfig:
+                special_token_ids: tuple[int, ...] = (), family: str = "dflash",
+                markov_rank: int = 256) -> DrafterConfig:
     """A drafter for `target_config` (any HF causal LM config; for multimodal ones, its text config).
 
     `special_token_ids` (pad, eos, bos) may not be the mask token: the drafter would learn to
@@ -107,4 +116,5 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
         tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
+        family=family, markov_rank=markov_rank,
     )

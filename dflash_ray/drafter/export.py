@@ -1,10 +1,12 @@
-"""The `DFlashDraftModel` checkpoint format that vLLM (`qwen3_dflash`) and SGLang (`dflash`) load.
+"""The checkpoint formats that vLLM and SGLang load: `DFlashDraftModel` (vLLM `qwen3_dflash`,
+SGLang `dflash`) and `DSparkDraftModel` (vLLM `qwen3_dspark`).
 
-`config.json`: Qwen3 fields for the draft layers, `architectures: ["DFlashDraftModel"]`,
-`block_size`, `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}`,
-`layer_types`, `sliding_window`. `model.safetensors`: the drafter's own weights only, under the
-names of `DFlashDrafter.state_dict()` (`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`,
-`norm.weight`); the target's embedding and LM head are shared at serving time.
+`config.json`: Qwen3 fields for the draft layers, `block_size`, `num_target_layers`, `layer_types`,
+`sliding_window`, then the family's own fields (`families.Family.hf_config`): for DFlash
+`architectures: ["DFlashDraftModel"]` and `dflash_config: {mask_token_id, target_layer_ids}`.
+`model.safetensors`: the drafter's own weights only, under the names of its `state_dict()`
+(`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`, `norm.weight`, and a family's heads); the
+target's embedding and LM head are shared at serving time.
 """
 
 from __future__ import annotations
@@ -14,20 +16,20 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
-from dflash_ray.drafter.model import DFlashDrafter
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
 def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    """The Qwen3 fields every family shares, then the family's own (architecture, mask id, layer ids)."""
     return {
-        "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
         "layer_types": list(cfg.layer_types),
         "sliding_window": cfg.sliding_window,
         "use_sliding_window": any(t == "sliding_attention" for t in cfg.layer_types),
@@ -49,30 +51,32 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **families.get(cfg.family).hf_config(cfg),
         **cfg.extra,
     }
 
 
 def from_hf_config(data: dict) -> DrafterConfig:
-    known = {"architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "layer_types",
+    family = families.of_architecture(data.get("architectures") or [])
+    known = {"architectures", "model_type", "block_size", "num_target_layers", "layer_types",
              "sliding_window", "use_sliding_window", "max_window_layers", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
              "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
              "hidden_act", "attention_bias", "attention_dropout", "tie_word_embeddings", "torch_dtype"}
+    known |= family.hf_keys
     return DrafterConfig(
         hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
         num_layers=data["num_hidden_layers"], num_heads=data["num_attention_heads"],
         num_kv_heads=data["num_key_value_heads"], head_dim=data["head_dim"], vocab_size=data["vocab_size"],
-        num_target_layers=data["num_target_layers"],
-        target_layer_ids=list(data["dflash_config"]["target_layer_ids"]),
-        mask_token_id=data["dflash_config"]["mask_token_id"], layer_types=list(data["layer_types"]),
+        num_target_layers=data["num_target_layers"], layer_types=list(data["layer_types"]),
         sliding_window=data.get("sliding_window") or 2048, rope_theta=float(data["rope_theta"]),
         rms_norm_eps=data["rms_norm_eps"], max_position_embeddings=data["max_position_embeddings"],
         block_size=data["block_size"], tie_word_embeddings=data.get("tie_word_embeddings", False),
+        family=family.name, **family.read_hf_config(data),
         extra={k: v for k, v in data.items() if k not in known})
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors; files land under temporary names, then are renamed."""
     from safetensors.torch import save_file
 
@@ -88,12 +92,12 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     return out
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
+def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     from safetensors.torch import load_file
 
     path = Path(path)
     cfg = from_hf_config(json.loads((path / CONFIG).read_text()))
-    drafter = DFlashDrafter(cfg)
+    drafter = families.get(cfg.family).build(cfg)
     state = load_file(str(path / WEIGHTS), device=str(device))
     drafter.to(next(iter(state.values())).dtype)
     missing, unexpected = drafter.load_state_dict(state, strict=False)

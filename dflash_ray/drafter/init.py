@@ -85,8 +85,10 @@ def init_mode(target_config, init: str) -> str:
 
 def initial_drafter(cfg: DrafterConfig, target_dir: str | Path, mode: str, seed: int) -> DFlashDrafter:
     """The drafter training starts from: the same on every rank and for the untrained baseline."""
+    from dflash_ray.drafter import families
+
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = families.get(cfg.family).build(cfg)
     if mode == "target":
         init_from_target(drafter, target_dir)
     return drafter

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from dflash_ray.config import RunConfig
+from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError
 
 
@@ -41,7 +42,8 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
                            layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
                            block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
                            num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
-                           intermediate_size=tcfg.intermediate_size)
+                           intermediate_size=tcfg.intermediate_size, family=tcfg.drafter,
+                           markov_rank=tcfg.markov_rank)
     except ValueError as e:  # a drafter shape the target cannot have
         raise DFlashError(str(e), field="train") from None
     return to_hf_config(dcfg, planned_placement(cfg).dtype)
@@ -55,7 +57,7 @@ def check_mask_row(target: str, drafter_cfg: dict) -> None:
     from dflash_ray.registry import resolve
     from dflash_ray.target.capture import embedding_rows
 
-    mask_id = drafter_cfg["dflash_config"]["mask_token_id"]
+    mask_id = mask_and_layer_ids(drafter_cfg)[0]
     vocab = drafter_cfg["vocab_size"]
     sample = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:256].tolist()
     norms = embedding_rows(resolve(target), [mask_id] + sample).norm(dim=-1)

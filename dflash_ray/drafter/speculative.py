@@ -1,7 +1,8 @@
-"""Speculative decoding with a DFlash drafter against a Hugging Face target (no Ray).
+"""Speculative decoding with a drafter against a Hugging Face target (no Ray).
 
-Each step the drafter proposes a block `[last, d_1..d_{K-1}]` in one non-causal pass, the target
-verifies the whole block in one forward, and the accepted drafts are committed plus one token of
+Each step the drafter proposes drafts `d_1..d_D` after the last committed token by its family's rule
+(DFlash: K - 1 at once from one non-causal pass; DSpark: K, left to right over one pass), the target
+verifies `[last, d_1..d_D]` in one forward, and the accepted drafts are committed plus one token of
 the target's own (the bonus). The drafter's context grows by the target's hidden states of the
 committed tokens. Acceptance length per step = accepted drafts + 1.
 
@@ -20,10 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.step import attention_masks
+from dflash_ray.drafter import families
 from dflash_ray.target.capture import capture
 
 
@@ -128,15 +128,15 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
 
 
 @torch.no_grad()
-def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor,
+def speculative_decode(target, drafter: nn.Module, embed_VH: torch.Tensor, head_VH: torch.Tensor,
                        prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
                        sampling: Sampling = Sampling()) -> Generation:
     """Speculative decoding, greedy by default; with a sampling `sampling` the speculative-sampling
     rule (the output is distributed as the target's own samples)."""
     from transformers import DynamicCache
 
-    cfg = drafter.cfg
-    K, layer_ids = cfg.block_size, cfg.target_layer_ids
+    family = families.get(drafter.cfg.family)
+    layer_ids = drafter.cfg.target_layer_ids
     start = time.perf_counter()
     device = target.device  # the drafter, embedding and head live beside the target
     cache = DynamicCache(config=target.config)
@@ -147,22 +147,11 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         context = torch.cat([captured[i] for i in layer_ids], -1)  # [1, n, F]
     out_tokens = [_choose(logits[0, -1], sampling)]
     acceptance: list[int] = []
-    dtype = next(drafter.parameters()).dtype
     while len(out_tokens) < max_new_tokens and out_tokens[-1] not in eos_ids:
         n = context.shape[1]  # committed tokens the target has processed; the last one has not
-        block_ids = torch.full((1, K), cfg.mask_token_id, device=device)
-        block_ids[0, 0] = out_tokens[-1]
-        positions = torch.arange(n, n + K, device=device)[None]
-        hidden = drafter(context.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions,
-                         attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa"))  # one block after the context
-        draft_logits = hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()
-        q = None  # argmax drafts: q is one-hot on them
-        if sampling.greedy or sampling.greedy_drafts:
-            drafts = draft_logits.argmax(-1)
-        else:
-            q = warp(draft_logits, sampling.temperature, sampling.top_p)
-            drafts = torch.multinomial(q, 1, generator=sampling.generator)[:, 0]
-        block_ids[0, 1:] = drafts
+        drafts, q = family.propose(drafter, context, out_tokens[-1], embed_VH, head_VH, sampling)
+        block_ids = torch.cat([torch.tensor([out_tokens[-1]], device=device), drafts.to(device)])[None]
+        positions = torch.arange(n, n + block_ids.shape[1], device=device)[None]
         before = copy.deepcopy(cache) if recurrent else None  # a recurrent state cannot be cropped
         with capture(target, layer_ids, stop_after_last=False) as captured:
             logits = target(input_ids=block_ids, past_key_values=cache, use_cache=True,

@@ -38,10 +38,11 @@ def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
 def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> float | None:
     import torch
 
-    from dflash_ray.drafter.step import forward_loss
+    from dflash_ray.drafter import families
     from dflash_ray.target.capture import target_features
 
     ecfg = cfg.evaluate
+    forward_loss = families.get(drafter.cfg.family).forward_loss
     taus: list[float] = []
     g = torch.Generator().manual_seed(ecfg.seed)
     for row in manifest.read_rows(uri, ["input_ids", "loss_mask"], ecfg.num_heldout):
@@ -95,7 +96,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from dflash_ray.drafter import ngram
+    from dflash_ray.drafter import families, ngram
     from dflash_ray.drafter.export import load_drafter
     from dflash_ray.drafter.speculative import Sampling, speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
@@ -110,6 +111,8 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     drafter = load_drafter(drafter_dir).to(device, dtype).eval()
     embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
     eos = set(stop_token_ids(tokenizer))
+    # the n-gram baseline drafts as many tokens a step as the drafter does
+    num_drafts = drafter.cfg.block_size - families.get(drafter.cfg.family).first_prediction
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
     per_source: dict[str, list[int]] = collections.defaultdict(list)
@@ -133,7 +136,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         mismatches += int(spec.token_ids != ref.token_ids)
         per_source[row["source"]] += spec.acceptance
         all_steps += spec.acceptance
-        ngram_steps += ngram.simulate_steps(ids, ref.token_ids, drafter.cfg.block_size - 1, ecfg.ngram_min,
+        ngram_steps += ngram.simulate_steps(ids, ref.token_ids, num_drafts, ecfg.ngram_min,
                                             ecfg.ngram_max)
         if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
             sampled = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,

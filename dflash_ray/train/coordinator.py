@@ -25,6 +25,7 @@ from typing import Any
 from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
+from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import stream_bundles
@@ -83,7 +84,7 @@ class Coordinator:
         self.failures: list[str] = []  # what each restart recovered from
         self.heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
         self.drafter_cfg_json = json.dumps(drafter_cfg)
-        self.layer_ids = drafter_cfg["dflash_config"]["target_layer_ids"]
+        self.layer_ids = mask_and_layer_ids(drafter_cfg)[1]
         self.init = init
         self.step, self.restarts, self.metrics = 0, 0, []
         self.targets, self.drafters, self.groups = [], [], []

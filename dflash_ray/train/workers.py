@@ -68,12 +68,14 @@ class TargetWorker:
     def features(self, samples: list[Sample], to_host: bool = True) -> dict[str, Any]:
         """The batch and its features (and with `train.distill`, the target's top-k next-token
         distribution at the response positions); `to_host=False` leaves them on the device."""
+        from dflash_ray.drafter import families
         from dflash_ray.target.capture import target_outputs
 
         start = time.perf_counter()
         ids, mask, attn = pad_batch([self._row(uri, row) for uri, row in samples])
         device = self.place.device
-        top_k = self.cfg.distill_top_k if self.cfg.distill > 0 else 0
+        wanted = self.cfg.distill > 0 or families.get(self.cfg.drafter).wants_target_distribution
+        top_k = self.cfg.distill_top_k if wanted else 0
         want = torch.zeros_like(mask)
         want[:, :-1] = mask[:, 1:]  # position p holds the distribution of token p + 1
         feats, teacher_ids, teacher_probs = target_outputs(self.model, ids.to(device), self.layer_ids,
@@ -112,6 +114,7 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
 
 class DrafterWorker:
     def __init__(self, target: str, drafter_cfg_json: str, init: str, cfg: TrainConfig, rank: int, world: int):
+        from dflash_ray.drafter import families
         from dflash_ray.drafter.export import from_hf_config
         from dflash_ray.drafter.init import initial_drafter
         from dflash_ray.registry import resolve
@@ -125,6 +128,7 @@ class DrafterWorker:
         # fp32 master weights on the device; the frozen embedding and head in the compute dtype beside them
         self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init,
                                        cfg.seed).to(device)
+        self.family = families.get(self.drafter.cfg.family)  # its loss (`forward_loss`) and positions
         embed, head = load_embed_and_head(target_dir)
         self.embed = embed.to(device, self.dtype)
         self.head = self.embed if head is embed else head.to(device, self.dtype)
@@ -159,11 +163,10 @@ class DrafterWorker:
         reduced (loss sum, weight sum)."""
         import torch.distributed as dist
 
-        from dflash_ray.drafter.step import forward_loss
-
         device = self.place.device
         teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device)) \
             if "teacher_ids" in batch else None
+        forward_loss = self.family.forward_loss
         with self._autocast():
             out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
@@ -188,9 +191,8 @@ class DrafterWorker:
     def evaluate(self, batch: dict[str, Any]) -> list[float]:
         """Simulated acceptance lengths on a held-out batch, with anchors from a fixed seed so
         evaluations at different steps score the same blocks."""
-        from dflash_ray.drafter.step import forward_loss
-
         device = self.place.device
+        forward_loss = self.family.forward_loss
         with self._autocast():
             out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
@@ -218,7 +220,8 @@ class DrafterWorker:
         self.opt.step()
         acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
         stats = {"loss": loss, "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
-                 "acc_k1": float(acc[1]), "grad_norm": float(grad_norm), "lr": lr}  # floats: synchronized
+                 "acc_k1": float(acc[self.family.first_prediction]),  # the first drafted token
+                 "grad_norm": float(grad_norm), "lr": lr}  # floats: synchronized
         done = time.perf_counter()
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
                 "target_seconds": batch["seconds"], "tokens": int(batch["loss_mask"].numel()),

@@ -1,0 +1,250 @@
+"""The DSpark family: the DFlash backbone, the anchor as first prediction, a Markov head and a
+confidence head (DeepSeek, arXiv 2607.05147; served by vLLM as `DSparkDraftModel`).
+
+Shapes: B sequences, S positions, A anchor slots, K block size, Q = A*K queries, H hidden, V vocab,
+r Markov rank, k top-k of the target's distribution.
+
+Block `[x_a, MASK x K-1]` at positions a..a+K-1, as in DFlash, but every position is a prediction:
+position k predicts x[a+k+1] (vLLM: `sample_from_anchor`), so a block drafts K tokens. Its logits are
+`head(h_k) + W2 · W1[prev_k]`, with prev_k the token at position a+k: the anchor for k = 0, then the
+token drafted before (the true token in training). Drafting is therefore left to right over one
+backbone pass. The confidence head `σ(wᵀ[h_k; W1[prev_k]] + b)` estimates each position's acceptance.
+
+Loss per position (weights exp(-k/gamma), gamma 4, on loss-masked labels): 0.1·CE(label) +
+0.9·TV(p_d, p_t) + 1.0·BCE(confidence, 1 - TV), with TV = ½‖p_d - p_t‖₁ (so 1 - TV is the chance
+speculative sampling accepts the draft) and p_t the target's next-token distribution there, given
+as its top-k renormalized (then TV is exact for that sparse p_t: the draft's mass outside the top-k
+counts in full). Without the target's distribution the loss falls back to CE + BCE(confidence,
+[argmax = label]). Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
+`markov_head.markov_w{1,2}.weight` and `confidence_head.proj.{weight,bias}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_ray.drafter.blocks import make_blocks, sample_anchors
+from dflash_ray.drafter.config import DrafterConfig
+from dflash_ray.drafter.loss import LossOutput
+from dflash_ray.drafter.model import DFlashDrafter
+from dflash_ray.drafter.speculative import Sampling, warp
+from dflash_ray.drafter.step import StepOutput, attention_masks
+
+CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
+GAMMA = 4.0
+MAX_CHUNK_LOGITS = 2**26  # fp32 logits per loss chunk (256 MB): [Q, V] never exists at once
+
+
+class MarkovHead(nn.Module):
+    """`markov_w1[prev]` [r] embeds the previous token; `markov_w2` [V, r] turns it into a logit bias."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        return self.markov_w1(prev_ids)
+
+    def bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(markov_embed)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int, with_markov: bool):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(input_dim, 1, bias=True)
+
+    def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        """The acceptance logit (float32, as vLLM computes it)."""
+        x = torch.cat([hidden.float(), markov_embed.float()], -1) if self.with_markov else hidden.float()
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """The DFlash backbone (same parameters, same forward) plus the two heads."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        in_dim = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0)
+        self.confidence_head = ConfidenceHead(in_dim, cfg.confidence_with_markov) if cfg.confidence_head else None
+        self._reset_heads()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        super().reset_parameters(std)
+        if hasattr(self, "markov_head"):
+            self._reset_heads(std)
+
+    def _reset_heads(self, std: float = 0.02) -> None:
+        # W2 = 0: training starts from the backbone's own logits; the confidence starts at 1/2
+        nn.init.normal_(self.markov_head.markov_w1.weight, std=std)
+        nn.init.zeros_(self.markov_head.markov_w2.weight)
+        if self.confidence_head is not None:
+            nn.init.zeros_(self.confidence_head.proj.weight)
+            nn.init.zeros_(self.confidence_head.proj.bias)
+
+    def logits(self, hidden_NH: torch.Tensor, head_VH: torch.Tensor, prev_N: torch.Tensor) -> torch.Tensor:
+        """Draft logits [N, V] (float32) of final hidden states whose previous tokens are `prev_N`."""
+        markov = self.markov_head.embed(prev_N)
+        return (hidden_NH.to(head_VH.dtype) @ head_VH.t()).float() + self.markov_head.bias(markov).float()
+
+    def confidence(self, hidden_NH: torch.Tensor, prev_N: torch.Tensor) -> torch.Tensor:
+        """σ(confidence logit) [N]: the estimated chance each position's draft is accepted."""
+        return torch.sigmoid(self.confidence_head(hidden_NH, self.markov_head.embed(prev_N)))
+
+
+def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_N, target_ids_Nk, target_probs_Nk):
+    """Per-position loss [N] and top-1 hits [N] (see the module docstring)."""
+    logits = (hidden_NH.to(head_VH.dtype) @ head_VH.t()).float() + (markov_Nr.to(w2_Vr.dtype) @ w2_Vr.t()).float()
+    logp = torch.log_softmax(logits, -1)
+    ce = -logp.gather(1, labels_N[:, None])[:, 0]
+    correct = logits.argmax(-1) == labels_N
+    if target_ids_Nk is None:
+        bce = F.binary_cross_entropy_with_logits(conf_logit_N, correct.float(), reduction="none")
+        return ce + BCE_WEIGHT * bce, correct
+    p_top = logp.gather(1, target_ids_Nk).exp()
+    pt = target_probs_Nk.float()
+    pt = pt / pt.sum(-1, keepdim=True).clamp_min(1e-12)
+    tv = 0.5 * ((p_top - pt).abs().sum(-1) + (1 - p_top.sum(-1)).clamp_min(0))
+    bce = F.binary_cross_entropy_with_logits(conf_logit_N, (1 - tv).detach(), reduction="none")
+    return CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * bce, correct
+
+
+def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch.Tensor, prev_BQ: torch.Tensor,
+                labels_BQ: torch.Tensor, weights_BQ: torch.Tensor, target_ids_BQk: torch.Tensor | None = None,
+                target_probs_BQk: torch.Tensor | None = None) -> LossOutput:
+    """sum(w * per-position loss) / sum(w), in row chunks whose logits are recomputed in backward."""
+    B, Q, H = hidden_BQH.shape
+    hidden, prev = hidden_BQH.reshape(-1, H), prev_BQ.reshape(-1)
+    labels, weights = labels_BQ.reshape(-1), weights_BQ.reshape(-1).float()
+    markov = drafter.markov_head.embed(prev)
+    if drafter.confidence_head is not None:
+        conf_logit = drafter.confidence_head(hidden, markov)
+    else:  # no head to train: a constant the loss cannot move
+        conf_logit = torch.zeros(hidden.shape[0], device=hidden.device)
+    t_ids = t_probs = None
+    if target_ids_BQk is not None:
+        k = target_ids_BQk.shape[-1]
+        t_ids, t_probs = target_ids_BQk.reshape(-1, k), target_probs_BQk.reshape(-1, k)
+    w2 = drafter.markov_head.markov_w2.weight
+    chunk = max(1, MAX_CHUNK_LOGITS // head_VH.shape[0])
+    total, hits = hidden.new_zeros((), dtype=torch.float32), []
+    for s in range(0, hidden.shape[0], chunk):
+        part = slice(s, s + chunk)
+        args = (hidden[part], markov[part], conf_logit[part], head_VH, w2, labels[part],
+                None if t_ids is None else t_ids[part], None if t_probs is None else t_probs[part])
+        if torch.is_grad_enabled():
+            per, correct = checkpoint(_position_losses, *args, use_reentrant=False)
+        else:
+            per, correct = _position_losses(*args)
+        total = total + (per * weights[part]).sum()
+        hits.append(correct)
+    loss = total / weights.sum().clamp_min(1e-12)
+    return LossOutput(loss, torch.cat(hits).view(B, Q), weights_BQ.sum())
+
+
+def acceptance_lengths(correct_BQ: torch.Tensor, weights_BQ: torch.Tensor, keep_BA: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
+    """Simulated acceptance length of every kept block: consecutive hits from k = 0, plus one."""
+    B, A = keep_BA.shape
+    hit = (correct_BQ & (weights_BQ > 0)).view(B, A, block_size)
+    return (hit.long().cumprod(-1).sum(-1) + 1)[keep_BA].float()
+
+
+def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
+                 input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
+                 generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
+                 gamma: float | None = None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 distill: float = 0.0) -> StepOutput:
+    """`teacher`: the target's top-k next-token distribution [B, S, k] (position p: token p + 1),
+    which the TV term needs; None falls back to CE + BCE on hits. `fused` and `distill` are DFlash's
+    (the TV term already learns the target's distribution)."""
+    cfg = drafter.cfg
+    B, S = input_ids_BS.shape
+    K = cfg.block_size
+    anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
+    blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id, block_size=K)
+    pos = blocks.positions  # [B, Q]: a + k, the position of the previous token
+    inside = pos + 1 < S
+    nxt = (pos + 1).clamp(max=S - 1)
+    labels = torch.where(inside, torch.gather(input_ids_BS, 1, nxt), 0)
+    prev = torch.gather(input_ids_BS, 1, pos.clamp(max=S - 1))
+    k = torch.arange(K, device=input_ids_BS.device, dtype=torch.float32)
+    decay = torch.exp(-k / (gamma if gamma is not None else GAMMA)).repeat(anchors.shape[1])
+    weights = decay * torch.gather(loss_mask_BS.float(), 1, nxt) * inside * keep.repeat_interleave(K, 1)
+    blocks = dataclasses.replace(blocks, labels=labels, weights=weights)
+    t_ids = t_probs = None
+    if teacher is not None:
+        rows = pos.clamp(max=S - 1)[..., None]
+        t_ids = torch.gather(teacher[0], 1, rows.expand(-1, -1, teacher[0].shape[-1]))
+        t_probs = torch.gather(teacher[1], 1, rows.expand(-1, -1, teacher[1].shape[-1]))
+    block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
+    hidden = drafter(features_BSF, block_embeds, blocks.positions, attention_masks(drafter, anchors, S, attention))
+    out = dspark_loss(drafter, hidden, head_VH, prev, labels, weights, t_ids, t_probs)
+    return StepOutput(out, blocks, acceptance_lengths(out.correct, weights, keep, K))
+
+
+class DSpark:
+    name = "dspark"
+    architecture = "DSparkDraftModel"
+    first_prediction = 0
+    wants_target_distribution = True
+    hf_keys = frozenset({"mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
+                         "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"})
+
+    def build(self, cfg: DrafterConfig) -> DSparkDrafter:
+        return DSparkDrafter(cfg)
+
+    def forward_loss(self, drafter, *args, **kwargs) -> StepOutput:
+        return forward_loss(drafter, *args, **kwargs)
+
+    @torch.no_grad()
+    def propose(self, drafter: DSparkDrafter, context_1nF: torch.Tensor, last_token: int, embed_VH: torch.Tensor,
+                head_VH: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K drafts: one backbone pass, then left to right, each with the Markov bias of the token
+        drafted before it (the anchor first)."""
+        cfg = drafter.cfg
+        device, n, K = context_1nF.device, context_1nF.shape[1], cfg.block_size
+        dtype = next(drafter.parameters()).dtype
+        block_ids = torch.full((1, K), cfg.mask_token_id, device=device)
+        block_ids[0, 0] = last_token
+        positions = torch.arange(n, n + K, device=device)[None]
+        masks = attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa")
+        hidden = drafter(context_1nF.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions, masks)[0]
+        base = (hidden.to(head_VH.dtype) @ head_VH.t()).float()  # [K, V]
+        argmax = sampling.greedy or sampling.greedy_drafts
+        prev = torch.tensor([last_token], device=device)
+        drafts, qs = [], []
+        for i in range(K):
+            logits = base[i] + drafter.markov_head.bias(drafter.markov_head.embed(prev))[0].float()
+            if argmax:
+                prev = logits.argmax(-1, keepdim=True)
+            else:
+                qs.append(warp(logits, sampling.temperature, sampling.top_p))
+                prev = torch.multinomial(qs[-1], 1, generator=sampling.generator)
+            drafts.append(prev)
+        return torch.cat(drafts), None if argmax else torch.stack(qs)
+
+    def hf_config(self, cfg: DrafterConfig) -> dict:
+        """vLLM's Qwen3 DSpark keys, flat at the top level (it reads `target_layer_ids` as DFlash's
+        `dflash_config.target_layer_ids`: the output of 0-based layer i)."""
+        return {"architectures": [self.architecture], "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
+                "markov_head_type": "vanilla", "enable_confidence_head": cfg.confidence_head,
+                "confidence_head_with_markov": cfg.confidence_with_markov, "sample_from_anchor": True}
+
+    def read_hf_config(self, data: dict) -> dict:
+        return {"mask_token_id": data["mask_token_id"], "target_layer_ids": list(data["target_layer_ids"]),
+                "markov_rank": data["markov_rank"], "confidence_head": data.get("enable_confidence_head", False),
+                "confidence_with_markov": data.get("confidence_head_with_markov", False)}
+
+
+FAMILY = DSpark()

@@ -1,0 +1,369 @@
+"""The DSpark family: its blocks, loss, heads, export and speculative decoding (CPU, tiny sizes)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash_ray.drafter import families
+from dflash_ray.drafter.config import from_target
+from dflash_ray.drafter.dspark import DSparkDrafter, forward_loss
+from dflash_ray.drafter.speculative import Sampling, speculative_decode, target_decode, warp
+from dflash_ray.drafter.step import attention_masks
+from dflash_ray.target.capture import load_embed_and_head, target_features, target_outputs
+from dflash_ray.tiny_models import tiny_qwen3
+
+V, H = 96, 32
+
+
+def _drafter(block_size=5, markov_rank=8, seed=0, **kw) -> DSparkDrafter:
+    cfg = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(seed)
+    dcfg = from_target(cfg, mask_token_id=V - 1, num_layers=1, num_target_features=2, block_size=block_size,
+                       family="dspark", markov_rank=markov_rank)
+    return families.get("dspark").build(dcfg.replace(**kw))
+
+
+def _batch(B=2, S=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 2, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[:, :6] = 0
+    feats = torch.randn(B, S, 2 * H, generator=g)
+    embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2
+    probs = torch.softmax(torch.randn(B, S, V, generator=g) * 2, -1).topk(8)
+    return embed, head, feats, ids, mask, (probs.indices, probs.values)
+
+
+def test_family_registry_and_config_choice():
+    from dflash_ray.config import RunConfig, TrainConfig
+    from dflash_ray.errors import DFlashError
+
+    assert set(families.FAMILIES) == {"dflash", "dspark"}
+    assert families.get("dspark").first_prediction == 0 and families.get("dflash").first_prediction == 1
+    assert families.of_architecture(["DSparkDraftModel"]).name == "dspark"
+    with pytest.raises(DFlashError, match=r"train.drafter.*\['dflash', 'dspark'\]"):
+        RunConfig(train=TrainConfig(drafter="eagle"))
+    assert RunConfig(train=TrainConfig(drafter="dspark")).train.drafter == "dspark"
+    with pytest.raises(ValueError, match="valid: dflash, dspark"):
+        _drafter(family="medusa")
+
+
+def test_anchor_is_the_first_prediction_and_weights_decay():
+    drafter = _drafter()
+    embed, head, feats, ids, mask, teacher = _batch()
+    out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=torch.Generator().manual_seed(0))
+    b, K = out.blocks, 5
+    for row in range(2):
+        for j in range(4):
+            a = int(b.anchors[row, j])
+            q = slice(j * K, (j + 1) * K)
+            assert b.token_ids[row, q].tolist() == [int(ids[row, a])] + [V - 1] * (K - 1)
+            assert b.positions[row, q].tolist() == list(range(a, a + K))
+            for k in range(K):  # position k predicts x[a + k + 1], weight exp(-k/4) inside the sequence
+                inside = a + k + 1 < 32
+                assert int(b.labels[row, j * K + k]) == (int(ids[row, a + k + 1]) if inside else 0)
+                expected = torch.exp(torch.tensor(-k / 4)) if inside else torch.tensor(0.0)
+                torch.testing.assert_close(b.weights[row, j * K + k], expected)
+    assert out.tau.min() >= 1 and out.tau.max() <= K + 1
+
+
+def test_markov_head_reads_the_previous_token():
+    drafter = _drafter()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight)
+    embed, head, feats, ids, mask, _ = _batch()
+    hidden = torch.randn(3, H)
+    a, b = torch.tensor([1, 2, 3]), torch.tensor([1, 7, 3])
+    la, lb = drafter.logits(hidden, head, a), drafter.logits(hidden, head, b)
+    torch.testing.assert_close(la[[0, 2]], lb[[0, 2]])
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    torch.testing.assert_close(la[1] - lb[1], w2 @ (w1[2] - w1[7]), atol=1e-4, rtol=1e-4)
+    # the training loss uses the TRUE token before each label (the anchor first): recomputed by hand
+    g = torch.Generator().manual_seed(3)
+    out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=g)
+    blk = out.blocks
+    with torch.no_grad():
+        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa"))
+        prev = torch.gather(ids, 1, blk.positions.clamp(max=31))
+        logits = drafter.logits(h.reshape(-1, H), head, prev.reshape(-1))
+        conf = drafter.confidence_head(h.reshape(-1, H), drafter.markov_head.embed(prev.reshape(-1)))
+        hits = logits.argmax(-1) == blk.labels.reshape(-1)
+        per = F.cross_entropy(logits, blk.labels.reshape(-1), reduction="none") + \
+            F.binary_cross_entropy_with_logits(conf, hits.float(), reduction="none")  # no target: the fallback
+        w = blk.weights.reshape(-1)
+        torch.testing.assert_close(out.loss.loss.detach(), (per * w).sum() / w.sum())
+        # the previous token matters: a wrong one changes the loss
+        wrong = drafter.logits(h.reshape(-1, H), head, (prev.reshape(-1) + 1) % (V - 1))
+        assert not torch.allclose(wrong, logits)
+
+
+def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
+    drafter = _drafter()
+    embed, head, feats, ids, mask, teacher = _batch()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=6,
+                           generator=torch.Generator().manual_seed(0), teacher=teacher)
+        opt.zero_grad()
+        out.loss.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.loss.detach()))
+    # the BCE against a soft label cannot reach 0 (its floor is the label's entropy)
+    assert losses[-1] < 0.7 * losses[0], losses[::10]
+    assert drafter.markov_head.markov_w2.weight.abs().sum() > 0  # the Markov head learned
+    blk = out.blocks
+    with torch.no_grad():
+        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa"))
+        prev = torch.gather(ids, 1, blk.positions.clamp(max=31))
+        conf = drafter.confidence(h.reshape(-1, H), prev.reshape(-1))
+    assert ((conf > 0) & (conf < 1)).all() and conf.std() > 0
+    # without the target's distribution: the fallback loss also learns
+    drafter = _drafter(seed=1)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    first = last = None
+    for _ in range(60):
+        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=6, generator=torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        out.loss.loss.backward()
+        opt.step()
+        first, last = first or float(out.loss.loss.detach()), float(out.loss.loss.detach())
+    assert last < 0.6 * first, (first, last)
+
+
+def test_loss_terms_and_chunking():
+    """The TV term is exact for a sparse target (½ L1, the draft's mass outside the top-k in full), and
+    a loss computed in many small chunks equals the loss in one, gradients included."""
+    from dflash_ray.drafter import dspark
+
+    drafter = _drafter()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.1)
+    torch.nn.init.normal_(drafter.confidence_head.proj.weight, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(2, 6, H, generator=g, requires_grad=True), torch.randn(V, H, generator=g) * 0.2
+    prev, labels = torch.randint(0, V, (2, 6), generator=g), torch.randint(0, V, (2, 6), generator=g)
+    weights = torch.rand(2, 6, generator=g)
+    top = torch.softmax(torch.randn(2, 6, V, generator=g), -1).topk(5)
+    out = dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, top.indices, top.values)
+    grad = torch.autograd.grad(out.loss, hidden)[0]
+
+    h, p, y = hidden.reshape(-1, H), prev.reshape(-1), labels.reshape(-1)
+    logits = drafter.logits(h, head, p)
+    pd = torch.softmax(logits, -1)
+    pt = torch.zeros_like(pd).scatter_(1, top.indices.reshape(-1, 5), top.values.reshape(-1, 5))
+    pt = pt / pt.sum(-1, keepdim=True)
+    tv = 0.5 * (pd - pt).abs().sum(-1)
+    conf = drafter.confidence_head(h, drafter.markov_head.embed(p))
+    per = 0.1 * F.cross_entropy(logits, y, reduction="none") + 0.9 * tv + \
+        F.binary_cross_entropy_with_logits(conf, (1 - tv).detach(), reduction="none")
+    ref = (per * weights.reshape(-1)).sum() / weights.sum()
+    torch.testing.assert_close(out.loss, ref)
+    torch.testing.assert_close(grad, torch.autograd.grad(ref, hidden)[0])
+
+    old = dspark.MAX_CHUNK_LOGITS
+    dspark.MAX_CHUNK_LOGITS = 2 * V  # chunks of two rows
+    try:
+        chunked = dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, top.indices, top.values)
+        torch.testing.assert_close(torch.autograd.grad(chunked.loss, hidden)[0], grad)
+    finally:
+        dspark.MAX_CHUNK_LOGITS = old
+    torch.testing.assert_close(chunked.loss, out.loss)
+    assert torch.equal(chunked.correct, out.correct)
+
+
+def test_export_round_trip_in_vllm_dspark_format(tmp_path):
+    from safetensors import safe_open
+
+    from dflash_ray.drafter.export import load_drafter, save_drafter
+
+    drafter = _drafter()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight)
+    save_drafter(drafter, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DSparkDraftModel"] and config["model_type"] == "qwen3"
+    assert "dflash_config" not in config
+    assert {k: config[k] for k in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank",
+                                   "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")} == {
+        "block_size": 5, "mask_token_id": V - 1, "target_layer_ids": drafter.cfg.target_layer_ids, "markov_rank": 8,
+        "enable_confidence_head": True, "confidence_head_with_markov": True, "sample_from_anchor": True}
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias", "fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    loaded = load_drafter(tmp_path / "out")
+    assert isinstance(loaded, DSparkDrafter) and loaded.cfg == drafter.cfg
+    for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+
+
+def _trained_dspark(tmp_path, steps=150):
+    path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512, seed=3)
+    target = AutoModelForCausalLM.from_pretrained(path).eval()
+    embed, head = load_embed_and_head(path)
+    cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=[0, 1, 2], block_size=7,
+                      family="dspark", markov_rank=32)
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (8,), generator=g).tolist() for _ in range(3)]
+    refs = [target_decode(target, p, 48, eos_ids=set()) for p in prompts]
+    untrained = [speculative_decode(target, drafter, embed, head, p, 48, set()) for p in prompts]
+    seqs = torch.tensor([p + r.token_ids for p, r in zip(prompts, refs)])
+    mask = torch.zeros_like(seqs)
+    mask[:, 8:] = 1
+    want = torch.zeros_like(mask)
+    want[:, :-1] = mask[:, 1:]
+    feats, t_ids, t_probs = target_outputs(target, seqs, cfg.target_layer_ids, top_k=16, want_BS=want)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        out = forward_loss(drafter, embed, head, feats, seqs, mask, num_anchors=24, generator=g, teacher=(t_ids, t_probs))
+        opt.zero_grad()
+        out.loss.loss.backward()
+        opt.step()
+    return target, drafter.eval(), embed, head, prompts, refs, untrained
+
+
+def test_speculative_output_equals_target_decode(tmp_path):
+    target, drafter, embed, head, prompts, refs, untrained = _trained_dspark(tmp_path)
+    assert [u.token_ids for u in untrained] == [r.token_ids for r in refs]
+    trained = [speculative_decode(target, drafter, embed, head, p, 48, set()) for p in prompts]
+    assert [t.token_ids for t in trained] == [r.token_ids for r in refs]
+    tau = sum(sum(t.acceptance) for t in trained) / sum(len(t.acceptance) for t in trained)
+    assert tau > 2, [t.acceptance for t in trained]
+    assert max(max(t.acceptance) for t in trained) <= 8  # K = 7 drafts plus the bonus token
+
+
+def test_sampled_drafts_come_from_the_markov_conditioned_q():
+    """Each sampled draft's q is the warped base logits plus the Markov bias of the draft before it
+    (the anchor first): the q the verification divides by is the one the draft was drawn from."""
+    drafter = _drafter(markov_rank=8).eval()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight)
+    g = torch.Generator().manual_seed(0)
+    embed, head, context = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), torch.randn(1, 9, 2 * H, generator=g)
+    sampling = Sampling(0.7, 0.95, torch.Generator().manual_seed(1), greedy_drafts=False)
+    drafts, q = families.get("dspark").propose(drafter, context, 17, embed, head, sampling)
+    assert drafts.shape == (5,) and q.shape == (5, V)
+    with torch.no_grad():
+        ids = torch.full((1, 5), V - 1)
+        ids[0, 0] = 17
+        h = drafter(context, F.embedding(ids, embed), torch.arange(9, 14)[None],
+                    attention_masks(drafter, torch.tensor([[9]]), 9, "sdpa"))[0]
+        prev = torch.cat([torch.tensor([17]), drafts[:-1]])
+        torch.testing.assert_close(q, warp(drafter.logits(h, head, prev), 0.7, 0.95))
+    assert (q[torch.arange(5), drafts] > 0).all()
+    greedy, none = families.get("dspark").propose(drafter, context, 17, embed, head, Sampling())
+    assert none is None
+    with torch.no_grad():
+        prev = torch.cat([torch.tensor([17]), greedy[:-1]])
+        assert torch.equal(drafter.logits(h, head, prev).argmax(-1), greedy)
+
+
+@pytest.mark.timeout(1800)
+def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
+    """Sampled drafts, the first drawn from q conditioned on the anchor through the Markov head: the
+    first two tokens of 1,500 seeded one-step runs against the target's exact joint distribution
+    (chi-square at a 0.1% false-alarm rate), as the DFlash test does."""
+    from test_speculative import _chi_square_p_value  # tests/ is on the path (prepend import mode)
+
+    path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=24, seed=5)
+    target = AutoModelForCausalLM.from_pretrained(path).eval()
+    embed, head = load_embed_and_head(path)
+    cfg = from_target(target.config, mask_token_id=23, num_layers=1, target_layer_ids=[0, 1, 2], block_size=4,
+                      family="dspark", markov_rank=8)
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(cfg).eval()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)  # a Markov bias that matters
+    prompt, T, top_p, n = [3, 7, 1, 9, 4], 0.3, 0.9, 1500
+    with torch.no_grad():
+        p1 = warp(target(input_ids=torch.tensor([prompt])).logits[0, -1], T, top_p)
+        firsts = p1.nonzero().flatten().tolist()
+        seconds = warp(target(input_ids=torch.tensor([prompt + [x] for x in firsts])).logits[:, -1], T, top_p)
+    expected = {(a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(24)
+                if seconds[i, b] > 0}
+    sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=False)
+    counts, steps = {}, []
+    for _ in range(n):
+        out = speculative_decode(target, drafter, embed, head, prompt, 3, set(), sampling)  # one verify step
+        key = tuple(out.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+        steps.append(out.acceptance[0])
+    assert 1 in steps and max(steps) > 1, "both the accept and the reject paths must be exercised"
+    assert _chi_square_p_value(counts, expected, n) > 1e-3
+
+
+def _tiny_run_inputs(tmp_path, num_rows=4):
+    """A tiny target and a tokenized dataset of repeated random sequences."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ray import manifest, storage
+
+    target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": f"s{i}", "source": "x", "input_ids": torch.randint(0, 490, (12,), generator=g).repeat(4).tolist(),
+             "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48, "truncated": False} for i in range(num_rows)]
+    data = str(tmp_path / "data")
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    storage.write_bytes(storage.join(data, "part-0.parquet"), buf.getvalue())
+    manifest.write_manifest(data, kind="tokenized", files=[{"name": "part-0.parquet", "rows": num_rows}], summary={})
+    return target, data
+
+
+def test_train_drafter_dspark_reaches_the_workers(tmp_path):
+    """`train.drafter=dspark` through the training roles (as plain classes): the drafter config is
+    DSpark's, the target sends its top-k distribution without `train.distill`, and steps learn."""
+    from dflash_ray.config import load_config
+    from dflash_ray.train.coordinator import drafter_config
+    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+    target, data = _tiny_run_inputs(tmp_path)
+    cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.num_layers=1",
+                             "train.target_layer_ids=[0,1,2]", "train.num_anchors=16", "train.lr=3e-3",
+                             "train.distill_top_k=8"])
+    drafter_json = drafter_config(target, cfg)
+    assert drafter_json["architectures"] == ["DSparkDraftModel"] and drafter_json["markov_rank"] == 16
+    batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
+    assert batch["teacher_ids"].shape == (1, 48, 8)  # the TV term's target distribution, distill being 0
+    worker = DrafterWorker(target, json.dumps(drafter_json), "random", cfg.train, 0, 1)
+    assert isinstance(worker.drafter, DSparkDrafter)
+    worker.set_total_steps(25)
+    stats = [worker.train_step(step, batch) for step in range(25)]
+    assert stats[-1]["loss"] < 0.8 * stats[0]["loss"], [s["loss"] for s in stats]
+    assert 1 <= stats[-1]["tau"] <= 7 and 0 <= stats[-1]["acc_k1"] <= 1
+    assert max(worker.evaluate(batch)) >= 1
+
+
+def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
+    """`train.drafter=dspark` end to end on a local Ray cluster (two streams); its checkpoint's drafter
+    (the serving format) loads as DSpark and decodes losslessly."""
+    from dflash_ray.config import load_config
+    from dflash_ray.drafter.export import load_drafter
+    from dflash_ray.train import checkpoint
+    from dflash_ray.train.coordinator import run_train
+
+    target, data = _tiny_run_inputs(tmp_path, num_rows=8)
+    cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.actor_cpus=0.5",
+                             "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
+                             "train.lr=3e-3", "train.checkpoint_every=2", "train.epochs=1", "train.distill_top_k=8"])
+    out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)
+    assert out["step"] == out["total_steps"] == 4
+    step, files, _ = checkpoint.load_latest(str(tmp_path / "run"))
+    assert step == 4
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (drafter_dir / name).write_bytes(files[f"drafter/{name}"])
+    drafter = load_drafter(drafter_dir).eval()
+    assert isinstance(drafter, DSparkDrafter) and drafter.cfg.block_size == 6
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    embed, head = load_embed_and_head(target)
+    prompt = [5, 9, 31, 2, 77]
+    assert speculative_decode(model, drafter, embed, head, prompt, 24, set()).token_ids == \
+        target_decode(model, prompt, 24, set()).token_ids
