@@ -27,6 +27,7 @@ from dflash_ray.tiny_models import tiny_qwen3
 pytest.importorskip("vllm")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_vllm_loads_our_dspark_export_and_matches_it(tmp_path):
     target_dir = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512, head_dim=64)

@@ -33,7 +33,7 @@ from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import Sampling, warp
-from dflash_ray.drafter.step import StepOutput, attention_masks
+from dflash_ray.drafter.step import StepOutput, attention_masks, pad_to_bucket
 
 CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
 GAMMA = 4.0
@@ -163,11 +163,14 @@ def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.
                  input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
                  generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
                  gamma: float | None = None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 distill: float = 0.0) -> StepOutput:
+                 distill: float = 0.0, length_bucket: int = 1) -> StepOutput:
     """`teacher`: the target's top-k next-token distribution [B, S, k] (position p: token p + 1),
     which the TV term needs; None falls back to CE + BCE on hits. `fused` and `distill` are DFlash's
-    (the TV term already learns the target's distribution)."""
+    (the TV term already learns the target's distribution). `length_bucket`: as DFlash's, padding
+    the context so attention meets a bounded set of shapes."""
     cfg = drafter.cfg
+    features_BSF, input_ids_BS, loss_mask_BS, teacher = pad_to_bucket(length_bucket, features_BSF, input_ids_BS,
+                                                                      loss_mask_BS, teacher)
     B, S = input_ids_BS.shape
     K = cfg.block_size
     anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)

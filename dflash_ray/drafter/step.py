@@ -35,6 +35,16 @@ def pad_positions(length: int, *tensors_BS: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def pad_to_bucket(length_bucket: int, features_BSF: torch.Tensor, input_ids_BS: torch.Tensor,
+                  loss_mask_BS: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor] | None):
+    """A batch's positions padded up to a multiple of `length_bucket` (loss_mask 0 there)."""
+    padded = bucket_length(input_ids_BS.shape[1], length_bucket)
+    if padded > input_ids_BS.shape[1]:
+        features_BSF, input_ids_BS, loss_mask_BS = pad_positions(padded, features_BSF, input_ids_BS, loss_mask_BS)
+        teacher = tuple(pad_positions(padded, *teacher)) if teacher is not None else None
+    return features_BSF, input_ids_BS, loss_mask_BS, teacher
+
+
 def forward_loss(drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
                  input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
                  generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
@@ -45,10 +55,8 @@ def forward_loss(drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.
     `length_bucket`: the context is padded to a multiple of it (loss_mask 0 there, so the loss and
     the anchors drawn are those of the unpadded batch) to bound the shapes attention sees."""
     cfg = drafter.cfg
-    padded = bucket_length(input_ids_BS.shape[1], length_bucket)
-    if padded > input_ids_BS.shape[1]:
-        features_BSF, input_ids_BS, loss_mask_BS = pad_positions(padded, features_BSF, input_ids_BS, loss_mask_BS)
-        teacher = tuple(pad_positions(padded, *teacher)) if teacher is not None else None
+    features_BSF, input_ids_BS, loss_mask_BS, teacher = pad_to_bucket(length_bucket, features_BSF, input_ids_BS,
+                                                                      loss_mask_BS, teacher)
     anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
     blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id,
                          block_size=cfg.block_size, gamma=gamma, teacher=teacher, distill=distill)
