@@ -111,7 +111,7 @@ class GenerateConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenizeConfig:
     tokenizer: str = "qwen3"
-    max_seq_len: int = 4096
+    max_seq_len: int = 8192  # what training keeps of a sample; at least generate.max_model_len (check_lengths)
     overlong: Literal["drop", "truncate"] = "truncate"
     enable_thinking: bool = True  # template flag; must match how the data was generated
     batch_size: int = 256  # rows per Ray Data batch
@@ -384,6 +384,29 @@ def check(cfg: RunConfig) -> None:
     for i, uri in enumerate(cfg.pipeline.inputs):
         _check_uri(uri, f"pipeline.inputs[{i}]")
     _check_sources(cfg.prompts)
+
+
+def check_lengths(cfg: RunConfig) -> str | None:
+    """Generation's lengths against what training keeps, before an engine starts (the tokens past
+    `tokenize.max_seq_len` are paid for at generation and cut at tokenization).
+
+    Refused: an answer alone may be longer than training keeps (`generate.max_tokens` above
+    `tokenize.max_seq_len`): every long answer wastes its tail. Warned (returned): a long prompt plus
+    a long answer may be (`generate.max_model_len`, or the prompt budget plus `generate.max_tokens`).
+    """
+    g, keep = cfg.generate, cfg.tokenize.max_seq_len
+    if g.max_tokens > keep:
+        raise DFlashError(f"{g.max_tokens} generated tokens per answer, above tokenize.max_seq_len={keep} "
+                          "that training keeps: every longer answer's tail would be generated and thrown away; "
+                          f"allowed: <= {keep}, or raise tokenize.max_seq_len", field="generate.max_tokens")
+    budget = cfg.prompts.max_prompt_tokens or g.max_model_len
+    longest = min(g.max_model_len, budget + g.max_tokens)
+    if longest > keep:
+        return (f"generate.max_model_len={g.max_model_len} with prompts.max_prompt_tokens={cfg.prompts.max_prompt_tokens}"
+                f" and generate.max_tokens={g.max_tokens} lets a conversation reach {longest} tokens, above "
+                f"tokenize.max_seq_len={keep}: the tail of a long prompt's answer is generated and then cut "
+                f"(raise tokenize.max_seq_len to {longest}, or lower generate.max_model_len to {keep})")
+    return None
 
 
 def _check_uri(uri: str, where: str) -> None:

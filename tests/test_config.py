@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from dflash_ray.config import RunConfig, load_config
@@ -108,6 +110,21 @@ def test_edges_of_the_ranges_are_allowed():
                              "train.layer_types=[sliding_attention,full_attention]", "pipeline.inputs=[a.jsonl]",
                              "evaluate.ngram_min=3", "evaluate.ngram_max=3", "prompts.max_prompt_tokens=0"])
     assert cfg.train.target_layer_ids == [0, 3, 7] and cfg.pipeline.inputs == ["a.jsonl"]
+
+
+def test_generation_longer_than_training_keeps_is_refused_or_warned_naming_both_fields():
+    from dflash_ray.config import check_lengths
+
+    with pytest.raises(DFlashError) as e:  # every answer past 4096 tokens would lose its tail
+        check_lengths(load_config(None, ["generate.max_tokens=8192", "tokenize.max_seq_len=4096"]))
+    assert e.value.field == "generate.max_tokens" and "tokenize.max_seq_len=4096" in str(e.value)
+    warning = check_lengths(load_config(None, ["generate.max_tokens=2048", "generate.max_model_len=8192",
+                                               "prompts.max_prompt_tokens=4096", "tokenize.max_seq_len=4096"]))
+    assert "generate.max_model_len=8192" in warning and "tokenize.max_seq_len=4096" in warning
+    assert "6144" in warning  # the longest conversation: 4096 prompt + 2048 answer, within 8192
+    assert check_lengths(load_config(None, [])) is None  # the defaults keep every generated token
+    for preset in ("qwen3-8b.yaml", "qwen3.6-27b.yaml"):
+        assert check_lengths(load_config(str(Path(__file__).resolve().parent.parent / "configs" / preset))) is None
 
 
 def test_a_range_error_in_a_file_names_the_file(tmp_path):

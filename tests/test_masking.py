@@ -81,6 +81,7 @@ def test_length_policies():
     sample = replay(list(range(6)), list(range(4)))
     cut = apply_length_policy(sample, TokenizeConfig(max_seq_len=8, overlong="truncate"))
     assert cut.truncated and cut.input_ids.tolist() == list(range(6)) + [0, 1] and cut.loss_mask.sum() == 2
+    assert cut.cut == 2 and apply_length_policy(sample, TokenizeConfig(max_seq_len=10)).cut == 0
     with pytest.raises(BadRecord, match="over max_seq_len 8") as e:
         apply_length_policy(sample, TokenizeConfig(max_seq_len=8, overlong="drop"))
     assert e.value.kind == "overlong"

@@ -76,10 +76,16 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
         assert len(ids) == len(mask) == n and 0 < sum(mask) < n
     assert summary["tokens"] == sum(table["seq_len"].to_pylist())
 
-    # a rerun replaces the dataset: the old files are gone, the manifest lists only the new ones
-    write_completions(src, rows[:10])
-    summary = run_tokenize(src, out, cfg)
-    assert summary["rows_out"] == 10
+    assert summary["tokens_cut"] == 0 and summary["share_kept"] == 1.0  # dropped, not cut
+
+    # a rerun replaces the dataset: the old files are gone, the manifest lists only the new ones;
+    # truncation reports what it cut of what was generated
+    long = {**_completion(97, "x", "y"), "id": "long", "prompt_token_ids": list(range(100)),
+            "output_token_ids": [1] * 300}
+    write_completions(src, rows[:10] + [long])
+    summary = run_tokenize(src, out, load_config(None, ["tokenize.max_seq_len=256", "tokenize.batch_size=8"]))
+    assert summary["rows_out"] == 11 and summary["truncated"] == 1 and summary["tokens_cut"] == 400 - 256
+    assert summary["share_kept"] == round(summary["tokens"] / (summary["tokens"] + 144), 4) < 1
     assert storage.list_files(out, ".parquet") == manifest.dataset_files(out)
 
 

@@ -34,6 +34,7 @@ class Sample:
     input_ids: np.ndarray  # int32 [S]
     loss_mask: np.ndarray  # int8 [S]
     truncated: bool = False
+    cut: int = 0  # tokens truncation removed: generated (or written) but not trained on
 
 
 INT32_MAX = 2**31 - 1
@@ -187,7 +188,8 @@ def apply_length_policy(sample: Sample, cfg: TokenizeConfig) -> Sample:
         return sample
     if cfg.overlong == "drop":
         raise BadRecord(f"{len(sample.input_ids)} tokens, over max_seq_len {cfg.max_seq_len}", "overlong")
-    cut = Sample(sample.input_ids[: cfg.max_seq_len], sample.loss_mask[: cfg.max_seq_len], True)
+    cut = Sample(sample.input_ids[: cfg.max_seq_len], sample.loss_mask[: cfg.max_seq_len], True,
+                 len(sample.input_ids) - cfg.max_seq_len)
     if not cut.loss_mask.any():
         raise BadRecord(f"prompt fills max_seq_len {cfg.max_seq_len}: no response token left", "overlong")
     return cut
@@ -223,7 +225,8 @@ class TokenizeBatch:
                  ) -> tuple[dict[str, list], list[dict[str, Any]]]:
         """Returns the tokenized columns and the rejected rows (id, kind, reason, and the row's
         `where`: its file and line)."""
-        out: dict[str, list] = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "seq_len", "truncated")}
+        out: dict[str, list] = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "seq_len", "truncated",
+                                                 "cut")}
         rejects = []
         for i, row in enumerate(rows):
             try:
@@ -239,4 +242,5 @@ class TokenizeBatch:
             out["loss_mask"].append(sample.loss_mask)
             out["seq_len"].append(len(sample.input_ids))
             out["truncated"].append(sample.truncated)
+            out["cut"].append(sample.cut)
         return out, rejects

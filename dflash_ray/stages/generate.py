@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -34,10 +35,12 @@ from typing import Any
 
 from dflash_ray import manifest, storage
 from dflash_ray.cluster import connect, on_node
-from dflash_ray.config import GenerateConfig, RunConfig
+from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.generation.book import PROGRESS
 from dflash_ray.registry import pin
+
+log = logging.getLogger(__name__)
 
 
 def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
@@ -213,6 +216,9 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     if gcfg.samples_per_prompt < 1 or (gcfg.samples_per_prompt > 1 and gcfg.temperature <= 0):
         raise DFlashError(f"{gcfg.samples_per_prompt} samples per prompt need at least one, and more than one "
                           "needs temperature > 0 (greedy samples are all the same)", field="generate.samples_per_prompt")
+    length_warning = check_lengths(cfg)
+    if length_warning:
+        log.warning(length_warning)
     started = time.time()
     units = plan_units(manifest.dataset_files(prompts_uri, (".parquet",)), gcfg.shard_size)
     model = pin(model)  # a Hub id: the commit every generator reads, recorded in the manifest
@@ -220,7 +226,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     done = _finished_shards(output, plan)
     todo = [u for u in units if u["index"] not in done]
     summary = {"stage": "generate", "output": output, "model": model, "backend": gcfg.backend,
-               "shards": len(units), "shards_run": len(todo)}
+               "shards": len(units), "shards_run": len(todo), "length_warning": length_warning}
     committed = manifest.read_manifest(output) is not None
     if not todo and committed:
         return {**summary, **_totals(done), "generators_started": 0, "restarts": 0,

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from dflash_ray import manifest, storage
-from dflash_ray.config import RunConfig
+from dflash_ray.config import RunConfig, check_lengths
 from dflash_ray.errors import DFlashError, GateFailed
 
 
@@ -54,6 +54,8 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     for key in ("inputs", "workdir", "target"):
         if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
+    if not pcfg.responses:
+        check_lengths(cfg)  # a refused length pair fails before the prompts stage, not at generation
     work = pcfg.workdir
     started = time.time()
     timings: dict[str, float] = {}
@@ -97,6 +99,8 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         "generator_nodes": generated["generator_nodes"],
         "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],
         "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
+        "tokens_cut": tokenized["tokens_cut"], "share_kept": tokenized["share_kept"],
+        "length_warning": generated.get("length_warning"),
         "loss_tokens": report["stats"]["loss_tokens"],
         "response_fraction": round(report["stats"]["response_fraction"], 4),
         "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],

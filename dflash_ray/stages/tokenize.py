@@ -64,11 +64,12 @@ class _TokenizeUnit:
         self.output, self.prefix = output, prefix
 
     def __call__(self, unit: dict[str, Any]) -> dict[str, Any]:
-        tables, rejects = [], []
+        tables, rejects, cut = [], [], 0
         for rows, where, unreadable in _unit_rows(unit, self.batch_size):
             rejects += unreadable
             columns, batch_rejects = self.tokenize(rows, where)
             tables.append(to_table(columns))
+            cut += sum(columns["cut"])
             rejects += batch_rejects
         table = pa.concat_tables(tables) if tables else schema.TOKENIZED.empty_table()
         name = f"{self.prefix}-{int(unit['index']):06d}.parquet"
@@ -76,7 +77,7 @@ class _TokenizeUnit:
         pq.write_table(table, sink)
         storage.write_bytes(storage.join(self.output, name), sink.getvalue())
         seq_len = table["seq_len"].to_numpy()
-        return {"name": name, "rows": table.num_rows, "tokens": int(seq_len.sum()),
+        return {"name": name, "rows": table.num_rows, "tokens": int(seq_len.sum()), "tokens_cut": cut,
                 "truncated": int(table["truncated"].to_numpy(zero_copy_only=False).sum()),
                 "rejects": json.dumps(rejects)}
 
@@ -180,6 +181,10 @@ def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
         "truncated": sum(int(r["truncated"]) for r in results),
         "tokens": sum(int(r["tokens"]) for r in results), "files": len(entries),
     }
+    # what truncation threw away of what was generated: the cost of a generation length the training
+    # length does not keep (config.check_lengths)
+    summary["tokens_cut"] = sum(int(r["tokens_cut"]) for r in results)
+    summary["share_kept"] = round(summary["tokens"] / max(1, summary["tokens"] + summary["tokens_cut"]), 4)
     if num_rows_in != num_rows_out + num_rejected:
         raise DFlashError(f"{num_rows_in} rows in, {num_rows_out} written and {num_rejected} "
                           "rejected: rows were lost", file=input_uri)
