@@ -95,7 +95,8 @@ class GenerateConfig:
     # free memory. Set: vLLM's share of the GPU, or on CPU of the NUMA node (less its processes' footprint)
     memory_utilization: float | None = None
     engine_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (speculative_config, ...)
-    batch_size: int = 64  # prompts per engine call; the generator heartbeats between calls
+    batch_size: int = 64  # sequences an engine runs at once (vLLM's max_num_seqs): a finished answer's
+    # slot goes to the next prompt, of the same shard or the next one leased
     # degenerate outputs
     truncated: Literal["keep", "reject"] = "reject"  # answers cut at max_tokens
     repeat_max_period: int = 64  # a tail loop of up to this many tokens ...

@@ -31,9 +31,12 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.prompts = engine, []
 
-    def generate(self, prompts, seeds):
+    def submit(self, prompts, seeds):
         self.prompts += prompts
-        return self.engine.generate(prompts, seeds)
+        return self.engine.submit(prompts, seeds)
+
+    def __getattr__(self, name):  # step, unfinished, abort: the engine's own
+        return getattr(self.engine, name)
 
 
 def test_regenerate_is_the_default_for_conversations_and_keeps_the_user_turns():

@@ -25,6 +25,7 @@ from dflash_ray.config import GenerateConfig
 from dflash_ray.generation.book import PAUSED, PROGRESS, ShardBook
 
 NAMESPACE = "dflash-ray"
+HEARTBEAT_S = 5.0  # a generator renews its leases this often while its engine runs
 
 
 @ray.remote(num_cpus=0)
@@ -161,24 +162,52 @@ class Generator:
         self.rate.set_default_tags({"run": cfg.name, "generator": gid})
 
     def run(self) -> dict[str, Any]:
+        """Lease shards while the engine has room for their requests, so it stays full across
+        shards; each shard is written and committed as its last answer comes. A pending `lease` is
+        polled between engine steps (a paused pool holds it) and waited on only when the engine is
+        idle. `None` from the pool (drain, or no work left) stops leasing; the shards held finish."""
+        from dflash_ray.generation.shard import Stream
+
+        stream, units = Stream(self.gen), {}
+        asked, stopping = None, False
+        counts = {"shards": 0, "refused": 0, "tokens": 0}
+        began = beat = time.monotonic()
+        while True:
+            if asked is None and not stopping and stream.wants_more():
+                asked = self.pool.lease.remote(self.gid)
+            if asked is not None:
+                ready, _ = ray.wait([asked], timeout=0 if len(stream) else None)
+                if ready:
+                    unit, asked = ray.get(asked), None
+                    if unit is None:
+                        stopping = True
+                    else:
+                        units[int(unit["index"])] = unit
+                        stream.add(int(unit["index"]), read_unit(unit))
+            if not len(stream):
+                if stopping:
+                    return {"generator": self.gid, "shards": counts["shards"], "refused": counts["refused"],
+                            "pid": os.getpid()}
+                continue
+            for index, result in stream.step():
+                self._commit(units.pop(index), result, counts)
+                self.rate.set(counts["tokens"] / max(1e-9, time.monotonic() - began))
+            if time.monotonic() - beat > HEARTBEAT_S:
+                self.pool.heartbeat.remote(self.gid)
+                beat = time.monotonic()
+
+    def _commit(self, unit: dict[str, Any], result, counts: dict[str, int]) -> None:
         from dflash_ray.generation.shard import write_result
 
-        shards = refused = 0
-        while True:
-            unit = ray.get(self.pool.lease.remote(self.gid))
-            if unit is None:
-                return {"generator": self.gid, "shards": shards, "refused": refused, "pid": os.getpid()}
-            result = self.gen.run(read_unit(unit), heartbeat=lambda: self.pool.heartbeat.remote(self.gid))
-            names = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
-            entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions),
-                     "counts": result.counts(), "output_tokens": result.output_tokens,
-                     "seconds": round(result.seconds, 3), "generator": self.gid,
-                     "node": ray.util.get_node_ip_address()}  # where it ran: placement is checkable
-            if result.seconds > 0:
-                self.rate.set(result.output_tokens / result.seconds)
-            if ray.get(self.pool.complete.remote(self.gid, int(unit["index"]), entry)):
-                shards += 1
-            else:
-                refused += 1
-                for name in names.values():  # another generator finished this shard first
-                    storage.delete(storage.join(self.output, name))
+        names = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
+        entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions),
+                 "counts": result.counts(), "output_tokens": result.output_tokens,
+                 "seconds": round(result.seconds, 3), "generator": self.gid,
+                 "node": ray.util.get_node_ip_address()}  # where it ran: placement is checkable
+        counts["tokens"] += result.output_tokens
+        if ray.get(self.pool.complete.remote(self.gid, int(unit["index"]), entry)):
+            counts["shards"] += 1
+        else:
+            counts["refused"] += 1
+            for name in names.values():  # another generator finished this shard first
+                storage.delete(storage.join(self.output, name))

@@ -138,7 +138,8 @@ class ShardBook:
             "queue_depth": len(self.pending), "prompts_total": total, "prompts_done": done,
             "generators_target": self.target, "generators_alive": len(self.alive),
             "generators_draining": len(self.draining), "generators": sorted(self.alive, key=_generator_order),
-            "leased_by": {lease.generator: i for i, lease in self.leases.items()},
+            "leased_by": {g: sorted(i for i, lease in self.leases.items() if lease.generator == g)
+                          for g in sorted({lease.generator for lease in self.leases.values()})},
             "done_by": dict(collections.Counter(str(e.get("generator")) for e in self.done.values())),
             "paused": self.paused, "tokens_generated": self.tokens,
             "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,

@@ -51,7 +51,35 @@ class Output:
 
 
 class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Output]: ...
+    """A request queue the caller steps: requests enter whenever there is room and leave as they
+    finish, so one long answer does not hold a batch's other slots idle."""
+
+    def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[str]:
+        """Queue the prompts; returns their request ids."""
+
+    def step(self) -> list[tuple[str, Output]]:
+        """Advance the engine; returns the requests that finished."""
+
+    def unfinished(self) -> int:
+        """Requests queued or running."""
+
+    capacity: int  # sequences it runs at once: more requests than this wait their turn
+    token_budget: int | None  # prompt tokens one step can prefill (None: no limit)
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+def generate(engine: Engine, prompts: list[list[int]], seeds: list[int]) -> list[Output]:
+    """Run `prompts` to the end on an idle engine; the outputs in the prompts' order."""
+    ids = engine.submit(prompts, seeds)
+    done: dict[str, Output] = {}
+    try:
+        while len(done) < len(ids):
+            done.update(engine.step())
+    except BaseException:
+        engine.abort([i for i in ids if i not in done])
+        raise
+    return [done[i] for i in ids]
 
 
 def _on_gpu() -> bool:
@@ -279,7 +307,8 @@ class VLLMEngine:
 
         on_gpu = _on_gpu()
         kwargs: dict[str, Any] = {"max_model_len": cfg.max_model_len, "dtype": cfg.dtype, "seed": cfg.seed,
-                                  "tensor_parallel_size": cfg.tensor_parallel_size}
+                                  "tensor_parallel_size": cfg.tensor_parallel_size,
+                                  "max_num_seqs": cfg.batch_size}  # the sequences it keeps running at once
         if on_gpu or cfg.memory_utilization:
             kwargs["gpu_memory_utilization"] = cfg.memory_utilization or 0.9
         if not on_gpu:
@@ -296,15 +325,30 @@ class VLLMEngine:
             except Exception as e:
                 raise _start_error(e, engine_log.since(mark), kwargs, cfg) from e
         self.cfg = cfg
+        self.capacity = cfg.batch_size  # sequences it runs at once (max_num_seqs)
+        # prompt tokens one step prefills (a longer prefill is split across steps)
+        self.token_budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Output]:
+    def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[str]:
         from vllm import SamplingParams
 
         c = self.cfg
         params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=s)
                   for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [Output(list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "stop") for o in outs]
+        internal = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        # vLLM returns its internal ids ("{counter}-{8 random chars}"); outputs and aborts use the counter's
+        return [rid.split("-", 1)[0] for rid in internal]
+
+    def step(self) -> list[tuple[str, Output]]:
+        return [(o.request_id, Output(list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "stop"))
+                for o in self.llm.llm_engine.step() if o.finished]
+
+    def unfinished(self) -> int:
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids)
 
 
 def _start_error(e: Exception, lines: list[str], kwargs: dict[str, Any], cfg: GenerateConfig) -> DFlashError:
@@ -334,26 +378,46 @@ class HFEngine:
         if _on_gpu():
             self.model.cuda()
         self.cfg, self.stop_ids = cfg, stop_ids
+        self.queue: collections.deque[tuple[str, list[int], int]] = collections.deque()
+        self.count = 0
+        self.capacity, self.token_budget = 1, None  # one sequence at a time, whole
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Output]:
+    def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[str]:
+        ids = [str(self.count + i) for i in range(len(prompts))]
+        self.count += len(prompts)
+        self.queue.extend(zip(ids, prompts, seeds))
+        return ids
+
+    def step(self) -> list[tuple[str, Output]]:
+        """One request to its end: transformers' `generate` batches nothing here."""
+        if not self.queue:
+            return []
+        rid, ids, seed = self.queue[0]
+        out = self._one(ids, seed)
+        self.queue.popleft()
+        return [(rid, out)]
+
+    def unfinished(self) -> int:
+        return len(self.queue)
+
+    def abort(self, request_ids: list[str]) -> None:
+        gone = set(request_ids)
+        self.queue = collections.deque(r for r in self.queue if r[0] not in gone)
+
+    def _one(self, ids: list[int], seed: int) -> Output:
         import torch
 
-        c, outputs = self.cfg, []
-        for ids, seed in zip(prompts, seeds):
-            torch.manual_seed(seed)
-            x = torch.tensor([ids], device=self.model.device)
-            sample = c.temperature > 0
-            with torch.no_grad():
-                y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=c.max_tokens,
-                                        do_sample=sample, temperature=c.temperature if sample else None,
-                                        top_p=c.top_p if sample else None, top_k=None,
-                                        eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0])
-            new = y[0, len(ids):].tolist()
-            if new and new[-1] in self.stop_ids:
-                outputs.append(Output(new, "stop"))
-            else:
-                outputs.append(Output(new, "length"))
-        return outputs
+        c = self.cfg
+        torch.manual_seed(seed)
+        x = torch.tensor([ids], device=self.model.device)
+        sample = c.temperature > 0
+        with torch.no_grad():
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=c.max_tokens,
+                                    do_sample=sample, temperature=c.temperature if sample else None,
+                                    top_p=c.top_p if sample else None, top_k=None,
+                                    eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0])
+        new = y[0, len(ids):].tolist()
+        return Output(new, "stop" if new and new[-1] in self.stop_ids else "length")
 
 
 def make_engine(model_dir: str, cfg: GenerateConfig, stop_ids: list[int]) -> Engine:

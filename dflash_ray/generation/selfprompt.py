@@ -13,7 +13,7 @@ import collections
 from typing import Any, Iterator
 
 from dflash_ray.config import SelfPromptConfig
-from dflash_ray.generation.engines import Engine
+from dflash_ray.generation.engines import Engine, generate
 from dflash_ray.generation.shard import prompt_seed
 
 _SENTINEL = "\x1fUSER-MESSAGE\x1f"
@@ -46,7 +46,7 @@ def write_prompts(engine: Engine, tokenizer, cfg: SelfPromptConfig, indices: lis
     opening = user_turn_opening(tokenizer, cfg)
     for start in range(0, len(indices), batch_size):
         part = indices[start:start + batch_size]
-        outs = engine.generate([opening] * len(part), [prompt_seed(cfg.seed, f"self-{i}") for i in part])
+        outs = generate(engine, [opening] * len(part), [prompt_seed(cfg.seed, f"self-{i}") for i in part])
         yield [{"index": i, "text": tokenizer.decode(o.token_ids, skip_special_tokens=True).strip(),
                 "finish_reason": o.finish_reason} for i, o in zip(part, outs)]
 

