@@ -33,7 +33,7 @@ import re
 import time
 from typing import Any
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest, storage, writer
 from dflash_ray.cluster import connect, on_node
 from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
 from dflash_ray.errors import DFlashError, failure_cause
@@ -233,49 +233,51 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                 "seconds": round(time.time() - started, 1), "tokens_per_s": None}
     if todo:
         check_model(model)
-    if committed:  # the old dataset stops being complete now
-        storage.delete(storage.join(output, manifest.MANIFEST))
+    with writer.claim(output, "completions") as held:  # one run writes here; another is refused
+        if committed:  # the old dataset stops being complete now
+            storage.delete(storage.join(output, manifest.MANIFEST))
 
-    connect(cfg.ray)
-    try:
-        ray.get_actor(gcfg.name, namespace=NAMESPACE)
-        raise DFlashError(f"a generation named {gcfg.name!r} is running on this cluster; set another "
-                          "generate.name", field="generate.name")
-    except ValueError:
-        pass
-    pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
-        units, done, gcfg, output, plan)
-    fleet = _Fleet(pool, model, gcfg, output)
-    total = sum(u["count"] for u in units)
-    bar = tqdm(total=total, initial=total - sum(u["count"] for u in todo), desc="generate", unit=" prompts",
-               disable=not progress)
-    try:
-        while True:
-            # drained generators stop by themselves; late ones are killed and replaced
-            start_n, _, late = ray.get(pool.reconcile.remote(), timeout=POOL_TIMEOUT_S)
-            fleet.kill(late)
-            fleet.start(start_n)
-            status = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
-            bar.n = status["prompts_done"]
-            bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
-            if status["finished"]:
-                break
-            fleet.check_starting(status["generators_starting"])
-            fleet.poll(timeout=1.0)
-        final = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
-        done = ray.get(pool.done.remote(), timeout=POOL_TIMEOUT_S)
-        fleet.poll(timeout=5.0, final=True)  # idle generators return now that no shard is left
-    except DFlashError as e:
-        raise e.with_summary({"stage": "generate", "deaths": fleet.deaths})
-    finally:
-        bar.close()
-        fleet.stop()
-        ray.kill(pool)
-    summary.update(_totals(done), generators_started=fleet.started, restarts=fleet.restarts,
-                   deaths=fleet.deaths, seconds=round(time.time() - started, 1),
-                   tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"])
-    _commit(output, units, done, summary, cfg)
-    return summary
+        connect(cfg.ray)
+        try:
+            ray.get_actor(gcfg.name, namespace=NAMESPACE)
+            raise DFlashError(f"a generation named {gcfg.name!r} is running on this cluster; set another "
+                              "generate.name", field="generate.name")
+        except ValueError:
+            pass
+        pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
+            units, done, gcfg, output, plan)
+        fleet = _Fleet(pool, model, gcfg, output)
+        total = sum(u["count"] for u in units)
+        bar = tqdm(total=total, initial=total - sum(u["count"] for u in todo), desc="generate", unit=" prompts",
+                   disable=not progress)
+        try:
+            while True:
+                # drained generators stop by themselves; late ones are killed and replaced
+                start_n, _, late = ray.get(pool.reconcile.remote(), timeout=POOL_TIMEOUT_S)
+                fleet.kill(late)
+                fleet.start(start_n)
+                status = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
+                bar.n = status["prompts_done"]
+                bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
+                if status["finished"]:
+                    break
+                fleet.check_starting(status["generators_starting"])
+                fleet.poll(timeout=1.0)
+            final = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
+            done = ray.get(pool.done.remote(), timeout=POOL_TIMEOUT_S)
+            fleet.poll(timeout=5.0, final=True)  # idle generators return now that no shard is left
+        except DFlashError as e:
+            raise e.with_summary({"stage": "generate", "deaths": fleet.deaths})
+        finally:
+            bar.close()
+            fleet.stop()
+            ray.kill(pool)
+        summary.update(_totals(done), generators_started=fleet.started, restarts=fleet.restarts,
+                       deaths=fleet.deaths, seconds=round(time.time() - started, 1),
+                       tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"])
+        held.check()
+        _commit(output, units, done, summary, cfg)
+        return summary
 
 
 def _totals(done: dict[int, dict[str, Any]]) -> dict[str, Any]:

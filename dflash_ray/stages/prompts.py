@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest, storage, writer
 from dflash_ray.config import RunConfig
 from dflash_ray.data import mix, schema
 from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered
@@ -67,6 +67,12 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
     """Prompt shards for generation; with `responses`, completion shards of the records' own last
     assistant answers instead (existing responses: tokenize reads them as it reads generated ones).
     The sources are `inputs` (all of each) and the mix of `prompts.sources` (see `mix`)."""
+    with writer.claim(output, "completions" if responses else "prompts") as held:
+        return _prompts(inputs, output, cfg, progress, responses, held)
+
+
+def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, responses: bool,
+             held: writer.Claim) -> dict[str, Any]:
     import sys
 
     pcfg = cfg.prompts
@@ -172,6 +178,7 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
         summary.update({**checks, "warnings": warnings + checks["warnings"]})
     if rows:
         flush()
+    held.check()
     storage.write_text(storage.join(output, QUARANTINE), report)
     manifest.commit(output, kind="completions" if responses else "prompts", files=shards, summary=summary,
                     config=cfg.to_dict(), prefix=f"{stage}-")

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest, storage, writer
 from dflash_ray.cluster import connect
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data import schema
@@ -150,6 +150,11 @@ def work_units(files: list[str]) -> tuple[list[dict[str, Any]], int, list[dict[s
 
 
 def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
+    with writer.claim(output, "tokenized") as held:
+        return _tokenize(input_uri, output, cfg, held)
+
+
+def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -> dict[str, Any]:
     import ray
     import ray.data
 
@@ -198,6 +203,7 @@ def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
         raise DFlashError(f"no samples out of {num_rows_in} rows ({num_rejected} rejected, by kind "
                           f"{kinds_text}); the reasons are in {summary['rejected_file']}",
                           file=input_uri).with_summary(summary)
+    held.check()
     storage.write_text(storage.join(output, REJECTED), report)
     manifest.commit(output, kind="tokenized", files=entries, summary=summary, config=cfg.to_dict(),
                     prefix="tokenized-")

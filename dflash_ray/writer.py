@@ -1,0 +1,118 @@
+"""One writer per output folder, and only of the output's own kind.
+
+A stage that writes a dataset first claims its folder (`claim`): it refuses a folder whose
+manifest holds another kind of dataset (prompts pointed at a tokenized folder would orphan its
+shards), and one another live run is writing (two runs into one folder would each report ok while
+one's records are lost). The claim is a small `_writer.json` (owner, host, pid, heartbeat) that a
+thread renews while the stage runs, on local disk and S3 alike. A claim whose heartbeat is older
+than `TIMEOUT_S`, or whose process on this host is gone (a crashed run being resumed), is taken
+over, and the log says so. Before its manifest is written a stage checks that the claim is still
+its own (`Claim.check`), so a run that lost its folder fails instead of replacing another's dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from dflash_ray import manifest, storage
+from dflash_ray.errors import DFlashError
+
+log = logging.getLogger(__name__)
+
+WRITER = "_writer.json"
+TIMEOUT_S = 120.0  # a claim silent this long is stale
+RENEW_S = TIMEOUT_S / 4
+
+
+def _alive_here(claim: dict[str, Any]) -> bool:
+    """False when the claim's process ran on this host and is gone."""
+    if claim.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(claim["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return True
+    return True
+
+
+def _read(uri: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(storage.read_text(uri))
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+class Claim:
+    def __init__(self, folder: str, kind: str, owner: str):
+        self.folder, self.kind, self.owner = folder, kind, owner
+        self.uri = storage.join(folder, WRITER)
+        self.took_over: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name=f"claim {folder}", daemon=True)
+
+    def _body(self) -> str:
+        return json.dumps({"owner": self.owner, "kind": self.kind, "host": socket.gethostname(),
+                           "pid": os.getpid(), "heartbeat": time.time()})
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            try:
+                if (_read(self.uri) or {}).get("owner") == self.owner:
+                    storage.write_text(self.uri, self._body())
+            except Exception as e:  # a storage hiccup: the next beat tries again
+                log.warning("renewing the claim on %s: %s", self.folder, e)
+
+    def check(self) -> None:
+        """Refuse to commit when another run has taken the folder meanwhile."""
+        now = _read(self.uri)
+        if (now or {}).get("owner") != self.owner:
+            raise DFlashError(f"another run took this output while this one ran ({_who(now)}); nothing was "
+                              "committed: rerun into a folder of its own", file=self.folder)
+
+    def release(self) -> None:
+        self._stop.set()
+        if (_read(self.uri) or {}).get("owner") == self.owner:
+            storage.delete(self.uri)
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _who(claim: dict[str, Any] | None) -> str:
+    if not claim:
+        return "its claim is gone"
+    age = time.time() - float(claim.get("heartbeat", 0))
+    return f"a {claim.get('kind')} run, pid {claim.get('pid')} on {claim.get('host')}, heard from {age:.0f} s ago"
+
+
+def claim(folder: str, kind: str, *, also: tuple[str, ...] = ()) -> Claim:
+    """Claim `folder` for a run writing a `kind` dataset (`also`: other kinds it may replace)."""
+    existing = manifest.read_manifest(folder)
+    if existing is not None and existing.get("kind") not in (kind, *also):
+        raise DFlashError(f"holds a '{existing.get('kind')}' dataset (its {manifest.MANIFEST}); a {kind} run would "
+                          "replace it: give an output folder of its own", file=folder)
+    c = Claim(folder, kind, uuid.uuid4().hex)
+    held = _read(c.uri)
+    if held is not None:
+        fresh = time.time() - float(held.get("heartbeat", 0)) < TIMEOUT_S
+        if fresh and _alive_here(held):
+            raise DFlashError(f"another run is writing this output ({_who(held)}); wait for it to end or give "
+                              f"another folder (a claim silent for {TIMEOUT_S:.0f} s is taken over)", file=folder)
+        log.warning("taking over %s from a run that is gone (%s)", folder, _who(held))
+        c.took_over = held
+    storage.write_text(c.uri, c._body())
+    c.check()  # two claims at once: the last write wins, the other run stops here
+    c._thread.start()
+    return c
