@@ -68,6 +68,12 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl")) 
     return files
 
 
+def listed_rows(uri: str) -> dict[str, int]:
+    """Each data file's row count as its dataset's manifest promised it (empty: no manifest)."""
+    found = read_manifest(uri) if not str(uri).endswith((".parquet", ".jsonl")) else None
+    return {storage.join(uri, e["name"]): int(e["rows"]) for e in (found or {}).get("files", []) if "rows" in e}
+
+
 def commit(folder: str, *, kind: str, files: list[dict[str, Any]], summary: dict[str, Any],
            config: dict[str, Any] | None, prefix: str) -> str:
     """Make a finished run the dataset: write its manifest (replacing an earlier run's in one

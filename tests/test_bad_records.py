@@ -185,6 +185,23 @@ def test_tokenize_rejects_bad_rows_with_file_and_line_and_goes_on(ray_cluster, t
     assert manifest.read_manifest(out) == before and len(manifest.dataset_files(out)) == len(before["files"])
 
 
+def test_a_listed_shard_that_cannot_be_read_counts_every_row_its_manifest_promised(ray_cluster, tmp_path):
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    folder = tmp_path / "completions"
+    folder.mkdir()
+    (folder / "completions-a.parquet").write_bytes(_parquet_bytes(pa.Table.from_pylist([_completion(0)])))
+    good = _parquet_bytes(pa.Table.from_pylist([_completion(i) for i in range(1, 33)]))
+    (folder / "completions-b.parquet").write_bytes(good[:-8] + b"\0" * 8)  # right size, footer gone
+    files = [{"name": "completions-a.parquet", "rows": 1}, {"name": "completions-b.parquet", "rows": 32}]
+    manifest.write_manifest(str(folder), kind="completions", summary={}, files=files)
+    summary = run_tokenize(str(folder), str(tmp_path / "tokenized"),
+                           load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"]))
+    assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (33, 1, 32)
+    (lost,) = json.loads("[" + storage.read_text(summary["rejected_file"]).strip() + "]")
+    assert lost["rows"] == 32 and lost["file"].endswith("completions-b.parquet") and "32 rows lost" in lost["reason"]
+
+
 # -- validate: the wrong thing given, and datasets of any layout -------------------------------
 
 def test_validate_on_records_names_the_file_and_the_command(tmp_path, capsys):

@@ -116,9 +116,11 @@ def _unit_rows(unit: dict[str, Any], batch_size: int) -> Iterator[tuple[list, li
         first += batch.num_rows
 
 
-def work_units(files: list[str]) -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]]:
+def work_units(files: list[str], listed: dict[str, int] | None = None
+               ) -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]]:
     """One unit per Parquet row group (per JSONL file), the number of input rows, and the rejects
-    of files that cannot be read (each counts as one row).
+    of files that cannot be read: each counts as the rows its manifest lists (`listed`), or one row
+    when no manifest says.
 
     The driver hands Ray Data this explicit list rather than using a Ray Data reader: the reader's
     file-listing task would wait for a CPU that the tokenizer actors hold.
@@ -135,8 +137,10 @@ def work_units(files: list[str]) -> tuple[list[dict[str, Any]], int, list[dict[s
                 with fs.open_input_file(path) as f:
                     meta = pq.ParquetFile(f).metadata
             except (pa.ArrowException, OSError) as e:
-                unreadable.append(_unreadable(uri, f"not a readable Parquet file: {e}", 1))
-                rows += 1
+                lost = (listed or {}).get(uri, 1)
+                unreadable.append(_unreadable(uri, f"not a readable Parquet file ({lost} rows lost"
+                                              f"{'' if uri in (listed or {}) else ', count unknown'}): {e}", lost))
+                rows += lost
                 continue
             first = 0
             for g in range(meta.num_row_groups):
@@ -160,7 +164,7 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
 
     tcfg = cfg.tokenize
     files = manifest.dataset_files(input_uri, (".parquet", ".jsonl"))
-    units, num_rows_in, rejects = work_units(files)
+    units, num_rows_in, rejects = work_units(files, manifest.listed_rows(input_uri))
     connect(cfg.ray)
 
     prefix = f"tokenized-{uuid.uuid4().hex[:12]}"  # this run's files: an earlier run's stay whole until commit
