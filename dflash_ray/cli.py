@@ -13,7 +13,7 @@ import sys
 from typing import Any, Callable
 
 from dflash_ray.config import RunConfig, load_config
-from dflash_ray.errors import DFlashError, GateFailed
+from dflash_ray.errors import DFlashError, GateFailed, Interrupted
 
 
 def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             raise DFlashError("no such file or object", file=e.filename or str(e)) from None
         except PermissionError as e:
             raise DFlashError("permission denied", file=e.filename or str(e)) from None
+        except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
+            raise Interrupted("interrupted: this run committed nothing; the same command starts it again "
+                              "(generation and training resume where they were)") from None
         except Exception as e:
             if type(e).__module__.startswith("botocore"):  # S3: no bucket, no credentials, denied
                 raise DFlashError(f"S3: {e}") from None

@@ -36,6 +36,11 @@ class MissingObject(DFlashError, FileNotFoundError):
     __str__ = Exception.__str__  # the message, not OSError's "[Errno None] ..."
 
 
+class Interrupted(DFlashError):
+    """Ctrl-C: the run stopped cleanly; the message says where it can resume from."""
+    exit_code = 130
+
+
 class GateFailed(DFlashError):
     """The validation gate refused a dataset: the message names each failed rule and its numbers."""
 

@@ -270,6 +270,37 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
     assert summary["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1
 
 
+def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_cluster, target, data, tmp_path,
+                                                                            capsys):
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    from dflash_ray.cli import main
+    from dflash_ray.train import checkpoint
+
+    out = str(tmp_path / "cli")
+    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
+            *[x for s in SETTINGS for x in ("--set", s)], "--set", "train.epochs=100"]
+
+    def interrupt_after_a_checkpoint():
+        while not checkpoint.complete_steps(out):
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the terminal sends it
+
+    threading.Thread(target=interrupt_after_a_checkpoint, daemon=True).start()
+    assert main(args) == 130
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert not summary["ok"] and summary["exit_code"] == 130 and "Traceback" not in captured.err
+    first = checkpoint.complete_steps(out)[0]
+    assert f"last checkpoint is step {first}" in summary["error"] and "--resume" in summary["error"]
+    assert main(args + ["--resume", "--stop-after-step", str(first + 1)]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == first + 1
+
+
 def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, target, data, tmp_path):
     from dflash_ray.errors import DFlashError
 

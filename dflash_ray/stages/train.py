@@ -12,7 +12,7 @@ from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
-from dflash_ray.errors import DFlashError
+from dflash_ray.errors import DFlashError, Interrupted
 from dflash_ray.train.coordinator import Coordinator
 from dflash_ray.train.devices import check_resources
 from dflash_ray.train.trackers import check_installed, driver_env
@@ -34,6 +34,17 @@ def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
                          label="held-out")
             axes[1].legend()
     return buf.getvalue()
+
+
+def _interrupted(output: str, step: int) -> Interrupted:
+    """Where a run stopped by Ctrl-C can go on from: the same command resumes from its newest checkpoint."""
+    from dflash_ray.train import checkpoint
+
+    done = checkpoint.complete_steps(output)
+    where = (f"its last checkpoint is step {done[-1]} ({checkpoint.step_dir(output, done[-1])})" if done
+             else "no checkpoint was written yet, so it starts over")
+    return Interrupted(f"interrupted at step {step}; {where}: run the same command with --resume to go on",
+                       file=output)
 
 
 def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after_step: int | None = None,
@@ -60,7 +71,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
                                                   resources=on_node(cfg.ray.head_resource)).remote(
         target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)
-    bar = None
+    bar, step = None, 0
     try:
         while not ray.wait([run_ref], timeout=2.0)[0]:
             state = ray.get(coordinator.progress.remote())
@@ -68,7 +79,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
                 continue
             if bar is None:
                 bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
-            bar.n = state["step"]
+            bar.n = step = state["step"]
             if state["last"]:
                 bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
             bar.refresh()
@@ -77,6 +88,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         if isinstance(e.cause, DFlashError):  # the coordinator's own error, as it raised it
             raise e.cause from None
         raise
+    except KeyboardInterrupt:
+        raise _interrupted(output, step) from None
     finally:
         if bar is not None:
             bar.close()
