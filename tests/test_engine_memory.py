@@ -137,21 +137,19 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
     """The bar of issue 13: not nine restarts of the same failure, and the cause in the message."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cli = Path(sys.executable).with_name("dflash-ray")
-    started = time.monotonic()
     done = subprocess.run([str(cli), "generate", "--prompts", few_prompts, "--output", str(tmp_path / "out"),
                            "--model", SMOLLM2, "--generators", "2", "--json", "--set", "ray.num_cpus=2",
                            "--set", f"generate.memory_utilization={tiny_share()}",
                            "--set", "generate.max_model_len=1024"],
                           capture_output=True, text=True, env=env, timeout=300)
-    seconds = time.monotonic() - started
     assert done.returncode == 2, done.stderr[-3000:]
-    assert seconds < 90, seconds
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     error = summary["error"]
     assert "before its first shard" in error and "stopped at once" in error
     assert "ValueError: Available memory on node" in error  # vLLM's own words, from its worker's log
     assert f"generate.memory_utilization={float(tiny_share())}" in error
-    assert len(summary["deaths"]) <= 2  # both generators at most, never the restart budget
+    assert len(summary["deaths"]) <= 2  # both generators at most, never the restart budget: fast, whatever the
+    # machine's speed (a bound in seconds failed on a loaded 2-core machine at 108 s)
     assert "Available memory on node" in done.stderr  # the human message says it too
 
 
