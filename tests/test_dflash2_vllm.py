@@ -68,4 +68,5 @@ def test_vllm_loads_our_dflash2_export_and_matches_it(tmp_path):
     diffs = result["max_abs_diff"]
     assert set(diffs) >= {"fc", "layer0.context_k", "layer1.mlp", "norm", "layer0.attention_conv.pre",
                           "layer1.mlp_conv.post", "selector_scores", "candidate_logits", "candidate_ids"}
-    assert all(d < 1e-4 for d in diffs.values()), diffs
+    far = {name: d for name, d in diffs.items() if d >= 1e-4}
+    assert not far, far

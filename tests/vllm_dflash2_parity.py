@@ -54,7 +54,7 @@ def _conv_diffs(theirs, mine, K: int, H: int, g: torch.Generator) -> dict:
             "post": (post - mine.convolve(y[None], delta[:, :, 1], 1)[0]).abs().max()}
 
 
-def _selector_diffs(model, drafter, g: torch.Generator) -> dict:
+def _selector_diffs(model, drafter, head: torch.Tensor, g: torch.Generator) -> dict:
     """vLLM's edge scores [b, l, C, C] for two requests, its top-C candidates of the head, against ours."""
     cfg, sel = drafter.cfg, drafter.candidate_selector
     b, steps, C = 2, cfg.block_size - 1, cfg.selector_top_k
@@ -64,8 +64,6 @@ def _selector_diffs(model, drafter, g: torch.Generator) -> dict:
     anchors = torch.randint(0, cfg.vocab_size, (b,), generator=g)
     theirs = model.model.candidate_selector(cand, unary, hidden, anchors)
     ours = torch.stack([sel.edge_scores(hidden[i], int(anchors[i]), cand[i], unary[i]) for i in range(b)])
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    model.lm_head.weight.data.copy_(head)
     ids, values = model.compute_candidates(hidden.flatten(0, 1))
     our_values, our_ids = (hidden.flatten(0, 1) @ head.t()).topk(C, -1)
     return {"selector_scores": (theirs - ours).abs().max(), "candidate_logits": (values - our_values).abs().max(),
@@ -101,6 +99,8 @@ def main(target_dir: str, drafter_dir: str) -> dict:
         model.load_weights(exported.items())  # an unknown name raises here
         result.update(_weights(model, exported))
         result["conv_block_size"] = model.model.layers[0].attention_conv.block_size
+        head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        model.lm_head.weight.data.copy_(head)  # the target's, shared at serving time
         # the CPU linear layers repack their weights for inference: compared above, before this
         process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
 
@@ -125,7 +125,7 @@ def main(target_dir: str, drafter_dir: str) -> dict:
                 for side, d in _conv_diffs(getattr(theirs, name), getattr(mine, name), cfg.block_size, H, g).items():
                     diffs[f"layer{i}.{name}.{side}"] = d
         diffs["norm"] = (model.model.norm(x) - drafter.norm(x)).abs().max()
-        diffs.update(_selector_diffs(model, drafter, g))
+        diffs.update(_selector_diffs(model, drafter, head, g))
         result["max_abs_diff"] = {name: float(d) for name, d in diffs.items()}
     return result
 
