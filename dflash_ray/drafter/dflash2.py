@@ -13,6 +13,8 @@ residual receives conv₁(sublayer output), where conv_s(x)[i, c] = Σ_t (base[s
 · x[i-t, c], a tap t counting only when i - t is in the same block. Identity start (vLLM applies the
 kernel as is, no residual around it): base tap 0 = 1, other taps 0, kernel_projection = 0, so an
 untrained DFlash2 computes exactly what DFlash does with the same backbone weights.
+vLLM takes the convolution's block as 1 + `num_speculative_tokens`: serve with block_size - 1 drafts,
+or the taps are masked at other positions than in training.
 
 Candidate selector: per drafted position, the target head's top-C tokens with their logits as unary
 scores; predecessor p → candidate c scores `unary[c] + Σ_r A[p, r] · (W h)_r · B[c, r]` (A, B the
