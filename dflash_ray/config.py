@@ -170,8 +170,12 @@ class TrainConfig:
     length_bucket: int = 512  # the drafter pads each batch's context to a multiple of this (the target runs
     # unpadded), so compiled attention meets at most max_seq_len / length_bucket shapes: one graph each
     # drafter architecture
-    drafter: str = "dflash"  # the drafter family (dflash_ray/drafter/families.py): dflash or dspark
+    drafter: str = "dflash"  # the drafter family (dflash_ray/drafter/families.py): dflash, dspark or dflash2
     markov_rank: int = 256  # dspark: rank of its Markov head
+    conv_kernel_size: int = 2  # dflash2: taps of the grouped convolution around each sublayer
+    conv_group_size: int = 16  # dflash2: channels per dynamic kernel group (must divide the hidden size)
+    selector_rank: int = 256  # dflash2: rank of the candidate selector's codebooks
+    selector_top_k: int = 16  # dflash2: candidates per block position (the target head's top-K)
     num_layers: int = 1
     num_heads: int | None = None  # drafter attention shape; None: the target's
     num_kv_heads: int | None = None
@@ -322,6 +326,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0),
     "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
     "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1), "train.markov_rank": _at_least(1),
+    "train.conv_kernel_size": _at_least(1), "train.conv_group_size": _at_least(1),
+    "train.selector_rank": _at_least(1), "train.selector_top_k": _at_least(1),
     "pipeline.eval_prompts": _at_least(0),
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),

@@ -42,13 +42,13 @@ def test_family_registry_and_config_choice():
     from dflash_ray.config import RunConfig, TrainConfig
     from dflash_ray.errors import DFlashError
 
-    assert set(families.FAMILIES) == {"dflash", "dspark"}
+    assert set(families.FAMILIES) == {"dflash", "dspark", "dflash2"}
     assert families.get("dspark").first_prediction == 0 and families.get("dflash").first_prediction == 1
     assert families.of_architecture(["DSparkDraftModel"]).name == "dspark"
-    with pytest.raises(DFlashError, match=r"train.drafter.*\['dflash', 'dspark'\]"):
+    with pytest.raises(DFlashError, match=r"train.drafter.*\['dflash', 'dspark', 'dflash2'\]"):
         RunConfig(train=TrainConfig(drafter="eagle"))
     assert RunConfig(train=TrainConfig(drafter="dspark")).train.drafter == "dspark"
-    with pytest.raises(ValueError, match="valid: dflash, dspark"):
+    with pytest.raises(ValueError, match="valid: dflash, dspark, dflash2"):
         _drafter(family="medusa")
 
 

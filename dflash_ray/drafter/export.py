@@ -1,5 +1,5 @@
 """The checkpoint formats that vLLM and SGLang load: `DFlashDraftModel` (vLLM `qwen3_dflash`,
-SGLang `dflash`) and `DSparkDraftModel` (vLLM `qwen3_dspark`).
+SGLang `dflash`), `DSparkDraftModel` (vLLM `qwen3_dspark`) and `DFlash2DraftModel` (vLLM `qwen3_dflash2`).
 
 `config.json`: Qwen3 fields for the draft layers, `block_size`, `num_target_layers`, `layer_types`,
 `sliding_window`, then the family's own fields (`families.Family.hf_config`): for DFlash

@@ -8,6 +8,8 @@ only when it is asked for.
 - `dflash`: block `[x_a, MASK x K-1]`, position k predicts x[a+k], k = 0 is not a prediction.
 - `dspark`: the DFlash backbone with the anchor as first prediction (position k predicts
   x[a+k+1]), a low-rank Markov head on the previous token, and a confidence head.
+- `dflash2`: DFlash's block and positions, a grouped dynamic convolution around every sublayer, and
+  a candidate selector that walks the target head's top-K per position, scored by the token before.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ if TYPE_CHECKING:
     from dflash_ray.drafter.speculative import Sampling
     from dflash_ray.drafter.step import StepOutput
 
-FAMILIES = {"dflash": "dflash_ray.drafter.dflash", "dspark": "dflash_ray.drafter.dspark"}
+FAMILIES = {"dflash": "dflash_ray.drafter.dflash", "dspark": "dflash_ray.drafter.dspark",
+            "dflash2": "dflash_ray.drafter.dflash2"}
 
 
 class Family(Protocol):

@@ -51,6 +51,8 @@ def init_from_target(drafter: DFlashDrafter, target_dir: str | Path) -> list[int
     layer_tensors = {(int(m.group(1)), m.group(2)): v for k, v in tensors.items() if (m := _LAYER.match(k))}
     for layer, src in zip(drafter.layers, sources):
         for name, param in layer.named_parameters():
+            if name.startswith(getattr(layer, "not_in_target", ())):  # a family's own parts keep their start
+                continue
             value = layer_tensors.get((src, name))
             if value is None:
                 if name.endswith(("q_norm.weight", "k_norm.weight")):

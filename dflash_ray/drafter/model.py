@@ -140,12 +140,14 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_cls = DecoderLayer  # a family may wrap the sublayers (DFlash2's convolutions)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters()
 
