@@ -295,10 +295,10 @@ def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
     assert not summary["ok"] and summary["exit_code"] == 130 and "Traceback" not in captured.err
-    first = checkpoint.complete_steps(out)[0]
-    assert f"last checkpoint is step {first}" in summary["error"] and "--resume" in summary["error"]
-    assert main(args + ["--resume", "--stop-after-step", str(first + 1)]) == 0
-    assert json.loads(capsys.readouterr().out)["step"] == first + 1
+    last = checkpoint.complete_steps(out)[-1]
+    assert f"last checkpoint is step {last}" in summary["error"] and "--resume" in summary["error"]
+    assert main(args + ["--resume", "--stop-after-step", str(last + 1)]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == last + 1
 
 
 def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, target, data, tmp_path):

@@ -36,14 +36,14 @@ def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
     return buf.getvalue()
 
 
-def _interrupted(output: str, step: int) -> Interrupted:
+def _interrupted(output: str) -> Interrupted:
     """Where a run stopped by Ctrl-C can go on from: the same command resumes from its newest checkpoint."""
     from dflash_ray.train import checkpoint
 
     done = checkpoint.complete_steps(output)
     where = (f"its last checkpoint is step {done[-1]} ({checkpoint.step_dir(output, done[-1])})" if done
              else "no checkpoint was written yet, so it starts over")
-    return Interrupted(f"interrupted at step {step}; {where}: run the same command with --resume to go on",
+    return Interrupted(f"interrupted; {where}: run the same command with --resume to go on",
                        file=output)
 
 
@@ -71,7 +71,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
                                                   resources=on_node(cfg.ray.head_resource)).remote(
         target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)
-    bar, step = None, 0
+    bar = None
     try:
         while not ray.wait([run_ref], timeout=2.0)[0]:
             state = ray.get(coordinator.progress.remote())
@@ -79,7 +79,7 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
                 continue
             if bar is None:
                 bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
-            bar.n = step = state["step"]
+            bar.n = state["step"]
             if state["last"]:
                 bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
             bar.refresh()
@@ -89,7 +89,11 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
             raise e.cause from None
         raise
     except KeyboardInterrupt:
-        raise _interrupted(output, step) from None
+        try:
+            ray.get(coordinator.stop.remote(), timeout=60)
+        except Exception:  # the coordinator is gone already: so are its actors
+            pass
+        raise _interrupted(output) from None
     finally:
         if bar is not None:
             bar.close()

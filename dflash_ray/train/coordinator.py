@@ -78,6 +78,7 @@ class Coordinator:
                  init: str, tracking_env: dict[str, str] | None = None):
         """`drafter_cfg` and `init`: `drafter_config` and `drafter_init`, computed on the driver;
         `tracking_env`: the trackers' settings from the driver's environment."""
+        self.stopping = False
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
@@ -316,6 +317,8 @@ class Coordinator:
                     self._train(stop_after_step)
                     break
                 except (RayActorError, RayTaskError) as e:
+                    if self.stopping:
+                        raise DFlashError("stopped by the driver") from None
                     if isinstance(e, RayTaskError) and isinstance(e.cause, DFlashError):
                         raise e.cause from None  # bad input or settings: a restart would fail the same way
                     # an actor died, or a rank raised (out of memory): the others may wait in an
@@ -341,6 +344,13 @@ class Coordinator:
                 "heldout_tau_start": self.heldout_start,
                 "seconds": round(time.perf_counter() - started, 1), "trackers": tracked,
                 "checkpoint": checkpoint.step_dir(self.output, self.step)}
+
+    def stop(self) -> None:
+        """Stop the stream actors and free their placement groups now (the driver was interrupted):
+        a placement group outlives the actor that made it until its job ends, and would hold the
+        resources a resume in the same driver asks for. The run does not restart them."""
+        self.stopping = True
+        self._stop_actors()
 
     def progress(self) -> dict[str, Any]:
         return {"step": self.step, "total_steps": self.total_steps, "restarts": self.restarts,
