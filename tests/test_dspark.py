@@ -268,7 +268,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     """Sampled drafts, the first drawn from q conditioned on the anchor through the Markov head: the
     first two tokens of 1,500 seeded one-step runs against the target's exact joint distribution
     (chi-square at a 0.1% false-alarm rate), as the DFlash test does."""
-    from test_speculative import _chi_square_p_value  # tests/ is on the path (prepend import mode)
+    from test_speculative import sampled_pairs_match_the_target  # tests/ is on the path (prepend import mode)
 
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=24, seed=5)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -278,22 +278,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     torch.manual_seed(1)
     drafter = DSparkDrafter(cfg).eval()
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)  # a Markov bias that matters
-    prompt, T, top_p, n = [3, 7, 1, 9, 4], 0.3, 0.9, 1500
-    with torch.no_grad():
-        p1 = warp(target(input_ids=torch.tensor([prompt])).logits[0, -1], T, top_p)
-        firsts = p1.nonzero().flatten().tolist()
-        seconds = warp(target(input_ids=torch.tensor([prompt + [x] for x in firsts])).logits[:, -1], T, top_p)
-    expected = {(a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(24)
-                if seconds[i, b] > 0}
-    sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=False)
-    counts, steps = {}, []
-    for _ in range(n):
-        out = speculative_decode(target, drafter, embed, head, prompt, 3, set(), sampling)  # one verify step
-        key = tuple(out.token_ids[:2])
-        counts[key] = counts.get(key, 0) + 1
-        steps.append(out.acceptance[0])
-    assert 1 in steps and max(steps) > 1, "both the accept and the reject paths must be exercised"
-    assert _chi_square_p_value(counts, expected, n) > 1e-3
+    sampled_pairs_match_the_target(target, drafter, embed, head, new_tokens=3)
 
 
 def _tiny_run_inputs(tmp_path, num_rows=4):

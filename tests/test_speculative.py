@@ -61,13 +61,41 @@ def _chi_square_p_value(counts: dict, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+def sampled_pairs_match_the_target(target, drafter, embed, head, *, new_tokens: int, greedy_drafts: bool = False,
+                                   prompt=(3, 7, 1, 9, 4), T: float = 0.3, top_p: float = 0.9, n: int = 1500) -> dict:
+    """The first two tokens of `n` seeded one-verify-step speculative runs against the target's exact
+    joint distribution of them (chi-square at a 0.1% false-alarm rate); both the accept and the
+    reject paths must be taken. Every drafter family's sampled path is held to this. Returns the
+    exact distribution."""
+    from dflash_ray.drafter.speculative import Sampling, warp
+
+    prompt, vocab = list(prompt), embed.shape[0]
+    with torch.no_grad():  # the exact joint distribution of the first two tokens
+        p1 = warp(target(input_ids=torch.tensor([prompt])).logits[0, -1], T, top_p)
+        firsts = p1.nonzero().flatten().tolist()
+        seconds = warp(target(input_ids=torch.tensor([prompt + [x] for x in firsts])).logits[:, -1], T, top_p)
+    expected = {(a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(vocab)
+                if seconds[i, b] > 0}
+    sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=greedy_drafts)
+    counts: dict = {}
+    steps = []
+    for _ in range(n):
+        out = speculative_decode(target, drafter, embed, head, prompt, new_tokens, set(), sampling)
+        key = tuple(out.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+        steps.append(out.acceptance[0])
+    assert 1 in steps and max(steps) > 1, "both the accept and the reject paths must be exercised"
+    assert _chi_square_p_value(counts, expected, n) > 1e-3
+    return expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("greedy_drafts", [True, False])
 def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path, greedy_drafts):
     """The first two sampled tokens (temperature 0.3, top-p 0.9) of 1,500 seeded speculative runs
     against the target's exact joint distribution of them: a chi-square test at a 0.1% false-alarm
     rate. The same test on the drafter's own proposals (no verification) must fail: it has power."""
-    from dflash_ray.drafter.speculative import Sampling, warp
+    from dflash_ray.drafter.speculative import warp
 
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=24, seed=5)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -75,25 +103,8 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path, gree
     cfg = from_target(target.config, mask_token_id=23, num_layers=1, target_layer_ids=[0, 1, 2])
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg).eval()
+    expected = sampled_pairs_match_the_target(target, drafter, embed, head, new_tokens=4, greedy_drafts=greedy_drafts)
     prompt, T, top_p, n = [3, 7, 1, 9, 4], 0.3, 0.9, 1500
-
-    with torch.no_grad():  # the exact joint distribution of the first two tokens
-        p1 = warp(target(input_ids=torch.tensor([prompt])).logits[0, -1], T, top_p)
-        firsts = p1.nonzero().flatten().tolist()
-        seconds = warp(target(input_ids=torch.tensor([prompt + [x] for x in firsts])).logits[:, -1], T, top_p)
-    expected = {(a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(24)
-                if seconds[i, b] > 0}
-
-    sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=greedy_drafts)
-    counts: dict = {}
-    steps = []
-    for _ in range(n):
-        out = speculative_decode(target, drafter, embed, head, prompt, 4, set(), sampling)
-        key = tuple(out.token_ids[:2])
-        counts[key] = counts.get(key, 0) + 1
-        steps.append(out.acceptance[0])
-    assert 1 in steps and max(steps) > 1, "both the accept and the reject paths must be exercised"
-    assert _chi_square_p_value(counts, expected, n) > 1e-3
 
     # the drafter's own proposals for the same two positions are a different distribution
     with torch.no_grad():
