@@ -6,6 +6,8 @@ errors reach the caller as they were raised."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from typing import Any
 
 from dflash_ray import storage
@@ -72,8 +74,15 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
+    # Ctrl-C sets a flag the loop reads between waits: a KeyboardInterrupt raised inside Ray's own
+    # (Cython) wait can surface as a SystemError instead
+    interrupted = threading.Event()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set()) if main else None
     try:
-        while not ray.wait([run_ref], timeout=2.0)[0]:
+        while not ray.wait([run_ref], timeout=1.0)[0]:
+            if interrupted.is_set():
+                raise KeyboardInterrupt
             state = ray.get(coordinator.progress.remote())
             if state["total_steps"] is None:  # still planning
                 continue
@@ -95,6 +104,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
             pass
         raise _interrupted(output) from None
     finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
         if bar is not None:
             bar.close()
         ray.kill(coordinator)
