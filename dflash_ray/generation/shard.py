@@ -36,10 +36,15 @@ def sample_id(prompt_id: str, sample: int) -> str:
     return prompt_id if sample == 0 else f"{prompt_id}#{sample}"
 
 
-def prompt_of(record_id: str) -> str:
-    """The prompt id a record id came from (inverse of `sample_id`)."""
+def split_id(record_id: str) -> tuple[str, int]:
+    """(prompt id, sample index) of a record id (inverse of `sample_id`)."""
     head, sep, tail = record_id.rpartition("#")
-    return head if sep and tail.isdigit() else record_id
+    return (head, int(tail)) if sep and tail.isdigit() else (record_id, 0)
+
+
+def prompt_of(record_id: str) -> str:
+    """The prompt id a record id came from."""
+    return split_id(record_id)[0]
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -250,9 +255,8 @@ class Stream:
         shard = self.shards.pop(key)
 
         def place(record: dict[str, Any]) -> tuple[int, int]:
-            head, sep, tail = str(record["id"]).rpartition("#")
-            sample = int(tail) if sep and tail.isdigit() else 0
-            return shard.order.get(prompt_of(str(record["id"])), -1), sample
+            prompt, sample = split_id(str(record["id"]))
+            return shard.order.get(prompt, -1), sample
 
         shard.result.completions.sort(key=place)
         shard.result.rejects.sort(key=place)
