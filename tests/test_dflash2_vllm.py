@@ -9,12 +9,6 @@ context K and V, MLP and input norm, and the final norm. Not compared: the atten
 block, which in vLLM runs only inside a forward context with a paged KV cache.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoConfig
@@ -45,13 +39,9 @@ def test_vllm_loads_our_dflash2_export_and_matches_it(tmp_path):
             p.normal_()
     save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
 
-    script = Path(__file__).with_name("vllm_dflash2_parity.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(script), target_dir, str(tmp_path / "drafter")], capture_output=True,
-                         text=True, env=env, timeout=850)
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PARITY ")), None)
-    assert line, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(line.removeprefix("PARITY "))
+    from test_dspark_vllm import run_parity  # tests/ is on the path (prepend import mode)
+
+    result = run_parity("vllm_dflash2_parity.py", target_dir, str(tmp_path / "drafter"))
 
     assert result["method"] == "dflash" and result["architectures"] == ["DFlash2DraftModel"]
     assert {k: result["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",

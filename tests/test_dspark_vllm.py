@@ -41,13 +41,7 @@ def test_vllm_loads_our_dspark_export_and_matches_it(tmp_path):
             p.normal_()
     save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
 
-    script = Path(__file__).with_name("vllm_dspark_parity.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(script), target_dir, str(tmp_path / "drafter")], capture_output=True,
-                         text=True, env=env, timeout=850)
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PARITY ")), None)
-    assert line, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(line.removeprefix("PARITY "))
+    result = run_parity("vllm_dspark_parity.py", target_dir, str(tmp_path / "drafter"))
 
     assert result["method"] == "dspark" and result["architectures"] == ["Qwen3DSparkModel"]
     assert result["confidence_head_kept"]
@@ -59,3 +53,13 @@ def test_vllm_loads_our_dspark_export_and_matches_it(tmp_path):
     diffs = result["max_abs_diff"]
     assert set(diffs) >= {"markov_bias", "confidence", "fc", "layer0.context_k", "layer1.mlp", "norm"}
     assert all(d < 1e-4 for d in diffs.values()), diffs
+
+
+def run_parity(script: str, target_dir: str, drafter_dir: str) -> dict:
+    """Run a parity script (vLLM's module classes against an export) in a child process; its result."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), target_dir, drafter_dir],
+                         capture_output=True, text=True, env=env, timeout=850)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PARITY ")), None)
+    assert line, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(line.removeprefix("PARITY "))
