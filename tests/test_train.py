@@ -78,8 +78,13 @@ def _final_weights(output):
     return step, files["drafter/model.safetensors"]
 
 
-def test_averaged_gradient_equals_the_union_gradient(ray_cluster, target, data):
+def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer_state(ray_cluster, target, data):
+    """Two drafter actors (FSDP2 over gloo), each with half the batch: the same gradient and the same
+    weights after an optimizer step as one process given the whole batch, and each rank holding
+    half the optimizer state that process holds."""
     import json
+
+    from dflash_ray.train.coordinator import _free_port
 
     cfg = load_config(None, SETTINGS + ["train.num_anchors=64"])  # every valid position: same anchors
     drafter_json = json.dumps(drafter_config(target, cfg))
@@ -90,17 +95,27 @@ def test_averaged_gradient_equals_the_union_gradient(ray_cluster, target, data):
 
     actor = ray.remote(DrafterWorker).options(num_cpus=0.5)
     workers = [actor.remote(target, drafter_json, "target", cfg.train, rank, 2) for rank in range(2)]
-    port = 29500 + int(torch.randint(0, 2000, ()))
+    port = _free_port()
     ray.get([w.init_group.remote("127.0.0.1", port) for w in workers])
     ray.get([w.averaged_gradients.remote(batch) for w, batch in zip(workers, (a, b))])
-    averaged = ray.get([w.flat_grad.remote() for w in workers])
+    grads = ray.get([w.flat_grad.remote() for w in workers])
+    ray.get([w.train_step.remote(0, batch) for w, batch in zip(workers, (a, b))])
+    weights = ray.get([w.flat_weights.remote() for w in workers])
+    shard_bytes = ray.get([w.optimizer_bytes.remote() for w in workers])
     for w in workers:
         ray.kill(w)
 
     single = DrafterWorker(target, drafter_json, "target", cfg.train, 0, 1)
+    before = single.flat_weights().clone()
     single.averaged_gradients(union)
-    torch.testing.assert_close(averaged[0], averaged[1], rtol=0, atol=0)
-    torch.testing.assert_close(averaged[0], single.flat_grad(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], single.flat_grad(), rtol=1e-5, atol=1e-7)
+    single.train_step(0, union)
+    assert not torch.equal(single.flat_weights(), before)  # the step moved the weights
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
+    torch.testing.assert_close(weights[0], single.flat_weights(), rtol=1e-5, atol=1e-6)
+    whole = single.optimizer_bytes()
+    assert whole > 0 and all(abs(b - whole / 2) <= 0.05 * whole for b in shard_bytes), (shard_bytes, whole)
 
 
 def test_resume_is_exact(ray_cluster, target, data, tmp_path):

@@ -76,14 +76,17 @@ def from_hf_config(data: dict) -> DrafterConfig:
         extra={k: v for k, v in data.items() if k not in known})
 
 
-def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors; files land under temporary names, then are renamed."""
+def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None,
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json + model.safetensors (`state`: the weights to write, when the module's own
+    are sharded); files land under temporary names, then are renamed."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or next(drafter.parameters()).dtype
-    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = drafter.state_dict() if state is None else state
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     tmp_w, tmp_c = out / f".{WEIGHTS}.tmp", out / f".{CONFIG}.tmp"
     save_file(tensors, str(tmp_w), metadata={"format": "pt"})
     tmp_c.write_text(json.dumps(to_hf_config(drafter.cfg, dtype), indent=2))

@@ -4,12 +4,12 @@ The coordinator owns the run: a deterministic, seeded sample order per epoch, sp
 streams; each stream's target computes the features of step t+1 while its drafter trains on step
 t (`max_in_flight` batches ahead, so memory stays flat). Features go from a target to its drafter as
 an object reference the drafter resolves itself; with `train.colocate` a stream is one actor and its
-features never leave the device. Gradients are averaged among the drafters by all-reduce (NCCL
-between GPUs, gloo on the CPU), whose rendezvous is drafter rank 0's own node. The coordinator only
+features never leave the device. The drafters shard their weights, gradients and optimizer state
+(`sharding`: FSDP2, NCCL between GPUs, gloo on the CPU); their rendezvous is drafter rank 0's own node. The coordinator only
 handles sample ids, references and figures.
 
-Checkpoints every `checkpoint_every` steps and at the end: drafter rank 0 writes the weights and
-optimizer state, the coordinator adds the run state (step, every drafter's anchor RNG) and commits
+Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and rank
+0 writes the weights and optimizer state, the coordinator adds the run state (step, every drafter's anchor RNG) and commits
 the manifest last. The data position follows from the step and the seed, and the learning rate
 from the step, so a resume from step k replays exactly what an uninterrupted run does. An actor
 that dies is replaced: every actor restarts from the last checkpoint, up to `max_restarts`.
@@ -203,7 +203,8 @@ class Coordinator:
         import ray
 
         checkpoint.begin(self.output, self.step)  # a manifest of an earlier run at this step no longer counts
-        entries = ray.get(self.drafters[0].write_checkpoint_files.remote(self.output, self.step))
+        # every rank gathers its shard to rank 0, which writes the files
+        entries = ray.get([d.write_checkpoint_files.remote(self.output, self.step) for d in self.drafters])[0]
         rngs = ray.get([d.rng_state.remote() for d in self.drafters])
         state = {"step": self.step, "total_steps": self.total_steps, "rng": [r.hex() for r in rngs],
                  "metrics": self.metrics, "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
@@ -224,12 +225,16 @@ class Coordinator:
             return None
         bs, n = self.cfg.train.batch_size, len(self.drafters)
         batches = [self.heldout[i:i + bs] for i in range(0, len(self.heldout), bs)]
+        counted = len(batches)
+        # every rank runs as many forwards (sharded weights are gathered collectively): the last
+        # round is filled with repeats whose results are dropped
+        batches += [batches[0]] * (-counted % n)
         if self.cfg.train.colocate:
             taus = ray.get([self.drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])
         else:
             taus = ray.get([self.drafters[i % n].evaluate.remote(self.targets[i % n].features.remote(b))
                             for i, b in enumerate(batches)])
-        flat = [t for part in taus for t in part]
+        flat = [t for part in taus[:counted] for t in part]
         return sum(flat) / len(flat) if flat else None
 
     # -- the loop ---------------------------------------------------------------------------

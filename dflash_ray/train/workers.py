@@ -3,8 +3,8 @@
 `TargetWorker` reads its samples from the tokenized dataset and returns the frozen target's
 context features for them. `DrafterWorker` owns the drafter, the frozen embedding and LM head, the
 optimizer and schedule and the anchor RNG; it computes the loss and gradients on the features it is
-given, averages gradients with the other streams' drafters (torch.distributed: NCCL between GPUs,
-gloo on the CPU), and steps. `ColocatedWorker` is both in one process, on one device: the features
+given and steps. With several streams the drafters shard the weights, gradients and optimizer state
+among themselves (`sharding`, FSDP2 over torch.distributed: NCCL between GPUs, gloo on the CPU). `ColocatedWorker` is both in one process, on one device: the features
 never leave it. Each places itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU).
 None imports Ray.
 """
@@ -147,20 +147,26 @@ class DrafterWorker:
         """Join the drafters' all-reduce group; `address` is rank 0's own node (it hosts the store)."""
         import torch.distributed as dist
 
-        if self.world > 1:  # a rank that never reaches an all-reduce fails the others after the timeout
+        from dflash_ray.train.sharding import shard
+
+        if self.world > 1:  # a rank that never reaches a collective fails the others after the timeout
             dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                     world_size=self.world,
                                     timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
+            shard(self.drafter, self.place.device.split(":")[0], self.world, self.dtype)
+            # the optimizer over the shards this rank now holds (its state was still empty)
+            self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     def set_total_steps(self, total: int) -> None:
         self.total_steps = total
 
     # -- training ---------------------------------------------------------------------------
     def averaged_gradients(self, batch: dict[str, Any]):
-        """Set every parameter's gradient to that of the loss over the union of all streams'
-        batches: each stream backpropagates its weighted loss sum, the sums and weights are
-        all-reduced together, and the total divides. Returns the step's forward output and the
-        reduced (loss sum, weight sum)."""
+        """Set every parameter's gradient (this rank's shard of it) to that of the loss over the union
+        of all streams' batches: the loss sums and weights are all-reduced first (two numbers), each
+        rank backpropagates its loss scaled by its share of the union's weight, and the sharded
+        backward sums the ranks' gradients as it goes. Returns the step's forward output and the
+        union's (loss, weight sum)."""
         import torch.distributed as dist
 
         device = self.place.device
@@ -173,19 +179,14 @@ class DrafterWorker:
                                num_anchors=self.cfg.num_anchors, generator=self.generator,
                                attention=self.place.attention, gamma=self.cfg.loss_decay, teacher=teacher,
                                distill=self.cfg.distill, length_bucket=self.cfg.length_bucket)
-        params = list(self.drafter.parameters())
-        self.opt.zero_grad(set_to_none=False)
+        self.opt.zero_grad()
         weight = out.loss.weight_sum.detach().float()
-        (out.loss.loss * weight).backward()
-        flat = torch.cat([p.grad.flatten() for p in params] + [(out.loss.loss.detach() * weight).view(1), weight.view(1)])
+        sums = torch.stack([out.loss.loss.detach().float() * weight, weight])
         if self.world > 1:
-            dist.all_reduce(flat)
-        total_weight = flat[-1].clamp_min(1e-12)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p) / total_weight)
-            offset += p.numel()
-        return out, float(flat[-2] / total_weight), float(total_weight)
+            dist.all_reduce(sums)
+        total = sums[1].clamp_min(1e-12)
+        (out.loss.loss * (weight / total)).backward()
+        return out, float(sums[0] / total), float(total)
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, Any]) -> list[float]:
@@ -201,12 +202,28 @@ class DrafterWorker:
         return out.tau.tolist()
 
     def flat_grad(self) -> torch.Tensor:
-        return torch.cat([p.grad.flatten() for p in self.drafter.parameters()])
+        """Every parameter's whole gradient, flattened (collective when sharded)."""
+        from dflash_ray.train.sharding import full
+
+        return torch.cat([full(p.grad).flatten() if p.grad is not None else torch.zeros(p.numel())
+                          for p in self.drafter.parameters()])
+
+    def flat_weights(self) -> torch.Tensor:
+        """Every parameter whole, flattened (collective when sharded)."""
+        from dflash_ray.train.sharding import full
+
+        return torch.cat([full(p.detach()).flatten() for p in self.drafter.parameters()])
+
+    def optimizer_bytes(self) -> int:
+        from dflash_ray.train.sharding import optimizer_bytes
+
+        return optimizer_bytes(self.opt)
 
     def train_step(self, step: int, batch: dict[str, Any], fault: bool = False) -> dict[str, float]:
         """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
         before the all-reduce, as an out-of-memory error would (chaos testing)."""
         from dflash_ray.drafter.loss import per_position_accuracy
+        from dflash_ray.train.sharding import full
 
         if fault:
             raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")
@@ -221,7 +238,7 @@ class DrafterWorker:
         acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
         stats = {"loss": loss, "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
                  "acc_k1": float(acc[self.family.first_prediction]),  # the first drafted token
-                 "grad_norm": float(grad_norm), "lr": lr}  # floats: synchronized
+                 "grad_norm": float(full(grad_norm)), "lr": lr}  # floats: synchronized
         done = time.perf_counter()
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
                 "target_seconds": batch["seconds"], "tokens": int(batch["loss_mask"].numel()),
@@ -237,21 +254,26 @@ class DrafterWorker:
         self.generator.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
 
     def write_checkpoint_files(self, output: str, step: int) -> dict[str, dict]:
-        """Drafter (serving format, fp32) and optimizer state, written by this worker directly."""
+        """Drafter (serving format, fp32) and optimizer state, gathered whole onto rank 0 and written
+        by it directly. Every rank calls it (the gathering is collective); the others return {}."""
         import tempfile
         from pathlib import Path
 
         from dflash_ray.drafter.export import CONFIG, WEIGHTS, save_drafter
         from dflash_ray.train import checkpoint
+        from dflash_ray.train.sharding import full_state
 
+        weights, optimizer = full_state(self.drafter, self.opt, self.rank)
+        if self.rank != 0:
+            return {}
         entries = {}
         with tempfile.TemporaryDirectory() as tmp:
-            save_drafter(self.drafter, tmp, dtype=torch.float32)
+            save_drafter(self.drafter, tmp, dtype=torch.float32, state=weights)
             for name in (WEIGHTS, CONFIG):
                 entries[f"drafter/{name}"] = checkpoint.write_file(output, step, f"drafter/{name}",
                                                                    (Path(tmp) / name).read_bytes())
         buf = io.BytesIO()
-        torch.save(self.opt.state_dict(), buf)
+        torch.save(optimizer, buf)
         entries["optimizer.pt"] = checkpoint.write_file(output, step, "optimizer.pt", buf.getvalue())
         return entries
 
@@ -262,14 +284,14 @@ class DrafterWorker:
         from safetensors.torch import load
 
         from dflash_ray.train import checkpoint
+        from dflash_ray.train.sharding import load_full_state
 
         manifest = checkpoint.read_manifest(output, step)
         weights = load(checkpoint.read_file(output, step, "drafter/model.safetensors", manifest))
         optimizer = torch.load(io.BytesIO(checkpoint.read_file(output, step, "optimizer.pt", manifest)),
                                weights_only=True)
         rng = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"][self.rank]
-        self.drafter.load_state_dict(weights)
-        self.opt.load_state_dict(optimizer)
+        load_full_state(self.drafter, self.opt, weights, optimizer)
         self.set_rng_state(bytes.fromhex(rng))
 
 
