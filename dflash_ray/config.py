@@ -207,7 +207,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_restarts: int = 3  # actor deaths or step errors (an OOM on one rank) survived, each by a restart of
     # every stream actor from the last checkpoint, before failing
-    collective_timeout_s: float = 300.0  # an all-reduce waiting longer for a rank raises instead of hanging
+    collective_timeout_s: float = 300.0  # a collective waiting longer for a rank raises instead of hanging
     fault_step: int = 0  # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
     trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
 

@@ -5,12 +5,12 @@ streams; each stream's target computes the features of step t+1 while its drafte
 t (`max_in_flight` batches ahead, so memory stays flat). Features go from a target to its drafter as
 an object reference the drafter resolves itself; with `train.colocate` a stream is one actor and its
 features never leave the device. The drafters shard their weights, gradients and optimizer state
-(`sharding`: FSDP2, NCCL between GPUs, gloo on the CPU); their rendezvous is drafter rank 0's own node. The coordinator only
-handles sample ids, references and figures.
+(`sharding`: FSDP2, NCCL between GPUs, gloo on the CPU); their rendezvous is drafter rank 0's own
+node. The coordinator only handles sample ids, references and figures.
 
-Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and rank
-0 writes the weights and optimizer state, the coordinator adds the run state (step, every drafter's anchor RNG) and commits
-the manifest last. The data position follows from the step and the seed, and the learning rate
+Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and
+rank 0 writes the weights and optimizer state, the coordinator adds the run state (step, every
+drafter's anchor RNG) and commits the manifest last. The data position follows from the step and the seed, and the learning rate
 from the step, so a resume from step k replays exactly what an uninterrupted run does. An actor
 that dies is replaced: every actor restarts from the last checkpoint, up to `max_restarts`.
 """
@@ -57,7 +57,7 @@ def _rendezvous(_worker) -> tuple[str, int]:
 
 def first_error(refs: list) -> list:
     """The results of one step's calls on every stream; a rank's error is raised as soon as it is
-    known, while the other ranks may still wait for it in an all-reduce."""
+    known, while the other ranks may still wait for it in a collective."""
     import ray
 
     pending = list(refs)
@@ -327,7 +327,7 @@ class Coordinator:
                     if isinstance(e, RayTaskError) and isinstance(e.cause, DFlashError):
                         raise e.cause from None  # bad input or settings: a restart would fail the same way
                     # an actor died, or a rank raised (out of memory): the others may wait in an
-                    # all-reduce; every stream actor is stopped and the run goes on from its checkpoint
+                    # collective; every stream actor is stopped and the run goes on from its checkpoint
                     self.restarts += 1
                     self.failures.append(f"step {self.step + 1}: {failure_cause(e)}")
                     if self.restarts > self.cfg.train.max_restarts:

@@ -4,8 +4,8 @@
 context features for them. `DrafterWorker` owns the drafter, the frozen embedding and LM head, the
 optimizer and schedule and the anchor RNG; it computes the loss and gradients on the features it is
 given and steps. With several streams the drafters shard the weights, gradients and optimizer state
-among themselves (`sharding`, FSDP2 over torch.distributed: NCCL between GPUs, gloo on the CPU). `ColocatedWorker` is both in one process, on one device: the features
-never leave it. Each places itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU).
+among themselves (`sharding`, FSDP2 over torch.distributed: NCCL between GPUs, gloo on the CPU).
+`ColocatedWorker` is both in one process, on one device: the features never leave it. Each places itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU).
 None imports Ray.
 """
 
@@ -144,7 +144,8 @@ class DrafterWorker:
 
     # -- collective -------------------------------------------------------------------------
     def init_group(self, address: str, port: int) -> None:
-        """Join the drafters' all-reduce group; `address` is rank 0's own node (it hosts the store)."""
+        """Join the drafters' process group and shard the drafter over it; `address` is rank 0's own
+        node (it hosts the store)."""
         import torch.distributed as dist
 
         from dflash_ray.train.sharding import shard
@@ -221,7 +222,7 @@ class DrafterWorker:
 
     def train_step(self, step: int, batch: dict[str, Any], fault: bool = False) -> dict[str, float]:
         """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
-        before the all-reduce, as an out-of-memory error would (chaos testing)."""
+        before the step's collectives, as an out-of-memory error would (chaos testing)."""
         from dflash_ray.drafter.loss import per_position_accuracy
         from dflash_ray.train.sharding import full
 
