@@ -10,9 +10,10 @@ node. The coordinator only handles sample ids, references and figures.
 
 Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and
 rank 0 writes the weights and optimizer state, the coordinator adds the run state (step, every
-drafter's anchor RNG) and commits the manifest last. The data position follows from the step and the seed, and the learning rate
-from the step, so a resume from step k replays exactly what an uninterrupted run does. An actor
-that dies is replaced: every actor restarts from the last checkpoint, up to `max_restarts`.
+drafter's anchor RNG) and commits the manifest last. The data position follows from the step and
+the seed, and the learning rate from the step, so a resume from step k replays exactly what an
+uninterrupted run does. An actor that dies is replaced: every actor restarts from the last
+checkpoint, up to `max_restarts`.
 """
 
 from __future__ import annotations

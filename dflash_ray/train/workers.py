@@ -5,8 +5,8 @@ context features for them. `DrafterWorker` owns the drafter, the frozen embeddin
 optimizer and schedule and the anchor RNG; it computes the loss and gradients on the features it is
 given and steps. With several streams the drafters shard the weights, gradients and optimizer state
 among themselves (`sharding`, FSDP2 over torch.distributed: NCCL between GPUs, gloo on the CPU).
-`ColocatedWorker` is both in one process, on one device: the features never leave it. Each places itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU).
-None imports Ray.
+`ColocatedWorker` is both in one process, on one device: the features never leave it. Each places
+itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU). None imports Ray.
 """
 
 from __future__ import annotations
