@@ -38,6 +38,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def flat(tensors) -> torch.Tensor:
+    """The tensors whole, flattened into one (collective when they are shards)."""
+    return torch.cat([full(t).flatten() for t in tensors])
+
+
 def _keep(t: torch.Tensor, rank: int) -> torch.Tensor | None:
     """`t` whole on rank 0's host; None elsewhere (every rank takes part in the gathering)."""
     whole = full(t.detach())

@@ -204,16 +204,15 @@ class DrafterWorker:
 
     def flat_grad(self) -> torch.Tensor:
         """Every parameter's whole gradient, flattened (collective when sharded)."""
-        from dflash_ray.train.sharding import full
+        from dflash_ray.train.sharding import flat
 
-        return torch.cat([full(p.grad).flatten() if p.grad is not None else torch.zeros(p.numel())
-                          for p in self.drafter.parameters()])
+        return flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in self.drafter.parameters())
 
     def flat_weights(self) -> torch.Tensor:
         """Every parameter whole, flattened (collective when sharded)."""
-        from dflash_ray.train.sharding import full
+        from dflash_ray.train.sharding import flat
 
-        return torch.cat([full(p.detach()).flatten() for p in self.drafter.parameters()])
+        return flat(p.detach() for p in self.drafter.parameters())
 
     def optimizer_bytes(self) -> int:
         from dflash_ray.train.sharding import optimizer_bytes
