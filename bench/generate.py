@@ -1,5 +1,6 @@
 """Generation throughput on CPU: vLLM generator actors against the transformers backend, and the
-scaling of 2 vLLM generators over 1, on the same prompts and the same model (SmolLM2-135M-Instruct).
+scaling of 2 vLLM generators over 1, and vLLM's default dtype (`generate.dtype=auto`: fp32 on a CPU
+without native bf16) against bf16, on the same prompts and the same model (SmolLM2-135M-Instruct).
 
 Each case is one real `run_generate` (pool, generator actors, shards written to local storage);
 tokens/s is the pool's figure: output tokens from the first shard lease to the last completed shard,
@@ -43,10 +44,10 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-generate-")
     cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}", f"prompts.shard_size={args.prompts}"])
     run_prompts(bundled_inputs(), f"{work}/all", cfg, progress=False)
-    import pyarrow.parquet as pq
+    from dflash_ray import manifest, storage
+    from dflash_ray.stages.prompts import shard_bytes
 
-    pq.write_table(pq.read_table(f"{work}/all/prompts-00000.parquet").slice(0, args.prompts),
-                   f"{work}/prompts.parquet")
+    storage.write_bytes(f"{work}/prompts.parquet", shard_bytes(manifest.read_rows(f"{work}/all", None, args.prompts)))
     prompts = f"{work}/prompts.parquet"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     common = [f"generate.max_tokens={args.max_tokens}", "generate.max_model_len=2048", "generate.truncated=keep",
@@ -54,6 +55,8 @@ def main() -> None:
     cases = {
         "vllm_1": _case(prompts, work, "vllm1", common + ["generate.generators=1"]),
         "vllm_2": _case(prompts, work, "vllm2", common + ["generate.generators=2"]),
+        "vllm_1_bf16": _case(prompts, work, "vllm1-bf16", common + ["generate.generators=1",
+                                                                    "generate.dtype=bfloat16"]),
         "transformers_1": _case(prompts, work, "hf1", common + ["generate.generators=1",
                                                                 "generate.backend=transformers"]),
     }
@@ -61,6 +64,7 @@ def main() -> None:
     result = {
         "vllm_over_transformers": round(cases["vllm_1"]["tokens_per_s"] / cases["transformers_1"]["tokens_per_s"], 2),
         "two_generators_over_one": round(cases["vllm_2"]["tokens_per_s"] / cases["vllm_1"]["tokens_per_s"], 2),
+        "auto_dtype_over_bf16": round(cases["vllm_1"]["tokens_per_s"] / cases["vllm_1_bf16"]["tokens_per_s"], 2),
         "cases": cases,
     }
     if args.json:
@@ -68,6 +72,7 @@ def main() -> None:
     else:
         print(f"vllm_over_transformers: {result['vllm_over_transformers']}")
         print(f"two_generators_over_one: {result['two_generators_over_one']}")
+        print(f"auto_dtype_over_bf16: {result['auto_dtype_over_bf16']}")
         for name, case in cases.items():
             print(f"{name}: {json.dumps(case)}")
 

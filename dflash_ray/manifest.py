@@ -1,29 +1,49 @@
 """Dataset manifests: a stage's output folder is complete only once `_manifest.json` exists.
 
-The manifest is written last and lists every data file with its row count and byte size, so a
-reader uses exactly the files of one finished run: leftovers of a crashed run are never read, and a
-truncated file is caught by its size before it is used. A rerun writes its files under new names
+The manifest is written last and lists every data file with its row count, byte size and sha256,
+so a reader uses exactly the files of one finished run: leftovers of a crashed run are never read,
+and a truncated or altered file is refused by name before any work is spent on it (every stage
+reads its input through `dataset_files` or `read_rows`, which check both). A rerun writes its files under new names
 and replaces the manifest only once they are all written (`commit`), so a rerun that fails leaves
 the previous dataset whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dflash_ray import storage
 from dflash_ray.errors import DFlashError
 
 MANIFEST = "_manifest.json"
+# the command that writes each kind of dataset: what to rerun when one of its files is damaged
+WRITTEN_BY = {"prompts": "prompts", "prompts-jsonl": "selfprompt", "completions": "generate (or responses)",
+              "tokenized": "tokenize"}
+
+
+def file_entry(data: bytes) -> dict[str, Any]:
+    """A file's manifest entry from the bytes written: its size and sha256."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _hash_all(uris: list[str]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(uris)))) as pool:  # S3 reads overlap
+        return list(pool.map(storage.sha256, uris))
 
 
 def write_manifest(folder: str, *, kind: str, files: list[dict[str, Any]],
                    summary: dict[str, Any], config: dict[str, Any] | None = None) -> str:
-    """Write the manifest of a finished dataset; `files` hold `name`, `rows` (and `bytes`)."""
+    """Write the manifest of a finished dataset; `files` hold `name`, `rows` (and `bytes`, `sha256`
+    when the writer has them: `file_entry`; otherwise the files are read back for them)."""
     for entry in files:
         entry.setdefault("bytes", storage.size(storage.join(folder, entry["name"])))
+    unhashed = [entry for entry in files if "sha256" not in entry]
+    for entry, digest in zip(unhashed, _hash_all([storage.join(folder, e["name"]) for e in unhashed])):
+        entry["sha256"] = digest
     body = {"kind": kind, "created": time.time(), "files": files, "summary": summary,
             "config": config or {}}
     uri = storage.join(folder, MANIFEST)
@@ -41,10 +61,28 @@ def read_manifest(folder: str) -> dict[str, Any] | None:
         raise DFlashError(f"corrupt manifest: {e}", file=uri) from None
 
 
-def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl")) -> list[str]:
+def _damaged(path: str, kind: Any, what: str) -> DFlashError:
+    rerun = WRITTEN_BY.get(str(kind), "the stage that wrote it")
+    return DFlashError(f"{what}: the file changed after the run that wrote this {kind} dataset (corrupt, "
+                       f"truncated or replaced); nothing was read. Rerun `dflash-ray {rerun}` into a new "
+                       f"output, or restore the file", file=path)
+
+
+def check(path: str, data: bytes, entry: dict[str, Any] | None, kind: Any = None) -> bytes:
+    """`data`, read from `path`, if it is what the manifest's `entry` lists (None: nothing listed)."""
+    if entry is not None and len(data) != entry["bytes"]:
+        raise _damaged(path, kind, f"{len(data)} bytes, the manifest lists {entry['bytes']}")
+    if entry is not None and "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise _damaged(path, kind, "its sha256 does not match the manifest's")
+    return data
+
+
+def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), *, verify: bool = True) -> list[str]:
     """The data files of a dataset at `uri`: one file, or a folder (its manifest when present).
 
-    A folder without a manifest (user data, not written by this project) is read whole.
+    A folder without a manifest (user data, not written by this project) is read whole. With a
+    manifest every listed file must exist at its size and, with `verify`, hash to its sha256
+    (datasets written before manifests held checksums are checked by size alone).
     """
     if not storage.is_s3(uri) and not storage.local_path(uri).exists():
         raise DFlashError("no such file or folder", file=uri)
@@ -57,14 +95,20 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl")) 
         if not files:
             raise DFlashError(f"no {'/'.join(suffixes)} files found", file=uri)
         return files
-    files = []
+    files, hashed = [], []
     for entry in manifest["files"]:
         path = storage.join(uri, entry["name"])
         actual = storage.size(path) if storage.exists(path) else None
+        if actual is None:
+            raise _damaged(path, manifest.get("kind"), "listed in the manifest, missing")
         if actual != entry["bytes"]:
-            raise DFlashError(f"listed in the manifest with {entry['bytes']} bytes, found "
-                              f"{actual if actual is not None else 'no file'}", file=path)
+            raise _damaged(path, manifest.get("kind"), f"{actual} bytes, the manifest lists {entry['bytes']}")
         files.append(path)
+        if verify and "sha256" in entry:
+            hashed.append((path, entry["sha256"]))
+    for (path, expected), found in zip(hashed, _hash_all([p for p, _ in hashed])):
+        if found != expected:
+            raise _damaged(path, manifest.get("kind"), "its sha256 does not match the manifest's")
     return files
 
 
@@ -94,13 +138,17 @@ def report_uri(folder: str, name: str) -> str:
 
 
 def read_rows(uri: str, columns: list[str] | None, limit: int) -> list[dict[str, Any]]:
-    """The first `limit` rows of a Parquet dataset, with only `columns` read (None: all)."""
+    """The first `limit` rows of a Parquet dataset, with only `columns` read (None: all); each file
+    read is checked against its manifest entry, and the files past `limit` are not read."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    found = read_manifest(uri) if not str(uri).endswith(".parquet") else None
+    listed = {storage.join(uri, e["name"]): e for e in (found or {}).get("files", [])}
     rows: list[dict[str, Any]] = []
-    for path_uri in dataset_files(uri, (".parquet",)):
-        fs, path = storage.arrow_filesystem(path_uri)
-        rows += pq.read_table(path, filesystem=fs, columns=columns).to_pylist()
+    for path_uri in dataset_files(uri, (".parquet",), verify=False):
+        data = check(path_uri, storage.read_bytes(path_uri), listed.get(path_uri), (found or {}).get("kind"))
+        rows += pq.read_table(pa.BufferReader(data), columns=columns).to_pylist()
         if len(rows) >= limit:
             break
     return rows[:limit]

@@ -166,6 +166,23 @@ def read_bytes(uri: str) -> bytes:
     return local_path(uri).read_bytes()
 
 
+def sha256(uri: str, chunk: int = 8 << 20) -> str:
+    """The hex sha256 of a file, read in chunks (a dataset shard need not fit in memory twice)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        with _s3_errors(uri, "GetObject"):
+            for part in s3_client().get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(chunk):
+                digest.update(part)
+    else:
+        with open(local_path(uri), "rb") as f:
+            while part := f.read(chunk):
+                digest.update(part)
+    return digest.hexdigest()
+
+
 def read_text(uri: str) -> str:
     return read_bytes(uri).decode("utf-8")
 

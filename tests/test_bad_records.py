@@ -202,6 +202,51 @@ def test_a_listed_shard_that_cannot_be_read_counts_every_row_its_manifest_promis
     assert lost["rows"] == 32 and lost["file"].endswith("completions-b.parquet") and "32 rows lost" in lost["reason"]
 
 
+def _flip_a_byte(path):
+    """A same-size corruption in the middle of a file: its size still matches its manifest entry."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_every_stage_refuses_a_listed_file_whose_sha256_changed(tmp_path, capsys):
+    """The checksum a stage writes into its manifest is checked by the stages that read the dataset:
+    tokenize, validate, train and evaluate all stop before any work, naming the file and what to rerun."""
+    from dflash_ray.data.tokenized import open_tokenized
+
+    prompts = tmp_path / "prompts"
+    source = tmp_path / "chats.jsonl"
+    source.write_text(_lines(*[_chat(f"question {i}") for i in range(40)]))
+    run_prompts([str(source)], str(prompts), NO_BUDGET, progress=False)
+    (listed,) = manifest.read_manifest(str(prompts))["files"]
+    assert len(listed["sha256"]) == 64 and listed["rows"] == 40
+    _flip_a_byte(prompts / listed["name"])
+    for argv in (["tokenize", "--input", str(prompts), "--output", str(tmp_path / "tok"),
+                  "--set", "tokenize.tokenizer=smollm2-135m-instruct"],
+                 ["generate", "--prompts", str(prompts), "--output", str(tmp_path / "gen"), "--model",
+                  "smollm2-135m-instruct"]):
+        code, summary, _ = _cli(capsys, *argv)
+        assert code == 2 and listed["name"] in summary["error"], summary
+        assert "sha256 does not match" in summary["error"] and "dflash-ray prompts" in summary["error"]
+    assert not (tmp_path / "tok" / manifest.MANIFEST).exists() and not (tmp_path / "gen" / manifest.MANIFEST).exists()
+
+    tokenized = tmp_path / "tokenized"
+    tokenized.mkdir()
+    rows = [{"input_ids": list(range(1, 65)), "loss_mask": [0] * 8 + [1] * 56, "seq_len": 64} for _ in range(32)]
+    (tokenized / "part-0.parquet").write_bytes(_parquet_bytes(pa.Table.from_pylist(rows)))
+    manifest.write_manifest(str(tokenized), kind="tokenized", files=[{"name": "part-0.parquet", "rows": 32}],
+                            summary={})
+    assert open_tokenized(str(tokenized)).files and len(manifest.read_rows(str(tokenized), ["seq_len"], 99)) == 32
+    _flip_a_byte(tokenized / "part-0.parquet")
+    code, summary, _ = _cli(capsys, "validate", "--input", str(tokenized), "--tokenizer", "smollm2-135m-instruct")
+    assert code == 2 and "part-0.parquet" in summary["error"] and "dflash-ray tokenize" in summary["error"]
+    for read in (lambda: open_tokenized(str(tokenized)),  # train's and the gate's reader
+                 lambda: manifest.read_rows(str(tokenized), ["seq_len"], 99)):  # evaluate's
+        with pytest.raises(DFlashError, match="sha256 does not match") as e:
+            read()
+        assert e.value.file.endswith("part-0.parquet")
+
+
 # -- validate: the wrong thing given, and datasets of any layout -------------------------------
 
 def test_validate_on_records_names_the_file_and_the_command(tmp_path, capsys):

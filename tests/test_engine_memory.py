@@ -15,7 +15,7 @@ from dflash_ray.cli import main
 from dflash_ray.config import GenerateConfig, load_config
 from dflash_ray.errors import DFlashError
 from dflash_ray.generation.engines import (
-    cpu_kv_cache_bytes, engine_error, free_memory, kv_bytes_per_token, kv_cache_bytes, model_config)
+    cpu_kv_cache_bytes, engine_dtype, engine_error, free_memory, kv_bytes_per_token, kv_cache_bytes, model_config)
 from dflash_ray.registry import SMOLLM2
 from dflash_ray.errors import failure_cause
 from dflash_ray.stages.generate import same_error
@@ -65,8 +65,13 @@ def test_cpu_engine_sizing_reads_this_machine():
     free, where = free_memory()
     assert free > 0 and ("NUMA node" in where or where == "this machine")
     model_dir = resolve(SMOLLM2)
-    small = cpu_kv_cache_bytes(model_dir, GenerateConfig(max_model_len=1024, batch_size=2))
+    small = cpu_kv_cache_bytes(model_dir, GenerateConfig(max_model_len=1024, batch_size=2, dtype="bfloat16"))
     assert small == (2 * 8 + 1) * 128 * 23040  # two sequences of 1024 tokens, as asked
+    fp32 = cpu_kv_cache_bytes(model_dir, GenerateConfig(max_model_len=1024, batch_size=2, dtype="float32"))
+    assert fp32 == 2 * small
+    # "auto" is sized in the dtype the engine will run: the checkpoint's bf16, or fp32 on a CPU without bf16
+    auto = cpu_kv_cache_bytes(model_dir, GenerateConfig(max_model_len=1024, batch_size=2))
+    assert auto == (fp32 if engine_dtype("auto") == "float32" else small)
     with pytest.raises(DFlashError) as e:  # one sequence of 16M tokens is 360 GiB
         cpu_kv_cache_bytes(model_dir, GenerateConfig(max_model_len=1 << 24, batch_size=2))
     assert e.value.field == "generate.max_model_len" and "free on" in str(e.value)

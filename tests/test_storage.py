@@ -67,7 +67,21 @@ def test_manifest_refuses_truncated_file(tmp_path):
     manifest.write_manifest(folder, kind="test", files=[{"name": "part-0.parquet", "rows": 1}], summary={})
     assert manifest.dataset_files(folder) == [storage.join(folder, "part-0.parquet")]
     storage.write_bytes(storage.join(folder, "part-0.parquet"), b"x" * 60)
-    with pytest.raises(DFlashError, match="part-0.parquet.*100 bytes, found 60"):
+    with pytest.raises(DFlashError, match="part-0.parquet.*60 bytes, the manifest lists 100"):
+        manifest.dataset_files(folder)
+
+
+def test_manifest_checksums_are_taken_and_checked_on_s3(s3_bucket):
+    """`write_manifest` hashes what the writer did not (read back from S3), and a same-size change
+    of a listed object is refused by name."""
+    folder = f"{s3_bucket}/ds"
+    storage.write_bytes(storage.join(folder, "part-0.parquet"), b"x" * (9 << 20))  # over one read chunk
+    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": 1}], summary={})
+    (entry,) = manifest.read_manifest(folder)["files"]
+    assert entry == {"name": "part-0.parquet", "rows": 1, **manifest.file_entry(b"x" * (9 << 20))}
+    assert manifest.dataset_files(folder) == [storage.join(folder, "part-0.parquet")]
+    storage.write_bytes(storage.join(folder, "part-0.parquet"), b"x" * ((9 << 20) - 1) + b"y")
+    with pytest.raises(DFlashError, match="part-0.parquet.*sha256 does not match.*dflash-ray tokenize"):
         manifest.dataset_files(folder)
 
 

@@ -199,8 +199,8 @@ class Generator:
     def _commit(self, unit: dict[str, Any], result, counts: dict[str, int]) -> None:
         from dflash_ray.generation.shard import write_result
 
-        names = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
-        entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions),
+        names, written = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
+        entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions), **written,
                  "counts": result.counts(), "output_tokens": result.output_tokens,
                  "seconds": round(result.seconds, 3), "generator": self.gid,
                  "node": ray.util.get_node_ip_address()}  # where it ran: placement is checkable

@@ -88,6 +88,17 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def engine_dtype(dtype: str) -> str:
+    """vLLM's `dtype`: "auto" keeps the checkpoint's, except on a CPU without native bf16 (no AVX-512
+    BF16 or AMX), where emulated bf16 decodes 2.6x slower than fp32 (bench/RESULTS.md)."""
+    if dtype != "auto" or _on_gpu():
+        return dtype
+    import torch
+
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "auto" if native_bf16 else "float32"
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -190,11 +201,12 @@ def cpu_kv_cache_bytes(model_dir: str, cfg: GenerateConfig) -> int:
     of `max_model_len` tokens, target and drafter layers, within the memory free on this node."""
     args = cfg.engine_args
     config = model_config(model_dir)
-    per_token = kv_bytes_per_token(config, cfg.dtype, args.get("kv_cache_dtype", "auto"))
+    dtype = engine_dtype(cfg.dtype)
+    per_token = kv_bytes_per_token(config, dtype, args.get("kv_cache_dtype", "auto"))
     reserve = _weights_bytes(model_dir)
     drafter = (args.get("speculative_config") or {}).get("model")
     if drafter and Path(drafter, "config.json").exists():
-        per_token += kv_bytes_per_token(model_config(drafter), cfg.dtype, args.get("kv_cache_dtype", "auto"))
+        per_token += kv_bytes_per_token(model_config(drafter), dtype, args.get("kv_cache_dtype", "auto"))
         reserve += _weights_bytes(drafter)
     sequences = min(cfg.batch_size, args.get("max_num_seqs") or cfg.batch_size)
     reserve += CPU_ENGINE_OVERHEAD + _activation_bytes(
@@ -306,7 +318,8 @@ class VLLMEngine:
         from vllm import LLM
 
         on_gpu = _on_gpu()
-        kwargs: dict[str, Any] = {"max_model_len": cfg.max_model_len, "dtype": cfg.dtype, "seed": cfg.seed,
+        kwargs: dict[str, Any] = {"max_model_len": cfg.max_model_len, "dtype": engine_dtype(cfg.dtype),
+                                  "seed": cfg.seed,
                                   "tensor_parallel_size": cfg.tensor_parallel_size,
                                   "max_num_seqs": cfg.batch_size}  # the sequences it keeps running at once
         if on_gpu or cfg.memory_utilization:

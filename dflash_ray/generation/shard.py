@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dflash_ray import storage
+from dflash_ray import manifest, storage
 from dflash_ray.config import GenerateConfig
 from dflash_ray.data import schema
 from dflash_ray.data.formats import BadRecord
@@ -305,8 +305,9 @@ def _reject(row: dict[str, Any], kind: str, reason: str, record: dict[str, Any] 
             "record": record or {k: row.get(k) for k in schema.PROMPTS.names}}
 
 
-def write_result(output: str, stem: str, result: ShardResult) -> dict[str, str]:
-    """The rejected records, then the completions shard (each atomic); returns the file names."""
+def write_result(output: str, stem: str, result: ShardResult) -> tuple[dict[str, str], dict[str, Any]]:
+    """The rejected records, then the completions shard (each atomic); returns the file names and
+    the shard's manifest entry (size, sha256)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -315,5 +316,6 @@ def write_result(output: str, stem: str, result: ShardResult) -> dict[str, str]:
                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.rejects))
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(result.completions, schema=schema.COMPLETIONS), sink)
-    storage.write_bytes(storage.join(output, completions), sink.getvalue())
-    return {"completions": completions, "rejected": rejected}
+    data = sink.getvalue()
+    storage.write_bytes(storage.join(output, completions), data)
+    return {"completions": completions, "rejected": rejected}, manifest.file_entry(data)

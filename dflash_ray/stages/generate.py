@@ -301,7 +301,8 @@ def _commit(output: str, units: list[dict[str, Any]], done: dict[int, dict[str, 
     missing = [u["index"] for u in units if u["index"] not in done]
     if missing:
         raise DFlashError(f"shards {missing[:10]} never finished", file=output)
-    entries = [{"name": done[u["index"]]["completions"], "rows": done[u["index"]]["rows"]} for u in units]
+    entries = [{"name": done[u["index"]]["completions"], "rows": done[u["index"]]["rows"],
+                **{k: done[u["index"]][k] for k in ("bytes", "sha256") if k in done[u["index"]]}} for u in units]
     keep = {e["name"] for e in entries} | {done[u["index"]]["rejected"] for u in units}
     rejected = "".join(storage.read_text(storage.join(output, done[u["index"]]["rejected"])) for u in units)
     storage.write_text(storage.join(output, "rejected.jsonl"), rejected)

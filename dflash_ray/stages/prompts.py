@@ -96,9 +96,9 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
 
     def flush() -> None:
         name = f"{prefix}-{len(shards):05d}.parquet"
-        storage.write_bytes(storage.join(output, name),
-                            shard_bytes(rows, schema.COMPLETIONS if responses else schema.PROMPTS))
-        shards.append({"name": name, "rows": len(rows)})
+        data = shard_bytes(rows, schema.COMPLETIONS if responses else schema.PROMPTS)
+        storage.write_bytes(storage.join(output, name), data)
+        shards.append({"name": name, "rows": len(rows), **manifest.file_entry(data)})
         rows.clear()
 
     def quarantined(item: RawRecord, error: BadRecord, tally: collections.Counter) -> None:

@@ -75,9 +75,10 @@ class _TokenizeUnit:
         name = f"{self.prefix}-{int(unit['index']):06d}.parquet"
         sink = io.BytesIO()
         pq.write_table(table, sink)
-        storage.write_bytes(storage.join(self.output, name), sink.getvalue())
+        data = sink.getvalue()
+        storage.write_bytes(storage.join(self.output, name), data)
         seq_len = table["seq_len"].to_numpy()
-        return {"name": name, "rows": table.num_rows, "tokens": int(seq_len.sum()), "tokens_cut": cut,
+        return {"name": name, "rows": table.num_rows, **manifest.file_entry(data), "tokens": int(seq_len.sum()), "tokens_cut": cut,
                 "truncated": int(table["truncated"].to_numpy(zero_copy_only=False).sum()),
                 "rejects": json.dumps(rejects)}
 
@@ -177,7 +178,8 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
         results = sorted(ds.take_all(), key=lambda r: r["name"])
 
     rejects += [r for res in results for r in json.loads(res["rejects"])]
-    entries = [{"name": r["name"], "rows": int(r["rows"])} for r in results]
+    entries = [{"name": r["name"], "rows": int(r["rows"]), "bytes": int(r["bytes"]), "sha256": r["sha256"]}
+               for r in results]
     num_rows_out = sum(e["rows"] for e in entries)
     num_rejected = sum(int(r.get("rows", 1)) for r in rejects)
     kinds: collections.Counter[str] = collections.Counter()

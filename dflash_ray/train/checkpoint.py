@@ -19,6 +19,7 @@ import logging
 import time
 
 from dflash_ray import storage
+from dflash_ray.manifest import file_entry
 
 MANIFEST = "MANIFEST.json"
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def write_file(output: str, step: int, name: str, data: bytes) -> dict:
     """Write one file of a checkpoint atomically; returns its manifest entry. Several processes
     may write the files of one checkpoint (each drafter writes its own); one commits."""
     storage.write_bytes(storage.join(step_dir(output, step), name), data)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return file_entry(data)
 
 
 def begin(output: str, step: int) -> None:
