@@ -90,22 +90,29 @@ def test_corrupt_parquet_is_one_entry_and_the_other_files_go_on(tmp_path):
 
 
 def test_compressed_files_and_a_byte_order_mark_are_read(tmp_path):
-    """A folder of .jsonl.gz, .json.bz2 and a BOM-led .jsonl: every record read; a truncated gzip
-    and a .zst without its codec are one quarantine entry each, never skipped without a word."""
+    """A folder of .jsonl.gz, .json.bz2, a two-frame .jsonl.zst and a BOM-led .jsonl: every record
+    read; a truncated gzip and a truncated zstd are one quarantine entry each, never skipped."""
     import bz2
     import gzip
+
+    import zstandard
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl.gz").write_bytes(gzip.compress(_lines(_chat("one"), _chat("two")).encode()))
     (tmp_path / "in" / "b.json.bz2").write_bytes(bz2.compress(json.dumps([_chat("three")]).encode()))
     (tmp_path / "in" / "c.jsonl").write_bytes(b"\xef\xbb\xbf" + _lines(_chat("four")).encode())
     (tmp_path / "in" / "d.jsonl.gz").write_bytes(gzip.compress(_lines(_chat("five")).encode())[:12])
+    zstd = zstandard.ZstdCompressor()
+    frames = zstd.compress(_lines(_chat("six")).encode()) + zstd.compress(_lines(_chat("seven")).encode())
+    (tmp_path / "in" / "e.jsonl.zst").write_bytes(frames)
+    (tmp_path / "in" / "f.jsonl.zst").write_bytes(frames[:-4])
     summary = run_prompts([str(tmp_path / "in")], str(tmp_path / "out"), NO_BUDGET, progress=False)
-    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (5, 4, 1), summary
-    (bad,) = _quarantine(tmp_path / "out")
-    assert bad["file"].endswith("d.jsonl.gz") and bad["kind"] == "corrupt_file" and "decompress" in bad["reason"]
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (8, 6, 2), summary
+    bad = sorted(_quarantine(tmp_path / "out"), key=lambda q: q["file"])
+    assert [b["file"].rsplit("/", 1)[1] for b in bad] == ["d.jsonl.gz", "f.jsonl.zst"]
+    assert all(b["kind"] == "corrupt_file" and "decompress" in b["reason"] for b in bad)
     sources = {r["source"] for r in manifest.read_rows(str(tmp_path / "out"), ["source"], 10)}
-    assert sources == {"a", "b", "c"}
+    assert sources == {"a", "b", "c", "e"}
 
 
 def test_no_prompts_out_exits_2_and_a_failed_rerun_keeps_the_previous_output(tmp_path, capsys):

@@ -75,11 +75,16 @@ def _decompress(uri: str, data: bytes) -> bytes:
         import bz2
 
         return bz2.decompress(data)
-    try:
-        import zstandard
-    except ImportError:
-        raise RuntimeError("reading .zst needs the zstandard package (pip install zstandard)") from None
-    return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    import zstandard
+
+    parts, context = [], zstandard.ZstdDecompressor()
+    while data:  # frame by frame: `zstd` may write several, and a cut frame must not pass as a short file
+        frame = context.decompressobj()
+        parts.append(frame.decompress(data))
+        if not frame.eof:
+            raise ValueError("truncated zstd frame")
+        data = frame.unused_data
+    return b"".join(parts)
 
 
 def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]:
