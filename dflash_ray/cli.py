@@ -109,9 +109,12 @@ def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.train import checkpoint
     from dflash_ray.stages.train import run_train
 
-    if not args.resume and checkpoint.complete_steps(args.output):
-        raise DFlashError("holds checkpoints of an earlier run: pass --resume to continue it, or choose "
-                          "another --output", file=storage.join(args.output, "checkpoints"))
+    from dflash_ray.train.drafters import outputs
+
+    for output in outputs(args.output, cfg):
+        if not args.resume and checkpoint.complete_steps(output):
+            raise DFlashError("holds checkpoints of an earlier run: pass --resume to continue it, or choose "
+                              "another --output", file=storage.join(output, "checkpoints"))
     return run_train(args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step,
                      progress=not args.json)
 

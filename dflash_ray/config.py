@@ -210,6 +210,9 @@ class TrainConfig:
     collective_timeout_s: float = 300.0  # a collective waiting longer for a rank raises instead of hanging
     fault_step: int = 0  # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
     trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
+    # several drafters from one target pass (train/drafters.py): [{name: dspark, drafter: dspark, ...}, ...],
+    # each trained on every batch's features, written under OUTPUT/NAME; empty: the one drafter above
+    drafters: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -378,6 +381,16 @@ def check(cfg: RunConfig) -> None:
         if tr.colocate:
             raise DFlashError("a target spread over several GPUs cannot share its actor with the drafter; "
                               "allowed: train.colocate=false", field="train.target_gpus")
+    from dflash_ray.train import drafters
+
+    if not isinstance(tr.drafters, list):
+        raise DFlashError(f"{tr.drafters!r}: allowed: a list of drafters", field="train.drafters")
+    drafters.check(tr.drafters)
+    if tr.drafters:
+        drafters.expand(cfg)  # each drafter's values in range
+        if tr.colocate:
+            raise DFlashError("one colocated actor holds one drafter; allowed with train.drafters: "
+                              "train.colocate=false", field="train.colocate")
     bad = [t for t in tr.trackers if t not in TRACKERS]
     if bad or len(set(tr.trackers)) < len(tr.trackers):
         raise DFlashError(f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}",
@@ -505,6 +518,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise DFlashError(f"expected a string, got {value!r}", field=where)
     return value
+
+
+def coerce_field(cls: type, key: str, value: Any, where: str) -> Any:
+    """`value` read as the field `key` of the config section `cls` is (the rules of a YAML value)."""
+    return _coerce(value, typing.get_type_hints(cls)[key], where)
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

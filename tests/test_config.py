@@ -171,3 +171,25 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     (tmp_path / "mine.yaml").write_text("train: {epochs: 1}\n")
     mine = demo_config(str(tmp_path / "mine.yaml"), ["pipeline.beat_ngram=false"])
     assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 2
+
+
+def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs():
+    """`train.drafters`: each entry's name and settings checked where the config is read, naming
+    the entry; each drafter becomes the run's config with its own settings and no drafter list."""
+    from dflash_ray.train.drafters import expand, outputs, union_layers
+
+    cfg = load_config(None, ["train.lr=1e-3", "train.drafters=[{name: a}, {name: b, drafter: dspark, lr: 2e-3}]"])
+    runs = expand(cfg)
+    assert [(n, r.train.drafter, r.train.lr, r.train.drafters) for n, r in runs] == \
+        [("a", "dflash", 1e-3, []), ("b", "dspark", 2e-3, [])]
+    assert outputs("s3://b/run", cfg) == ["s3://b/run/a", "s3://b/run/b"]
+    assert expand(load_config(None, [])) == [("", load_config(None, []))]
+    for bad, field in (("[{name: a, epochs: 2}]", "train.drafters[0].epochs"), ("[{name: A}]", "train.drafters[0]"),
+                       ("[{name: a}, {name: a}]", "train.drafters[1]"), ("[{name: a, lr: -1}]", "train.drafters[0].lr"),
+                       ("[{name: a, drafter: medusa}]", "train.drafters[0].drafter"), ("[{lr: 1}]", "train.drafters[0]")):
+        with pytest.raises(DFlashError) as e:
+            load_config(None, [f"train.drafters={bad}"])
+        assert e.value.field == field, (bad, e.value)
+    with pytest.raises(DFlashError, match="colocated") as e:
+        load_config(None, ["train.colocate=true", "train.drafters=[{name: a}]"])
+    assert union_layers([[1, 3, 5], [3, 5, 7], [1, 3, 5, 7]]) == ([1, 3, 5, 7], [[0, 1, 2], [1, 2, 3], None])

@@ -140,6 +140,42 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path):
     assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
 
 
+def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, target, data, tmp_path):
+    """`train.drafters`: a DFlash drafter and a DSpark one on other target layers, fed by one target
+    pass per batch over two streams, stopped between checkpoints and resumed. The DFlash one ends
+    bitwise where it ends trained alone (its layers picked out of the union the target captured),
+    the DSpark one trains, and each folder is a run of its own that exports."""
+    import json
+
+    from dflash_ray.drafter.export import export_checkpoint
+
+    teams = ("train.drafters=[{name: flash}, {name: spark, drafter: dspark, markov_rank: 16, block_size: 6, "
+             "target_layer_ids: [1, 3]}]")
+    cfg = load_config(None, SETTINGS + ["train.distill_top_k=8", "train.actor_cpus=0.3", teams])  # 6 actors on 2 CPUs
+    out = str(tmp_path / "both")
+    assert run_train(target, data, out, cfg, progress=False, stop_after_step=5)["step"] == 5
+    both = run_train(target, data, out, cfg, progress=False)
+    assert both["step"] == both["total_steps"] == 8 and set(both["drafters"]) == {"flash", "spark"}
+    alone = run_train(target, data, str(tmp_path / "alone"), load_config(None, SETTINGS), progress=False)
+    assert alone["step"] == 8 and alone["checkpoint"] == checkpoint.step_dir(str(tmp_path / "alone"), 8)
+    assert _final_weights(storage.join(out, "flash")) == _final_weights(str(tmp_path / "alone"))  # bitwise
+    spark, flash = _metrics(storage.join(out, "spark")), _metrics(storage.join(out, "flash"))
+    assert [m["step"] for m in spark] == [m["step"] for m in flash] == list(range(1, 9))
+    assert [m["loss"] for m in flash] == [m["loss"] for m in _metrics(str(tmp_path / "alone"))]
+    assert spark[-1]["loss"] < spark[0]["loss"] and spark[0]["loss"] != flash[0]["loss"]
+    for name, arch in (("flash", "DFlashDraftModel"), ("spark", "DSparkDraftModel")):
+        assert both["drafters"][name]["checkpoint"] == checkpoint.step_dir(storage.join(out, name), 8)
+        export_checkpoint(both["drafters"][name]["checkpoint"], str(tmp_path / f"export-{name}"), dtype="float32")
+        assert json.loads((tmp_path / f"export-{name}" / "config.json").read_text())["architectures"] == [arch]
+    assert storage.exists(storage.join(out, "spark", "metrics.png"))
+
+
+def _metrics(output: str) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in storage.read_text(storage.join(output, "metrics.jsonl")).splitlines()]
+
+
 def _train_and_kill(target, data, output: str, cfg, name: str, role: str) -> dict:
     """Train in a thread; once a checkpoint exists, kill the stream-1 actor of `role`. The run's
     summary, or its error under "error"."""

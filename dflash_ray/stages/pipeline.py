@@ -54,6 +54,9 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     for key in ("inputs", "workdir", "target"):
         if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
+    if cfg.train.drafters:
+        raise DFlashError("the pipeline trains and evaluates one drafter; train several with `dflash-ray train` "
+                          "on its tokenized data, then `export` and `evaluate` each", field="train.drafters")
     if not pcfg.responses:
         check_lengths(cfg)  # a refused length pair fails before the prompts stage, not at generation
     work = pcfg.workdir

@@ -16,6 +16,7 @@ from dflash_ray.config import RunConfig
 from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
 from dflash_ray.errors import DFlashError, Interrupted
 from dflash_ray.train.coordinator import Coordinator
+from dflash_ray.train import drafters
 from dflash_ray.train.devices import check_resources
 from dflash_ray.train.trackers import check_installed, driver_env
 
@@ -64,14 +65,22 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
 
     check_installed(cfg.train.trackers)
     target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
-    drafter_cfg, init = drafter_config(target, cfg), drafter_init(target, cfg)  # bad settings fail here
-    check_mask_row(target, drafter_cfg)
+    teams = []
+    for name, team_cfg in drafters.expand(cfg):  # bad settings fail here, naming the drafter
+        try:
+            drafter_cfg, init = drafter_config(target, team_cfg), drafter_init(target, team_cfg)
+            check_mask_row(target, drafter_cfg)
+        except DFlashError as e:
+            if not name:
+                raise
+            raise DFlashError(f"drafter {name!r}: {e}") from None
+        teams.append((name, team_cfg, drafter_cfg, init))
     connect(cfg.ray)
     check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
                                                   resources=on_node(cfg.ray.head_resource)).remote(
-        target, data, output, cfg, run_name, drafter_cfg, init, driver_env())
+        target, data, output, cfg, run_name, teams, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
     # Ctrl-C sets a flag the loop reads between waits: a KeyboardInterrupt raised inside Ray's own
@@ -109,10 +118,12 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         if bar is not None:
             bar.close()
         ray.kill(coordinator)
-    metrics_uri = storage.join(output, "metrics.jsonl")
-    if storage.exists(metrics_uri):
-        metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
-        if metrics:
-            storage.write_bytes(storage.join(output, "metrics.png"), plot_metrics(metrics))
-            summary["metrics_png"] = storage.join(output, "metrics.png")
+    for name, _, _, _ in teams:
+        folder = storage.join(output, name) if name else output
+        metrics_uri = storage.join(folder, "metrics.jsonl")
+        if storage.exists(metrics_uri):
+            metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
+            if metrics:
+                storage.write_bytes(storage.join(folder, "metrics.png"), plot_metrics(metrics))
+                (summary["drafters"][name] if name else summary)["metrics_png"] = storage.join(folder, "metrics.png")
     return summary

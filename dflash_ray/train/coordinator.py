@@ -8,6 +8,11 @@ features never leave the device. The drafters shard their weights, gradients and
 (`sharding`: FSDP2, NCCL between GPUs, gloo on the CPU); their rendezvous is drafter rank 0's own
 node. The coordinator only handles sample ids, references and figures.
 
+With `train.drafters` each stream has one drafter actor per drafter of the run (a `Team` is one
+drafter's actors over the streams, with its own process group, checkpoints, metrics and output
+folder): the target captures the union of their layers once, and every drafter resolves the same
+feature reference.
+
 Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and
 rank 0 writes the weights and optimizer state, the coordinator adds the run state (step, every
 drafter's anchor RNG) and commits the manifest last. The data position follows from the step and
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_ray import storage
@@ -30,6 +36,7 @@ from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import stream_bundles
+from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
 from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
@@ -74,26 +81,49 @@ OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "ch
                "collective_timeout_s", "fault_step"}
 
 
+@dataclass
+class Team:
+    """One drafter of the run: its settings, its actors (one per stream, a process group of their
+    own), where it writes, and its figures."""
+    name: str  # "" for a run's only drafter
+    cfg: RunConfig  # the run's settings with this drafter's own (`train.drafters`)
+    drafter_cfg_json: str
+    init: str
+    output: str  # the run's output, or OUTPUT/NAME
+    layer_ids: list[int]
+    pick: list[int] | None = None  # its layers' positions among the captured ones (None: all of them)
+    drafters: list = field(default_factory=list)
+    rendezvous: tuple[str, int] | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
+    gauges: dict[str, Any] = field(default_factory=dict)
+
+
 class Coordinator:
-    def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str, drafter_cfg: dict,
-                 init: str, tracking_env: dict[str, str] | None = None):
-        """`drafter_cfg` and `init`: `drafter_config` and `drafter_init`, computed on the driver;
-        `tracking_env`: the trackers' settings from the driver's environment."""
+    def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str,
+                 drafters: list[tuple[str, RunConfig, dict, str]], tracking_env: dict[str, str] | None = None):
+        """`drafters`: (name, its settings, `drafter_config`, `drafter_init`) for each drafter of the
+        run, computed on the driver; `tracking_env`: the trackers' settings from the driver's environment."""
         self.stopping = False
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
         self.failures: list[str] = []  # what each restart recovered from
-        self.heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
-        self.drafter_cfg_json = json.dumps(drafter_cfg)
-        self.layer_ids = mask_and_layer_ids(drafter_cfg)[1]
-        self.init = init
-        self.step, self.restarts, self.metrics = 0, 0, []
-        self.targets, self.drafters, self.groups = [], [], []
-        self.rendezvous: tuple[str, int] | None = None
+        self.teams = [Team(name, team_cfg, json.dumps(drafter_cfg), init,
+                           storage.join(output, name) if name else output, mask_and_layer_ids(drafter_cfg)[1])
+                      for name, team_cfg, drafter_cfg, init in drafters]
+        self.layer_ids, picks = union_layers([t.layer_ids for t in self.teams])  # what the targets capture
+        for team, pick in zip(self.teams, picks):
+            team.pick = pick
+        self.step, self.restarts = 0, 0
+        self.targets, self.groups = [], []
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
-        self._gauges: dict[str, Any] = {}
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The first drafter's metrics (the run's, with one drafter)."""
+        return self.teams[0].metrics
 
     def _plan(self) -> None:
         """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so
@@ -115,7 +145,9 @@ class Coordinator:
         tcfg = self.cfg.train
         resources = on_node(tcfg.node_resource)
         bundles = stream_bundles(tcfg)
-        self.targets, self.drafters, self.groups = [], [], []
+        self.targets, self.groups = [], []
+        for team in self.teams:
+            team.drafters = []
         for s in range(tcfg.num_streams):
             pg = placement_group(bundles, strategy="STRICT_PACK")
             self.groups.append(pg)
@@ -134,47 +166,63 @@ class Coordinator:
                         PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
             if tcfg.colocate:  # the stream's one actor is its target and its drafter
-                self.drafters.append(ray.remote(ColocatedWorker).options(**at(0, "stream")).remote(
-                    self.target, self.layer_ids, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
+                team = self.teams[0]
+                team.drafters.append(ray.remote(ColocatedWorker).options(**at(0, "stream")).remote(
+                    self.target, self.layer_ids, team.drafter_cfg_json, team.init, team.cfg.train, s,
+                    tcfg.num_streams))
                 continue
             self.targets.append(ray.remote(TargetWorker).options(**at(0, "target")).remote(
                 self.target, self.layer_ids, tcfg))
-            self.drafters.append(ray.remote(DrafterWorker).options(**at(1, "drafter")).remote(
-                self.target, self.drafter_cfg_json, self.init, tcfg, s, tcfg.num_streams))
-        # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
-        self.rendezvous = ray.get(self.drafters[0].__ray_call__.remote(_rendezvous))
-        self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.drafters]))
-        ray.get([d.init_group.remote(*self.rendezvous) for d in self.drafters])
-        ray.get([d.set_total_steps.remote(self.total_steps) for d in self.drafters])
+            for i, team in enumerate(self.teams):
+                role = f"drafter-{team.name}" if team.name else "drafter"
+                team.drafters.append(ray.remote(DrafterWorker).options(**at(1 + i, role)).remote(
+                    self.target, team.drafter_cfg_json, team.init, team.cfg.train, s, tcfg.num_streams, team.pick))
+        self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.all_drafters]))
+        for team in self.teams:  # each drafter's ranks form a process group of their own
+            # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
+            team.rendezvous = ray.get(team.drafters[0].__ray_call__.remote(_rendezvous))
+            ray.get([d.init_group.remote(*team.rendezvous) for d in team.drafters])
+        ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
+
+    @property
+    def all_drafters(self) -> list:
+        return [d for team in self.teams for d in team.drafters]
 
     def _stop_actors(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.targets + self.drafters:
+        for actor in self.targets + self.all_drafters:
             ray.kill(actor)
         for pg in self.groups:
             remove_placement_group(pg)
-        self.targets, self.drafters, self.groups = [], [], []
+        self.targets, self.groups = [], []
+        for team in self.teams:
+            team.drafters = []
 
     def _resume(self) -> None:
-        """Continue from the newest checkpoint that verifies. The coordinator reads its manifest and
-        `state.json` alone (the weights and optimizer state can be tens of GB): each drafter reads
-        and checks those itself, and a checkpoint a drafter finds corrupt gives way to the one before.
-        A checkpoint of another run (other training settings, data or target) is refused."""
+        """Continue from the newest checkpoint that verifies (for every drafter of the run, at one
+        step). The coordinator reads its manifest and `state.json` alone (the weights and optimizer
+        state can be tens of GB): each drafter reads and checks those itself, and a checkpoint a
+        drafter finds corrupt gives way to the one before. A checkpoint of another run (other
+        training settings, data or target) is refused."""
         import logging
 
         import ray
 
         self.step, rejected = 0, []
         now = self.cfg.to_dict()["train"]
-        for step in reversed(checkpoint.complete_steps(self.output)):
+        steps = set.intersection(*(set(checkpoint.complete_steps(t.output)) for t in self.teams))
+        for step in sorted(steps, reverse=True):
             try:
-                files = checkpoint.verify(self.output, step)  # every file there, at its size
-                state = json.loads(checkpoint.read_file(self.output, step, "state.json", files))
+                states = []
+                for team in self.teams:
+                    files = checkpoint.verify(team.output, step)  # every file there, at its size
+                    states.append(json.loads(checkpoint.read_file(team.output, step, "state.json", files)))
             except checkpoint.CorruptCheckpoint as e:
                 rejected.append(f"step {step}: {e}")
                 continue
+            state = states[0]
             saved = state["config"]["train"]
             changed = [f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k) != now[k]]
             changed += [f"{name} (checkpoint: {state.get(name)}, now: {value})"
@@ -183,7 +231,7 @@ class Coordinator:
                 raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed)} differ): "
                                   "resuming would not continue the same run", file=self.output)
             try:
-                ray.get([d.load_checkpoint.remote(self.output, step) for d in self.drafters])
+                ray.get([d.load_checkpoint.remote(team.output, step) for team in self.teams for d in team.drafters])
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, checkpoint.CorruptCheckpoint):
                     raise
@@ -193,7 +241,8 @@ class Coordinator:
                 logging.getLogger(__name__).warning("resuming from step %d; newer checkpoints do not verify: %s",
                                                     step, "; ".join(rejected))
             self.step = step
-            self.metrics = [m for m in state.get("metrics", []) if m["step"] <= self.step]  # row k: the k-th step, done
+            for team, team_state in zip(self.teams, states):  # row k: the k-th step, done
+                team.metrics = [m for m in team_state.get("metrics", []) if m["step"] <= self.step]
             return
         if rejected:
             raise DFlashError(f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
@@ -203,43 +252,56 @@ class Coordinator:
     def _checkpoint(self) -> None:
         import ray
 
-        checkpoint.begin(self.output, self.step)  # a manifest of an earlier run at this step no longer counts
-        # every rank gathers its shard to rank 0, which writes the files
-        entries = ray.get([d.write_checkpoint_files.remote(self.output, self.step) for d in self.drafters])[0]
-        rngs = ray.get([d.rng_state.remote() for d in self.drafters])
-        state = {"step": self.step, "total_steps": self.total_steps, "rng": [r.hex() for r in rngs],
-                 "metrics": self.metrics, "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
-        entries["state.json"] = checkpoint.write_file(self.output, self.step, "state.json",
-                                                      json.dumps(state).encode())
-        checkpoint.commit(self.output, self.step, entries, {"step": self.step})
-        checkpoint.rotate(self.output, self.cfg.train.keep_checkpoints, upto=self.step)
-        storage.write_text(storage.join(self.output, "metrics.jsonl"),
-                           "".join(json.dumps(m) + "\n" for m in self.metrics))
+        for team in self.teams:  # a manifest of an earlier run at this step no longer counts
+            checkpoint.begin(team.output, self.step)
+        # every rank gathers its shard to rank 0, which writes the files (all drafters at once)
+        written = ray.get([d.write_checkpoint_files.remote(team.output, self.step)
+                           for team in self.teams for d in team.drafters])
+        rngs = ray.get([d.rng_state.remote() for d in self.all_drafters])
+        n = self.cfg.train.num_streams
+        for i, team in enumerate(self.teams):
+            entries = written[i * n]  # rank 0's
+            state = {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
+                     "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": team.metrics,
+                     "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
+            entries["state.json"] = checkpoint.write_file(team.output, self.step, "state.json",
+                                                          json.dumps(state).encode())
+            checkpoint.commit(team.output, self.step, entries, {"step": self.step})
+            checkpoint.rotate(team.output, self.cfg.train.keep_checkpoints, upto=self.step)
+            storage.write_text(storage.join(team.output, "metrics.jsonl"),
+                               "".join(json.dumps(m) + "\n" for m in team.metrics))
         self.trackers.sync()
 
-    def _evaluate(self) -> float | None:
-        """Simulated tau on the held-out samples, their batches spread over every stream (the drafters
-        hold the same weights, and each batch's anchors come from a fixed seed): no stream idles."""
+    def _evaluate(self) -> list[float | None]:
+        """Simulated tau of each drafter on the held-out samples, their batches spread over every
+        stream (a drafter's ranks hold the same weights, and each batch's anchors come from a fixed
+        seed): no stream idles, and each batch's features are computed once for all the drafters."""
         import ray
 
         if not self.heldout:
-            return None
-        bs, n = self.cfg.train.batch_size, len(self.drafters)
+            return [None] * len(self.teams)
+        bs, n = self.cfg.train.batch_size, self.cfg.train.num_streams
         batches = [self.heldout[i:i + bs] for i in range(0, len(self.heldout), bs)]
         counted = len(batches)
         # every rank runs as many forwards (sharded weights are gathered collectively): the last
         # round is filled with repeats whose results are dropped
         batches += [batches[0]] * (-counted % n)
         if self.cfg.train.colocate:
-            taus = ray.get([self.drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])
+            drafters = self.teams[0].drafters
+            per_team = [ray.get([drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])]
         else:
-            taus = ray.get([self.drafters[i % n].evaluate.remote(self.targets[i % n].features.remote(b))
-                            for i, b in enumerate(batches)])
-        flat = [t for part in taus[:counted] for t in part]
-        return sum(flat) / len(flat) if flat else None
+            features = [self.targets[i % n].features.remote(b) for i, b in enumerate(batches)]
+            pending = [[team.drafters[i % n].evaluate.remote(f) for i, f in enumerate(features)]
+                       for team in self.teams]
+            per_team = [ray.get(refs) for refs in pending]
+        means = []
+        for taus in per_team:
+            flat = [t for part in taus[:counted] for t in part]
+            means.append(sum(flat) / len(flat) if flat else None)
+        return means
 
     # -- the loop ---------------------------------------------------------------------------
-    def _record(self, stats: list[dict[str, float]], wait_s: float, step_s: float) -> None:
+    def _record(self, team: Team, stats: list[dict[str, float]], wait_s: float, step_s: float) -> None:
         tokens = sum(s["tokens"] for s in stats)
         row = {"step": self.step, "loss": stats[0]["loss"], "lr": stats[0]["lr"],
                "grad_norm": stats[0]["grad_norm"], "tau": sum(s["tau"] for s in stats) / len(stats),
@@ -247,19 +309,20 @@ class Coordinator:
                "target_seconds": max(s["target_seconds"] for s in stats),
                "drafter_seconds": max(s["drafter_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
-        self.metrics.append(row)
+        team.metrics.append(row)
         for k, v in row.items():
             if k != "step":
-                self._gauge(k).set(v)
+                self._gauge(team, k).set(v)
 
-    def _gauge(self, name: str):
+    def _gauge(self, team: Team, name: str):
         from ray.util.metrics import Gauge
 
-        if name not in self._gauges:
-            gauge = Gauge(f"dflash_train_{name}", description=f"training {name}", tag_keys=("run",))
-            gauge.set_default_tags({"run": self.run_name})  # two runs on one cluster stay apart
-            self._gauges[name] = gauge
-        return self._gauges[name]
+        if name not in team.gauges:
+            gauge = Gauge(f"dflash_train_{name}", description=f"training {name}", tag_keys=("run", "drafter"))
+            # two runs on one cluster, and the drafters of one run, stay apart
+            gauge.set_default_tags({"run": self.run_name, "drafter": team.name or "drafter"})
+            team.gauges[name] = gauge
+        return team.gauges[name]
 
     def _fault(self, stream: int) -> bool:
         """`train.fault_step`: drafter rank 1 raises at that step, in the run's first attempt only."""
@@ -269,38 +332,49 @@ class Coordinator:
         import ray
 
         tcfg = self.cfg.train
-        ahead: list[dict[int, Any]] = [{} for _ in self.drafters]
+        n = tcfg.num_streams
+        ahead: list[dict[int, Any]] = [{} for _ in range(n)]
 
         def submit(step: int) -> None:
             for s, target in enumerate(self.targets):
                 if step < self.total_steps and step not in ahead[s]:
                     ahead[s][step] = target.features.remote(self.schedule.batch_for(step, s))
 
-        if tcfg.eval_every and self.step == 0 and self.heldout_start is None:
-            self.heldout_start = self._evaluate()  # the untrained start: what learning is measured against
+        if tcfg.eval_every and self.step == 0 and self.teams[0].heldout_start is None:
+            # the untrained start: what learning is measured against
+            for team, tau in zip(self.teams, self._evaluate()):
+                team.heldout_start = tau
         while self.step < self.total_steps:
             start = time.perf_counter()
             if tcfg.colocate:  # each stream computes its own features in place
                 wait_s = 0.0
                 stats = first_error([d.train_samples.remote(self.step, self.schedule.batch_for(self.step, s),
-                                                            self._fault(s)) for s, d in enumerate(self.drafters)])
+                                                            self._fault(s)) for s, d in enumerate(self.all_drafters)])
             else:
                 for k in range(tcfg.max_in_flight + 1):
                     submit(self.step + k)
-                refs = [ahead[s].pop(self.step) for s in range(len(self.drafters))]
+                refs = [ahead[s].pop(self.step) for s in range(n)]
                 ready_at = time.perf_counter()
                 ray.wait(refs, num_returns=len(refs))
                 wait_s = time.perf_counter() - ready_at
-                # each drafter resolves its own stream's features: they never pass through here
-                stats = first_error([d.train_step.remote(self.step, ref, self._fault(s))
-                                     for s, (d, ref) in enumerate(zip(self.drafters, refs))])
+                # each drafter resolves its own stream's features (every drafter of a stream the same
+                # reference): they never pass through here
+                stats = first_error([d.train_step.remote(self.step, refs[s], self._fault(s))
+                                     for team in self.teams for s, d in enumerate(team.drafters)])
             self.step += 1
-            self._record(stats, wait_s, time.perf_counter() - start)
+            step_s = time.perf_counter() - start
+            for i, team in enumerate(self.teams):
+                self._record(team, stats[i * n:(i + 1) * n], wait_s, step_s)
             if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == self.total_steps):
-                self.metrics[-1]["heldout_tau"] = self._evaluate()
-                if self.metrics[-1]["heldout_tau"] is not None:
-                    self._gauge("heldout_tau").set(self.metrics[-1]["heldout_tau"])
-            self.trackers.log(self.step, self.metrics[-1])
+                for team, tau in zip(self.teams, self._evaluate()):
+                    team.metrics[-1]["heldout_tau"] = tau
+                    if tau is not None:
+                        self._gauge(team, "heldout_tau").set(tau)
+            if len(self.teams) == 1:
+                self.trackers.log(self.step, self.metrics[-1])
+            else:  # one run in the tracker, each drafter's figures under its name
+                self.trackers.log(self.step, {f"{t.name}/{k}": v for t in self.teams for k, v in t.metrics[-1].items()
+                                              if k != "step"})
             if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self._checkpoint()
             if stop_after_step is not None and self.step >= stop_after_step:
@@ -339,17 +413,23 @@ class Coordinator:
                     self._stop_actors()
         finally:
             self.trackers.finish()
-        last = self.metrics[-1] if self.metrics else {}
-        heldout = [m for m in self.metrics if m.get("heldout_tau") is not None]
-        return {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
-                "restarts": self.restarts, "failures": self.failures, "loss": last.get("loss"), "tau": last.get("tau"),
-                "rendezvous": f"{self.rendezvous[0]}:{self.rendezvous[1]}" if self.rendezvous else None,
-                "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
+        summaries = [self._summary(team) for team in self.teams]
+        run = {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
+               "restarts": self.restarts, "failures": self.failures,
+               "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
+               "seconds": round(time.perf_counter() - started, 1), "trackers": tracked}
+        if self.cfg.train.drafters:  # each drafter's figures under its name
+            return {**run, "drafters": {team.name: s for team, s in zip(self.teams, summaries)}}
+        return {**run, **summaries[0]}
+
+    def _summary(self, team: Team) -> dict[str, Any]:
+        last = team.metrics[-1] if team.metrics else {}
+        heldout = [m for m in team.metrics if m.get("heldout_tau") is not None]
+        return {"output": team.output, "loss": last.get("loss"), "tau": last.get("tau"),
+                "rendezvous": f"{team.rendezvous[0]}:{team.rendezvous[1]}" if team.rendezvous else None,
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
-                "heldout_tau_start": self.heldout_start,
-                "seconds": round(time.perf_counter() - started, 1), "trackers": tracked,
-                "checkpoint": checkpoint.step_dir(self.output, self.step)}
+                "heldout_tau_start": team.heldout_start, "checkpoint": checkpoint.step_dir(team.output, self.step)}
 
     def stop(self) -> None:
         """Stop the stream actors and free their placement groups now (the driver was interrupted):

@@ -81,14 +81,16 @@ def planned_placement(cfg: RunConfig):
 
 
 def stream_bundles(cfg) -> list[dict[str, float]]:
-    """The resources of one stream's actors (target, drafter; or the one colocated actor), which a
-    placement group packs on one node."""
+    """The resources of one stream's actors (target, then one drafter per drafter of the run; or the
+    one colocated actor), which a placement group packs on one node."""
     from dflash_ray.cluster import on_node
 
     def bundle(gpus: float) -> dict[str, float]:
         return {"CPU": cfg.actor_cpus, **({"GPU": gpus} if gpus else {}), **on_node(cfg.node_resource)}
 
-    return [bundle(cfg.actor_gpus)] if cfg.colocate else [bundle(target_gpus(cfg)), bundle(cfg.actor_gpus)]
+    if cfg.colocate:
+        return [bundle(cfg.actor_gpus)]
+    return [bundle(target_gpus(cfg))] + [bundle(cfg.actor_gpus) for _ in range(max(1, len(cfg.drafters)))]
 
 
 def check_resources(cfg, nodes: list[dict[str, float]]) -> None:

@@ -74,7 +74,9 @@ class TargetWorker:
         start = time.perf_counter()
         ids, mask, attn = pad_batch([self._row(uri, row) for uri, row in samples])
         device = self.place.device
-        wanted = self.cfg.distill > 0 or families.get(self.cfg.drafter).wants_target_distribution
+        # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`)
+        wanted = any(d.get("distill", self.cfg.distill) > 0 or families.get(d.get("drafter", self.cfg.drafter))
+                     .wants_target_distribution for d in self.cfg.drafters or [{}])
         top_k = self.cfg.distill_top_k if wanted else 0
         want = torch.zeros_like(mask)
         want[:, :-1] = mask[:, 1:]  # position p holds the distribution of token p + 1
@@ -113,7 +115,10 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
 
 
 class DrafterWorker:
-    def __init__(self, target: str, drafter_cfg_json: str, init: str, cfg: TrainConfig, rank: int, world: int):
+    def __init__(self, target: str, drafter_cfg_json: str, init: str, cfg: TrainConfig, rank: int, world: int,
+                 pick: list[int] | None = None):
+        """`pick`: the positions of this drafter's target layers among those the target captures
+        (several drafters from one target pass); None: all of them, in order."""
         from dflash_ray.drafter import families
         from dflash_ray.drafter.export import from_hf_config
         from dflash_ray.drafter.init import initial_drafter
@@ -121,7 +126,7 @@ class DrafterWorker:
         from dflash_ray.target.capture import load_embed_and_head
 
         torch.set_num_threads(cfg.torch_threads)
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.cfg, self.rank, self.world, self.pick = cfg, rank, world, pick
         self.place = actor_placement(cfg)
         self.dtype, device = self.place.dtype, self.place.device
         target_dir = resolve(target)
@@ -162,6 +167,14 @@ class DrafterWorker:
         self.total_steps = total
 
     # -- training ---------------------------------------------------------------------------
+    def _features(self, batch: dict[str, Any]) -> torch.Tensor:
+        """This drafter's target layers [B, S, L·H], on its device in its compute dtype: all the
+        captured ones, or its own among those of several drafters (`pick`)."""
+        features = batch["features"].to(self.place.device, self.dtype)
+        if self.pick is None:
+            return features
+        return features.unflatten(-1, (-1, self.drafter.cfg.hidden_size))[:, :, self.pick].flatten(2)
+
     def averaged_gradients(self, batch: dict[str, Any]):
         """Set every parameter's gradient (this rank's shard of it) to that of the loss over the union
         of all streams' batches: the loss sums and weights are all-reduced first (two numbers), each
@@ -171,11 +184,12 @@ class DrafterWorker:
         import torch.distributed as dist
 
         device = self.place.device
+        wanted = self.cfg.distill > 0 or self.family.wants_target_distribution  # sent for another drafter?
         teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device)) \
-            if "teacher_ids" in batch else None
+            if "teacher_ids" in batch and wanted else None
         forward_loss = self.family.forward_loss
         with self._autocast():
-            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
+            out = forward_loss(self.drafter, self.embed, self.head, self._features(batch),
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
                                num_anchors=self.cfg.num_anchors, generator=self.generator,
                                attention=self.place.attention, gamma=self.cfg.loss_decay, teacher=teacher,
@@ -196,7 +210,7 @@ class DrafterWorker:
         device = self.place.device
         forward_loss = self.family.forward_loss
         with self._autocast():
-            out = forward_loss(self.drafter, self.embed, self.head, batch["features"].to(device, self.dtype),
+            out = forward_loss(self.drafter, self.embed, self.head, self._features(batch),
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
                                num_anchors=self.cfg.num_anchors,
                                generator=torch.Generator().manual_seed(self.cfg.seed), attention="sdpa")
