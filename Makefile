@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.
 test-fast: setup
@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python -m bench.speculative --json
 	$(BIN)/python -m bench.generate --json
 	$(BIN)/python -m bench.stream --json
+	$(BIN)/python -m bench.drafters --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
