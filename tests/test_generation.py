@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from dflash_ray.config import GenerateConfig
-from dflash_ray.generation.book import PAUSED, ShardBook
+from dflash_ray.config import AutoscaleConfig, GenerateConfig
+from dflash_ray.generation.book import PAUSED, ShardBook, wanted_generators
 from dflash_ray.generation.degenerate import classify, tail_cycle
 from dflash_ray.generation.engines import Output
 from dflash_ray.generation.shard import ShardGenerator, prompt_seed, split_reasoning
@@ -123,6 +123,51 @@ def test_a_paused_book_hands_out_nothing_but_lets_held_shards_finish_and_drains_
     assert book.lease("g1") is None  # a draining generator stops, paused or not
     book.paused = False
     assert book.lease("g0")["index"] == 1
+
+
+def test_the_autoscaler_follows_the_backlog_and_a_manual_scale_overrides_it():
+    auto = AutoscaleConfig(enabled=True, min_generators=1, max_generators=4, drain_within_s=100, interval_s=10)
+    clock = Clock()
+    units = [{"index": i, "uri": "p.parquet", "start": i, "count": 1} for i in range(40)]
+    book = ShardBook(units, {}, target=1, lease_timeout_s=1000, clock=clock, autoscale=auto)
+    assert book.reconcile() == (1, [])  # nothing measured yet: the starting count
+    book.register("g0")
+    clock.t = 20  # its engine took 20 s to start
+    first = book.lease("g0")
+    clock.t = 30
+    assert book.reconcile() == (0, [])  # still nothing measured
+    book.complete("g0", first["index"], {"prompts": 1, "generator": "g0"})  # 10 s a shard
+    # 39 shards x 10 s = 390 s of work, to clear within 100 s: 4 generators (the max)
+    assert book.reconcile() == (3, []) and book.status()["generators_target"] == 4
+    for g in ("g1", "g2", "g3"):
+        book.register(g)
+    clock.t = 35
+    assert book.reconcile() == (0, [])  # revised at most every 10 s
+    leases = {g: book.lease(g) for g in ("g0", "g1", "g2", "g3")}
+    while len(book.pending) > 15:  # the queue drains: 15 shards left, 150 s of work
+        clock.t += 10
+        for g, unit in leases.items():
+            book.complete(g, unit["index"], {"prompts": 1, "generator": g})
+            leases[g] = book.lease(g)
+    clock.t += 10
+    start, drain = book.reconcile()
+    assert book.status()["generators_target"] == 2 and start == 0 and drain == ["g2", "g3"]
+    assert book.status()["generators_peak"] == 4 and book.status()["autoscale"]
+    book.set_target(2)  # `dflash-ray scale`: the autoscaler stops here
+    clock.t += 100
+    book.reconcile()
+    assert book.status()["generators_target"] == 2 and not book.status()["autoscale"]
+
+
+def test_the_autoscaler_adds_no_engine_that_would_start_after_the_queue_is_empty():
+    auto = AutoscaleConfig(enabled=True, min_generators=0, max_generators=8, drain_within_s=10)
+    # 6 shards x 10 s: 6 generators would clear them in 10 s, but one engine takes 120 s to start
+    assert wanted_generators(6, 1, 1, 10.0, 120.0, auto) == 1
+    assert wanted_generators(6, 1, 1, 10.0, 5.0, auto) == 6
+    assert wanted_generators(100, 0, 1, 10.0, 5.0, auto) == 8  # the max
+    assert wanted_generators(0, 0, 2, 10.0, 5.0, auto) == 0  # nothing left: the min
+    assert wanted_generators(3, 0, 0, 10.0, 500.0, auto) == 1  # work and no generator: one
+    assert wanted_generators(3, 0, 1, None, None, auto) is None  # nothing measured
 
 
 def test_a_bad_prompt_fails_alone_and_records_replay_exactly(tiny_qwen3_dir, qwen3_tokenizer):

@@ -34,7 +34,8 @@ class ShardPool:
                  output: str, plan: str):
         from ray.util import metrics
 
-        self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused)
+        self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused,
+                              autoscale=cfg.autoscale)
         self._changed = asyncio.Event()  # set (and replaced) when a held `lease` call should look again
         self.asked: set[str] = set()  # generators that asked for work: their engine started
         self.output, self.plan = output, plan
@@ -45,9 +46,11 @@ class ShardPool:
                                      tag_keys=("run",))
         self.m_alive = metrics.Gauge("dflash_generate_generators_alive", "generator actors alive",
                                      tag_keys=("run",))
+        self.m_target = metrics.Gauge("dflash_generate_generators_target",
+                                      "generator actors wanted (by `scale` or the autoscaler)", tag_keys=("run",))
         self.m_rate = metrics.Gauge("dflash_generate_tokens_per_s", "output tokens per second, all generators",
                                     tag_keys=("run",))
-        for m in (self.m_prompts, self.m_tokens, self.m_queue, self.m_alive, self.m_rate):
+        for m in (self.m_prompts, self.m_tokens, self.m_queue, self.m_alive, self.m_target, self.m_rate):
             m.set_default_tags(tags)
         self._publish()
 
@@ -56,6 +59,7 @@ class ShardPool:
         status["generators_starting"] = [g for g in status["generators"] if g not in self.asked]
         self.m_queue.set(status["queue_depth"])
         self.m_alive.set(status["generators_alive"])
+        self.m_target.set(status["generators_target"])
         if status["tokens_per_s"] is not None:
             self.m_rate.set(status["tokens_per_s"])
         return status

@@ -8,14 +8,21 @@ No Ray here: the pool actor wraps one `ShardBook`. The rules that make output ex
 - a generator asked to drain gets no new shard; the one it holds finishes normally;
 - a paused book hands out no shard: a generator that asks is told to wait (`PAUSED`), its engine
   kept loaded; the shards already leased finish normally.
+
+With `generate.autoscale` on, `reconcile` also revises the target count (`wanted_generators`) from
+the queue and the seconds a shard and an engine start have taken in this run; `set_target` from
+`dflash-ray scale` turns that off for the rest of the run.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from dflash_ray.config import AutoscaleConfig
 
 PROGRESS = "_progress.json"  # finished shards of a generation, on storage next to its output
 PAUSED = "paused"  # `lease`: work is left but the book is paused; ask again once it resumes
@@ -26,6 +33,29 @@ class Lease:
     generator: str
     number: int
     deadline: float
+    started: float
+
+
+RECENT = 8  # the shards whose durations set the autoscaler's rate: the last ones finished
+
+
+def wanted_generators(queued: int, leased: int, alive: int, shard_s: float | None, start_s: float | None,
+                      auto: AutoscaleConfig) -> int | None:
+    """Generators to run: enough to clear the queue within `drain_within_s` at `shard_s` seconds a
+    shard a generator; none added when those running clear it before a new engine would be up
+    (`start_s`), never more than there are shards left; within [min, max]. None before any shard
+    has finished (nothing measured: keep the count)."""
+    if shard_s is None:
+        return None
+    work_s = queued * shard_s
+    want = math.ceil(work_s / auto.drain_within_s)
+    running = max(alive, 1)
+    if want > running and start_s is not None and work_s / running <= start_s:
+        want = running  # an engine started now would find the queue empty
+    want = min(want, queued + leased)
+    if queued:
+        want = max(want, 1)
+    return max(auto.min_generators, min(auto.max_generators, want))
 
 
 def _generator_order(gid: str) -> tuple[int, str]:
@@ -35,7 +65,8 @@ def _generator_order(gid: str) -> tuple[int, str]:
 
 class ShardBook:
     def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], target: int,
-                 lease_timeout_s: float, clock: Callable[[], float] = time.monotonic, paused: bool = False):
+                 lease_timeout_s: float, clock: Callable[[], float] = time.monotonic, paused: bool = False,
+                 autoscale: AutoscaleConfig | None = None):
         self.units = {int(u["index"]): u for u in units}
         self.done = {int(k): v for k, v in done.items()}
         self.pending = collections.deque(i for i in sorted(self.units) if i not in self.done)
@@ -50,10 +81,21 @@ class ShardBook:
         self.prompts_run = 0
         self.first_lease: float | None = None
         self.last_done: float | None = None
+        # autoscaling: None when off (or turned off by a manual `set_target`)
+        self.auto = autoscale if autoscale is not None and autoscale.enabled else None
+        if self.auto:
+            self.target = max(self.auto.min_generators, min(self.auto.max_generators, target))
+        self.next_revision = 0.0
+        self.registered: dict[str, float] = {}  # generator -> when it was started
+        self.start_s: list[float] = []  # seconds from start to a generator's first `lease`
+        self.shard_s: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.peak = 0  # the most generators alive at once
 
     # generators
     def register(self, gid: str) -> None:
         self.alive.add(gid)
+        self.registered[gid] = self.clock()
+        self.peak = max(self.peak, len(self.alive))
 
     def exited(self, gid: str) -> list[int]:
         """A generator is gone (drained, out of work or dead): its shards go back to the queue."""
@@ -65,13 +107,31 @@ class ShardBook:
             self.pending.appendleft(i)
         return back
 
-    def set_target(self, n: int) -> None:
+    def set_target(self, n: int, *, manual: bool = True) -> None:
+        """A manual target (`dflash-ray scale`) turns autoscaling off for the rest of the run."""
         if n < 0:
             raise ValueError(f"generators must be >= 0, got {n}")
         self.target = n
+        if manual:
+            self.auto = None
+
+    def revise(self) -> None:
+        """The autoscaler's step: a new target from the queue and the measured rates, at most once
+        every `interval_s`."""
+        now = self.clock()
+        if self.auto is None or now < self.next_revision:
+            return
+        shard_s = sum(self.shard_s) / len(self.shard_s) if self.shard_s else None
+        start_s = max(self.start_s) if self.start_s else None
+        want = wanted_generators(len(self.pending), len(self.leases), len(self.alive - self.draining),
+                                 shard_s, start_s, self.auto)
+        if want is not None:
+            self.target = want
+            self.next_revision = now + self.auto.interval_s
 
     def reconcile(self) -> tuple[int, list[str]]:
         """(generators to start, generators newly asked to drain) to meet the target."""
+        self.revise()
         active = sorted(self.alive - self.draining, key=_generator_order)
         drain = active[self.target:] if len(active) > self.target else []
         self.draining.update(drain)
@@ -82,6 +142,8 @@ class ShardBook:
     def lease(self, gid: str) -> dict[str, Any] | str | None:
         """A shard for `gid`; None when it should stop (draining, gone, or no work left); `PAUSED`."""
         self.expire()
+        if gid in self.registered:  # its first ask: the engine is up
+            self.start_s.append(self.clock() - self.registered.pop(gid))
         if gid in self.draining or gid not in self.alive or not self.pending:
             return None
         if self.paused:
@@ -89,7 +151,7 @@ class ShardBook:
         index = self.pending.popleft()
         self.lease_count += 1
         now = self.clock()
-        self.leases[index] = Lease(gid, self.lease_count, now + self.timeout)
+        self.leases[index] = Lease(gid, self.lease_count, now + self.timeout, now)
         self.first_lease = self.first_lease or now
         return {**self.units[index], "lease": self.lease_count}
 
@@ -117,6 +179,8 @@ class ShardBook:
         lease = self.leases.get(index)
         if lease is not None:
             del self.leases[index]
+            if lease.generator == gid:
+                self.shard_s.append(self.clock() - lease.started)
         if index in self.pending:  # expired and queued again, then finished by its first holder
             self.pending.remove(index)
         self.tokens += int(entry.get("output_tokens", 0))
@@ -138,6 +202,7 @@ class ShardBook:
             "queue_depth": len(self.pending), "prompts_total": total, "prompts_done": done,
             "generators_target": self.target, "generators_alive": len(self.alive),
             "generators_draining": len(self.draining), "generators": sorted(self.alive, key=_generator_order),
+            "generators_peak": self.peak, "autoscale": self.auto is not None,
             "leased_by": {g: sorted(i for i, lease in self.leases.items() if lease.generator == g)
                           for g in sorted({lease.generator for lease in self.leases.values()})},
             "done_by": dict(collections.Counter(str(e.get("generator")) for e in self.done.values())),

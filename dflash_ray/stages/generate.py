@@ -105,6 +105,15 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
             "runtime_env": {"env_vars": env}}
 
 
+def request_nodes(cfg: GenerateConfig, generators: int) -> None:
+    """Ask the Ray autoscaler for room for `generators` engines (their bundles), so that it adds
+    nodes before the actors queue and lets idle ones go once the count drops; 0 withdraws the ask."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundle = {"CPU": cfg.generator_cpus, "GPU": cfg.generator_gpus, **on_node(cfg.node_resource)}
+    request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * generators)
+
+
 POOL_TIMEOUT_S = 120.0  # a call to the pool actor; it answers at once unless it is gone
 
 
@@ -247,6 +256,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
         pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
             units, done, gcfg, output, plan)
         fleet = _Fleet(pool, model, gcfg, output)
+        asked = None  # the generator count the autoscaler was last asked to make room for
         total = sum(u["count"] for u in units)
         bar = tqdm(total=total, initial=total - sum(u["count"] for u in todo), desc="generate", unit=" prompts",
                    disable=not progress)
@@ -257,6 +267,9 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                 fleet.kill(late)
                 fleet.start(start_n)
                 status = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
+                if status["autoscale"] and gcfg.autoscale.request_nodes and status["generators_target"] != asked:
+                    asked = status["generators_target"]
+                    request_nodes(gcfg, asked)
                 bar.n = status["prompts_done"]
                 bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
                 if status["finished"]:
@@ -272,9 +285,12 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
             bar.close()
             fleet.stop()
             ray.kill(pool)
+            if asked:
+                request_nodes(gcfg, 0)  # the nodes may go once idle
         summary.update(_totals(done), generators_started=fleet.started, restarts=fleet.restarts,
                        deaths=fleet.deaths, seconds=round(time.time() - started, 1),
-                       tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"])
+                       tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"],
+                       generators_peak=final["generators_peak"], autoscaled=gcfg.autoscale.enabled)
         held.check()
         _commit(output, units, done, summary, cfg)
         return summary
