@@ -8,6 +8,7 @@ typo fails before any actor starts. The resolved config is saved next to every o
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -570,19 +571,42 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: mappings merge key by key, any other value (a list too) replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config file's mapping; a top-level `base: FILE` (relative to this file's folder) is read
+    first and this file's settings go on top of it, so a variant of a preset states only what differs."""
+    from dflash_ray import storage
+
+    if path in seen:
+        raise DFlashError(f"`base` files form a loop: {' -> '.join(seen + (path,))}", file=path, field="base")
+    try:
+        loaded = yaml.safe_load(storage.read_bytes(path)) or {}
+    except yaml.YAMLError as e:
+        raise DFlashError(f"invalid YAML: {e}", file=path) from None
+    if not isinstance(loaded, dict):
+        raise DFlashError("a config file must hold a mapping", file=path)
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str) or not base:
+        raise DFlashError(f"{base!r}: allowed: the path of another config file", file=path, field="base")
+    if "://" not in base and not base.startswith("/"):
+        base = storage.join(storage.parent(path), base)
+    if not storage.is_s3(base):
+        base = os.path.normpath(base)  # one file, one name: how a loop is seen
+    return _merge(_read_yaml(base, seen + (path,)), loaded)
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Build the run config from an optional YAML file (path or URI) and dotted overrides."""
-    data: dict[str, Any] = {}
-    if path:
-        from dflash_ray import storage
-
-        try:
-            loaded = yaml.safe_load(storage.read_bytes(path)) or {}
-        except yaml.YAMLError as e:
-            raise DFlashError(f"invalid YAML: {e}", file=path) from None
-        if not isinstance(loaded, dict):
-            raise DFlashError("a config file must hold a mapping", file=path)
-        data = loaded
+    data = _read_yaml(path) if path else {}
     for assignment in overrides:
         apply_override(data, assignment)
     try:

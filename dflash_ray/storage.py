@@ -52,6 +52,13 @@ def basename(uri: str) -> str:
     return str(uri).rstrip("/").rsplit("/", 1)[-1]
 
 
+def parent(uri: str) -> str:
+    """The folder that holds `uri` (local or s3://)."""
+    if is_s3(uri):
+        return str(uri).rstrip("/").rsplit("/", 1)[0]
+    return str(local_path(uri).parent)
+
+
 @functools.lru_cache(maxsize=None)
 def _s3_client(pid: int):  # keyed by pid: a client must not cross a fork
     import boto3

@@ -193,3 +193,19 @@ def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs()
     with pytest.raises(DFlashError, match="colocated") as e:
         load_config(None, ["train.colocate=true", "train.drafters=[{name: a}]"])
     assert union_layers([[1, 3, 5], [3, 5, 7], [1, 3, 5, 7]]) == ([1, 3, 5, 7], [[0, 1, 2], [1, 2, 3], None])
+
+
+def test_a_config_file_on_a_base_states_only_what_differs_and_a_loop_is_refused(tmp_path):
+    (tmp_path / "base.yaml").write_text("train: {lr: 0.001, num_layers: 3, layer_types: [full_attention, full_attention, "
+                                        "full_attention]}\ngenerate: {max_tokens: 100}\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.yaml").write_text("base: ../base.yaml\ntrain: {num_layers: 1, layer_types: "
+                                                 "[sliding_attention]}\n")
+    cfg = load_config(str(tmp_path / "sub" / "child.yaml"), ["generate.max_tokens=50"])
+    assert cfg.train.lr == 0.001 and cfg.train.num_layers == 1  # mappings merge key by key
+    assert cfg.train.layer_types == ["sliding_attention"]  # a list replaces
+    assert cfg.generate.max_tokens == 50  # overrides go on top of both
+    (tmp_path / "base.yaml").write_text("base: sub/child.yaml\n")
+    with pytest.raises(DFlashError) as e:
+        load_config(str(tmp_path / "sub" / "child.yaml"))
+    assert e.value.field == "base" and "loop" in str(e.value)

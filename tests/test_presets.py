@@ -78,3 +78,29 @@ def test_a_zero_mask_row_is_refused_naming_the_field(tmp_path):
         check_mask_row(path, hf)
     assert e.value.field == "train.mask_token_id"
     assert torch.count_nonzero(weights[key][500]) == 0
+
+
+def test_family_presets_carry_the_published_shapes_on_top_of_the_reference_recipe(tmp_path):
+    _qwen36_27b(tmp_path)
+    base = load_config(str(ROOT / "configs" / "qwen3.6-27b.yaml"))
+
+    dflash2 = cfg = load_config(str(ROOT / "configs" / "qwen3.6-27b-dflash2.yaml"))
+    hf = drafter_config(str(tmp_path), cfg)
+    assert hf["architectures"] == ["DFlash2DraftModel"] and hf["block_size"] == 8
+    assert hf["layer_types"] == [SLIDING] * 5 and hf["num_hidden_layers"] == 5
+    assert hf["dflash_config"]["target_layer_ids"] == [5, 19, 33, 47, 61]
+    assert hf["dflash_config"]["mask_token_id"] == 248070
+    assert {k: hf["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                "selector_top_k")} == {"conv_kernel_size": 2, "conv_group_size": 16,
+                                                                       "selector_rank": 256, "selector_top_k": 16}
+    assert cfg.train.loss_decay is None  # not the 16-block recipe's 7
+
+    cfg = load_config(str(ROOT / "configs" / "qwen3.6-27b-dspark.yaml"))
+    hf = drafter_config(str(tmp_path), cfg)
+    assert hf["architectures"] == ["DSparkDraftModel"] and hf["block_size"] == 7 and hf["markov_rank"] == 256
+    assert cfg.train.loss_decay == 4.0 and hf["target_layer_ids"] == [1, 16, 31, 46, 61]
+
+    for variant in (dflash2, cfg):  # everything else is the reference recipe's
+        assert variant.generate == base.generate and variant.tokenize == base.tokenize
+        assert (variant.train.num_anchors, variant.train.lr, variant.train.epochs, variant.train.num_streams,
+                variant.train.intermediate_size) == (512, 6e-4, 6, 8, 17408)
