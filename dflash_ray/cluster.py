@@ -54,6 +54,7 @@ def start_local(**init_args) -> None:
     multi_node = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(_node_ip_address=LOCAL_ADDRESS, **init_args)
+        # "local": a new cluster even when `ray start` left one on this machine (ray.init would join it)
+        ray.init(address="local", _node_ip_address=LOCAL_ADDRESS, **init_args)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node

@@ -81,7 +81,8 @@ def ray_cluster(s3_endpoint):
     """One local Ray cluster for the session: 2 CPUs, a capped object store, no dashboard."""
     import ray
 
-    ray.init(num_cpus=2, object_store_memory=256 * 1024**2, include_dashboard=False,
+    # "local": never the cluster a test started with `ray start` (ray.init alone would join it)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 * 1024**2, include_dashboard=False,
              log_to_driver=False)
     yield
     ray.shutdown()
