@@ -117,7 +117,7 @@ def test_scaling_one_two_one_mid_run_loses_and_duplicates_nothing(prompts, tmp_p
 
     output = str(tmp_path / "completions")
     cfg, future = _start(prompts, output, ["generate.generators=1", "generate.backend=transformers",
-                                           "generate.shard_size=1", "generate.max_tokens=16",
+                                           "generate.shard_size=1", "generate.max_tokens=4",
                                            "generate.truncated=keep", "generate.start_paused=true"])
     _wait(lambda: status(cfg), _engines_up(1), future)
     pause(False, cfg)

@@ -4,8 +4,9 @@ vLLM needs its own process (it spawns workers and wants a `__main__` guard), so 
 script: `python -m dflash_ray.drafter.vllm_check --target DIR --drafter DIR --prompts-json FILE`
 prints one JSON object: the greedy outputs (with the drafter when given) and vLLM's measured mean
 acceptance length (1 + accepted / drafts, from `llm.get_metrics()`); with `--temperature` also the
-acceptance length of a sampled run (top-p `--top-p`) in the same engine. On the CPU the KV cache is
-sized in bytes for the machine, as for the generation engines.
+acceptance length of a sampled run (top-p `--top-p`) in the same engine; with `--plain` also the
+greedy outputs without the drafter (`plain_outputs`), from an engine started first in the same
+process. On the CPU the KV cache is sized in bytes for the machine, as for the generation engines.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ def _acceptance(llm, before: tuple[float, float]) -> tuple[dict, tuple[float, fl
 def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: int, dtype: str = "float32",
         num_speculative_tokens: int = 15, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     import torch
-    from vllm import LLM, SamplingParams
 
     from dflash_ray.config import GenerateConfig
-    from dflash_ray.generation.engines import cpu_kv_cache_bytes
+    from dflash_ray.generation.engines import cpu_kv_cache_bytes, engine_in_process
+
+    if not torch.cuda.is_available():
+        engine_in_process()
+    from vllm import LLM, SamplingParams
 
     kwargs = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "dtype": dtype}
     if drafter:
@@ -74,10 +78,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: also a sampled run")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--plain", action="store_true",
+                        help="with --drafter: first the same prompts without it, in this process (plain_outputs)")
     args = parser.parse_args()
     prompts = json.load(open(args.prompts_json))
-    print("VLLM_RESULT " + json.dumps(run(args.target, args.drafter, prompts, args.max_tokens,
-                                          temperature=args.temperature, top_p=args.top_p)))
+    plain = None
+    if args.plain and args.drafter:  # one process, one import of vLLM, for both engines
+        import gc
+
+        plain = run(args.target, None, prompts, args.max_tokens)["outputs"]
+        gc.collect()  # the first engine's memory goes before the second one sizes its cache
+    result = run(args.target, args.drafter, prompts, args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    if plain is not None:
+        result["plain_outputs"] = plain
+    print("VLLM_RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":

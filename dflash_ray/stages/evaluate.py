@@ -63,10 +63,10 @@ def evaluation_device(setting: str, cuda_available: bool) -> str:
 
 
 def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0) -> dict:
+             temperature: float = 0.0, top_p: float = 1.0, *, plain: bool = False) -> dict:
     """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance, and
-    with `temperature` > 0 that of a sampled run too), in vLLM's own process: it spawns workers and
-    wants a `__main__` guard."""
+    with `temperature` > 0 that of a sampled run too; `plain`: also those without the drafter, as
+    `plain_outputs`), in vLLM's own process: it spawns workers and wants a `__main__` guard."""
     import os
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -75,7 +75,7 @@ def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]],
            "--prompts-json", f.name, "--max-tokens", str(max_tokens), "--temperature", str(temperature),
            "--top-p", str(top_p)]
     if drafter_dir:
-        cmd += ["--drafter", str(drafter_dir)]
+        cmd += ["--drafter", str(drafter_dir)] + (["--plain"] if plain else [])
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     finally:
