@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q --durations=40 tests
 
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.
 test-fast: setup
