@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python -m bench.train --json
 	$(BIN)/python -m bench.speculative --json
 	$(BIN)/python -m bench.generate --json
+	$(BIN)/python -m bench.engine_start --json
 	$(BIN)/python -m bench.stream --json
 	$(BIN)/python -m bench.drafters --json
 
