@@ -107,13 +107,12 @@ class ShardBook:
             self.pending.appendleft(i)
         return back
 
-    def set_target(self, n: int, *, manual: bool = True) -> None:
-        """A manual target (`dflash-ray scale`) turns autoscaling off for the rest of the run."""
+    def set_target(self, n: int) -> None:
+        """A target set by hand (`dflash-ray scale`) turns autoscaling off for the rest of the run."""
         if n < 0:
             raise ValueError(f"generators must be >= 0, got {n}")
         self.target = n
-        if manual:
-            self.auto = None
+        self.auto = None
 
     def revise(self) -> None:
         """The autoscaler's step: a new target from the queue and the measured rates, at most once
