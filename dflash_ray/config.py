@@ -571,15 +571,15 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """`over` on top of `base`: mappings merge key by key, any other value (a list too) replaces."""
     out = dict(base)
     for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge_settings(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
-def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+def read_settings(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """A config file's mapping; a top-level `base: FILE` (relative to this file's folder) is read
     first and this file's settings go on top of it, so a variant of a preset states only what differs."""
     from dflash_ray import storage
@@ -601,12 +601,12 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
         base = storage.join(storage.parent(path), base)
     if not storage.is_s3(base):
         base = os.path.normpath(base)  # one file, one name: how a loop is seen
-    return _merge(_read_yaml(base, seen + (path,)), loaded)
+    return merge_settings(read_settings(base, seen + (path,)), loaded)
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Build the run config from an optional YAML file (path or URI) and dotted overrides."""
-    data = _read_yaml(path) if path else {}
+    data = read_settings(path) if path else {}
     for assignment in overrides:
         apply_override(data, assignment)
     try:

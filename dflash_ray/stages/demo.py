@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ray import storage
-from dflash_ray.config import RunConfig, apply_override, config_from_dict
+from dflash_ray.config import RunConfig, apply_override, config_from_dict, merge_settings, read_settings
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages.pipeline import run_pipeline
 from dflash_ray.registry import SMOLLM2
@@ -50,21 +50,11 @@ def bundled_inputs(small: bool = False) -> list[str]:
 
 def demo_config(path: str | None, overrides: list[str]) -> RunConfig:
     """The demo's settings, then the user's config file over them, then the user's overrides."""
-    import yaml
-
     data: dict[str, Any] = {}
     for assignment in DEMO_SETTINGS:
         apply_override(data, assignment)
-
-    def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-        for key, value in new.items():
-            if isinstance(value, dict) and isinstance(into.get(key), dict):
-                merge(into[key], value)
-            else:
-                into[key] = value
-
     if path:
-        merge(data, yaml.safe_load(storage.read_bytes(path)) or {})
+        data = merge_settings(data, read_settings(path))
     for assignment in overrides:
         apply_override(data, assignment)
     return config_from_dict(data)

@@ -110,7 +110,8 @@ def request_nodes(cfg: GenerateConfig, generators: int) -> None:
     nodes before the actors queue and lets idle ones go once the count drops; 0 withdraws the ask."""
     from ray.autoscaler.sdk import request_resources
 
-    bundle = {"CPU": cfg.generator_cpus, "GPU": cfg.generator_gpus, **on_node(cfg.node_resource)}
+    options = engine_options(cfg)  # the very resources each generator actor asks for
+    bundle = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
     request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * generators)
 
 
