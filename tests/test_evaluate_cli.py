@@ -51,6 +51,8 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
     assert summary["tokens"] == 36 and summary["tau"] >= 1 and summary["tau_ngram"] >= 1
     assert 1 <= summary["tau_sampled"] <= 16 and summary["sampling"] == {"temperature": 0.6, "top_p": 0.95}
     assert 0 <= summary["ngram_draft_share"] <= 1
+    for key in ("acceptance_by_position", "acceptance_by_position_sampled"):  # every draft position of the block
+        assert len(summary[key]) == 15 and all(r is None or 0 <= r <= 1 for r in summary[key]), summary[key]
     if summary["ngram_draft_share"]:  # per proposed draft is never below per target forward
         assert summary["tau_ngram_per_draft"] >= summary["tau_ngram"]
     assert set(summary["tau_per_source"]) == {"raw"}

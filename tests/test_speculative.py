@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.speculative import speculative_decode, target_decode
+from dflash_ray.drafter.speculative import acceptance_by_position, speculative_decode, target_decode
 from dflash_ray.drafter.step import forward_loss
 from dflash_ray.target.capture import load_embed_and_head, target_features
 from dflash_ray.tiny_models import tiny_qwen3, tiny_qwen35
@@ -47,6 +47,22 @@ def test_speculative_output_equals_target_decode(tmp_path, hybrid):
     assert [t.token_ids for t in trained] == [r.token_ids for r in refs]
     tau = sum(sum(t.acceptance) for t in trained) / sum(len(t.acceptance) for t in trained)
     assert tau > 2, [t.acceptance for t in trained]
+    # the rates by position multiply back to the mean accepted drafts: nothing lost between them
+    verified = [v for t in trained for v in t.verified]
+    rates = acceptance_by_position(verified)
+    assert len(rates) == cfg.block_size - 1 and rates[0] > 0.5
+    reach, expected = 1.0, 0.0
+    for rate in rates:
+        reach *= rate or 0.0
+        expected += reach
+    assert abs(expected - sum(a for _, a in verified) / len(verified)) < 2e-3
+
+
+def test_acceptance_by_position_is_conditional_on_the_positions_before():
+    verified = [(3, 0), (3, 1), (3, 3), (3, 2), (2, 2)]  # (drafted, accepted) per verify step
+    # position 1: 4 of 5; position 2: 3 of the 4 that reached it; position 3: 1 of the 2 that drafted it
+    assert acceptance_by_position(verified) == [0.8, 0.75, 0.5]
+    assert acceptance_by_position([]) == []
 
 
 def _chi_square_p_value(counts: dict, expected: dict, n: int) -> float:

@@ -32,10 +32,24 @@ class Generation:
     token_ids: list[int]  # generated tokens (prompt excluded)
     acceptance: list[int] = field(default_factory=list)  # tokens committed per verify step
     seconds: float = 0.0
+    # per verify step: (drafts proposed, drafts the target accepted), before the answer's end cuts them
+    verified: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
         return sum(self.acceptance) / max(len(self.acceptance), 1)
+
+
+def acceptance_by_position(verified: list[tuple[int, int]]) -> list[float | None]:
+    """Per draft position k (1 = the first draft): the share of verify steps that accepted it among
+    those that drafted it and accepted every position before it. Their running product is the
+    chance a block gets that far: the suffix decay a family's later positions are meant to lift."""
+    positions = max((d for d, _ in verified), default=0)
+    rates: list[float | None] = []
+    for k in range(1, positions + 1):
+        reached = [a for d, a in verified if d >= k and a >= k - 1]
+        rates.append(round(sum(a >= k for a in reached) / len(reached), 4) if reached else None)
+    return rates
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,7 @@ def speculative_decode(target, drafter: nn.Module, embed_VH: torch.Tensor, head_
         context = torch.cat([captured[i] for i in layer_ids], -1)  # [1, n, F]
     out_tokens = [_choose(logits[0, -1], sampling)]
     acceptance: list[int] = []
+    verified: list[tuple[int, int]] = []
     while len(out_tokens) < max_new_tokens and out_tokens[-1] not in eos_ids:
         n = context.shape[1]  # committed tokens the target has processed; the last one has not
         drafts, q = family.propose(drafter, context, out_tokens[-1], embed_VH, head_VH, sampling)
@@ -164,6 +179,7 @@ def speculative_decode(target, drafter: nn.Module, embed_VH: torch.Tensor, head_
         else:
             p = warp(logits, sampling.temperature, sampling.top_p)
             accepted, following = verify_sampled(drafts, q, p, sampling.generator)
+        verified.append((len(drafts), accepted))
         new = drafts[:accepted].tolist() + [following]
         room = max_new_tokens - len(out_tokens)
         new = new[:room]
@@ -182,4 +198,4 @@ def speculative_decode(target, drafter: nn.Module, embed_VH: torch.Tensor, head_
         else:
             cache.crop(n + accepted + 1)
         context = torch.cat([context, feats[:, : accepted + 1]], dim=1)
-    return Generation(out_tokens, acceptance, time.perf_counter() - start)
+    return Generation(out_tokens, acceptance, time.perf_counter() - start, verified)

@@ -98,7 +98,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     from dflash_ray.drafter import families, ngram
     from dflash_ray.drafter.export import load_drafter
-    from dflash_ray.drafter.speculative import Sampling, speculative_decode, target_decode
+    from dflash_ray.drafter.speculative import Sampling, acceptance_by_position, speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target.capture import load_embed_and_head
 
@@ -117,6 +117,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
     per_source: dict[str, list[int]] = collections.defaultdict(list)
     all_steps, sampled_steps, ngram_steps, prompt_ids, references = [], [], [], [], []
+    verified, verified_sampled = [], []  # (drafted, accepted) per verify step
     generator = torch.Generator(device=device).manual_seed(ecfg.seed)
     cache = reference_cache if reference_cache is not None else {}
     spec_s = base_s = 0.0
@@ -136,12 +137,14 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         mismatches += int(spec.token_ids != ref.token_ids)
         per_source[row["source"]] += spec.acceptance
         all_steps += spec.acceptance
+        verified += spec.verified
         ngram_steps += ngram.simulate_steps(ids, ref.token_ids, num_drafts, ecfg.ngram_min,
                                             ecfg.ngram_max)
         if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
-            sampled = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,
-                                         Sampling(ecfg.temperature, ecfg.top_p, generator))
-            sampled_steps += sampled.acceptance
+            drawn = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,
+                                       Sampling(ecfg.temperature, ecfg.top_p, generator))
+            sampled_steps += drawn.acceptance
+            verified_sampled += drawn.verified
         spec_s, base_s, tokens = spec_s + spec.seconds, base_s + ref.seconds, tokens + len(ref.token_ids)
 
     def mean(xs):
@@ -151,7 +154,9 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         "stage": "evaluate", "drafter": drafter_uri, "target": target_uri, "device": device, "prompts": len(rows),
         "tokens": tokens, "tau": mean(all_steps), "verify_steps": len(all_steps),
         "tau_per_source": {s: mean(v) for s, v in sorted(per_source.items())},
-        "tau_sampled": mean(sampled_steps), "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
+        "acceptance_by_position": acceptance_by_position(verified),
+        "tau_sampled": mean(sampled_steps), "acceptance_by_position_sampled": acceptance_by_position(verified_sampled),
+        "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
         "tau_ngram": mean([c for c, _ in ngram_steps]),
         "tau_ngram_per_draft": mean([c for c, had in ngram_steps if had]),
         "ngram_draft_share": round(sum(had for _, had in ngram_steps) / len(ngram_steps), 4) if ngram_steps else None,
