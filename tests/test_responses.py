@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 
 from dflash_ray import manifest
@@ -72,6 +73,8 @@ def test_a_thinking_target_flags_answers_without_thinking(tmp_path, capsys):
 
 def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, ray_cluster, tiny_qwen3_dir,
                                                                      qwen3_tokenizer):
+    """Two drafters of two families from one target pass (`train.drafters`): each exported under its
+    name and evaluated beside its own start; the summary's own figures are the first one's."""
     import shutil
 
     from dflash_ray.stages.pipeline import run_pipeline
@@ -90,8 +93,18 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, 
         "validate.gate.min_median_response=8", "validate.gate.max_mode_share=1.0",
         "validate.gate.max_empty_thinking_share=1.0",
         "train.num_streams=1", "train.max_steps=2", "train.num_anchors=4", "train.heldout=0",
-        "train.actor_cpus=0.5", "evaluate.max_new_tokens=4"])
+        "train.actor_cpus=0.3", "evaluate.max_new_tokens=4",
+        "train.drafters=[{name: flash}, {name: spark, drafter: dspark, markov_rank: 16, block_size: 6}]"])
     summary = run_pipeline(cfg, progress=False)
+    assert list(summary["drafters"]) == ["flash", "spark"]
+    for name, family, arch, drafts in (("flash", "dflash", "DFlashDraftModel", 15),
+                                       ("spark", "dspark", "DSparkDraftModel", 6)):
+        result = summary["drafters"][name]
+        assert result["family"] == family and result["lossless"] and result["tau_trained"] >= 1, result
+        assert len(result["acceptance_by_position"]) == drafts and f"evaluate_trained[{name}]" in summary["stage_seconds"]
+        exported = json.loads((tmp_path / "run" / "drafter" / name / "config.json").read_text())
+        assert exported["architectures"] == [arch]
+    assert summary["tau_trained"] == summary["drafters"]["flash"]["tau_trained"]
     assert summary["responses"] and summary["completions"] == 12 and summary["samples"] == 12
     assert "generate" not in summary["stage_seconds"] and summary["generated_tokens"] == 0
     assert summary["training_steps"] == 2 and summary["lossless"]
@@ -125,3 +138,17 @@ def test_a_hybrid_gated_deltanet_target_runs_the_whole_pipeline(tmp_path, ray_cl
     assert summary["training_steps"] == 2 and summary["lossless"]
     exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert exported["num_target_layers"] == 4 and exported["vocab_size"] == vocab
+
+
+def test_the_learning_gates_name_the_drafter_that_fails():
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.stages.pipeline import _gate
+
+    pcfg = load_config(None, ["pipeline.min_tau_gain=0.1", "pipeline.beat_ngram=true"]).pipeline
+    _gate({"tau_gain": 0.2, "tau_trained": 1.5, "tau_untrained": 1.3, "tau_ngram": 1.2}, "flash", pcfg)
+    with pytest.raises(DFlashError, match="drafter 'spark': .* by 0.050, less than 0.1") as e:
+        _gate({"tau_gain": 0.05, "tau_trained": 1.35, "tau_untrained": 1.3, "tau_ngram": 1.2}, "spark", pcfg)
+    assert e.value.field == "pipeline.min_tau_gain"
+    with pytest.raises(DFlashError, match="does not beat n-gram prompt lookup's 1.6") as e:
+        _gate({"tau_gain": 0.2, "tau_trained": 1.5, "tau_untrained": 1.3, "tau_ngram": 1.6}, "", pcfg)
+    assert e.value.field == "pipeline.beat_ngram" and "drafter" not in str(e.value).split(":")[0]

@@ -20,6 +20,7 @@ class DFlash:
     architecture = "DFlashDraftModel"
     first_prediction = 1
     wants_target_distribution = False  # only with `train.distill`
+    vllm_on_cpu = True
     hf_keys = frozenset({"dflash_config"})
 
     def build(self, cfg: DrafterConfig) -> DFlashDrafter:

@@ -245,6 +245,7 @@ class DFlash2:
     architecture = "DFlash2DraftModel"
     first_prediction = 1
     wants_target_distribution = False  # only with `train.distill`
+    vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
     hf_keys = frozenset({"dflash_config"})
     _own_keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 

@@ -200,6 +200,7 @@ class DSpark:
     architecture = "DSparkDraftModel"
     first_prediction = 0
     wants_target_distribution = True
+    vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
     hf_keys = frozenset({"mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
                          "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"})
 

