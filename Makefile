@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python -m bench.engine_start --json
 	$(BIN)/python -m bench.stream --json
 	$(BIN)/python -m bench.drafters --json
+	$(BIN)/python -m bench.families --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
