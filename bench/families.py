@@ -28,6 +28,8 @@ FAMILIES = [{"name": "dflash"},
 
 
 def plot(results: dict[str, dict], path: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     from dflash_ray.plots import png_figure
 
     with png_figure(2, (11, 3.6)) as (_, axes, buf):
@@ -39,6 +41,7 @@ def plot(results: dict[str, dict], path: str) -> None:
                         marker="o", label=f"{name} (tau {result['tau_trained' if title == 'greedy' else 'tau_trained_sampled']})")
             ax.set(title=f"acceptance by draft position, {title}", xlabel="draft position",
                    ylabel="accepted | every earlier one accepted", ylim=(0, 1))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     storage.write_bytes(path, buf.getvalue())

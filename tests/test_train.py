@@ -56,6 +56,14 @@ def motif_data(tmp_path_factory):
                       prefix="m")
 
 
+@pytest.fixture(scope="module")
+def alone(ray_cluster, target, data, tmp_path_factory):
+    """(output, summary) of one undisturbed run of SETTINGS to its end, which several tests compare
+    their runs with bit for bit."""
+    out = str(tmp_path_factory.mktemp("alone") / "run")
+    return out, run_train(target, data, out, load_config(None, SETTINGS), progress=False)
+
+
 def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_path):
     """Two data-parallel streams (gloo) over target and drafter actors: the loss falls and the
     held-out tau rises well past the untrained start's (which matches about 1 draft token in 500)."""
@@ -118,16 +126,16 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     assert whole > 0 and all(abs(b - whole / 2) <= 0.05 * whole for b in shard_bytes), (shard_bytes, whole)
 
 
-def test_resume_is_exact(ray_cluster, target, data, tmp_path):
+def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
     cfg = load_config(None, SETTINGS)
-    whole = run_train(target, data, str(tmp_path / "whole"), cfg, progress=False)
+    whole_dir, whole = alone
     assert whole["step"] == whole["total_steps"] == 8
     sliced = str(tmp_path / "sliced")
     first = run_train(target, data, sliced, cfg, progress=False, stop_after_step=5)  # ends between checkpoints
     assert first["step"] == 5
     second = run_train(target, data, sliced, cfg, progress=False)
     assert second["step"] == 8
-    step_a, weights_a = _final_weights(str(tmp_path / "whole"))
+    step_a, weights_a = _final_weights(whole_dir)
     step_b, weights_b = _final_weights(sliced)
     assert step_a == step_b == 8 and weights_a == weights_b  # bitwise
     assert storage.exists(storage.join(sliced, "metrics.png"))
@@ -140,7 +148,7 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path):
     assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
 
 
-def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, target, data, tmp_path):
+def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, target, data, tmp_path, alone):
     """`train.drafters`: a DFlash drafter and a DSpark one on other target layers, fed by one target
     pass per batch over two streams, stopped between checkpoints and resumed. The DFlash one ends
     bitwise where it ends trained alone (its layers picked out of the union the target captured),
@@ -156,12 +164,12 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
     assert run_train(target, data, out, cfg, progress=False, stop_after_step=5)["step"] == 5
     both = run_train(target, data, out, cfg, progress=False)
     assert both["step"] == both["total_steps"] == 8 and set(both["drafters"]) == {"flash", "spark"}
-    alone = run_train(target, data, str(tmp_path / "alone"), load_config(None, SETTINGS), progress=False)
-    assert alone["step"] == 8 and alone["checkpoint"] == checkpoint.step_dir(str(tmp_path / "alone"), 8)
-    assert _final_weights(storage.join(out, "flash")) == _final_weights(str(tmp_path / "alone"))  # bitwise
+    alone_dir, alone = alone
+    assert alone["step"] == 8 and alone["checkpoint"] == checkpoint.step_dir(alone_dir, 8)
+    assert _final_weights(storage.join(out, "flash")) == _final_weights(alone_dir)  # bitwise
     spark, flash = _metrics(storage.join(out, "spark")), _metrics(storage.join(out, "flash"))
     assert [m["step"] for m in spark] == [m["step"] for m in flash] == list(range(1, 9))
-    assert [m["loss"] for m in flash] == [m["loss"] for m in _metrics(str(tmp_path / "alone"))]
+    assert [m["loss"] for m in flash] == [m["loss"] for m in _metrics(alone_dir)]
     assert spark[-1]["loss"] < spark[0]["loss"] and spark[0]["loss"] != flash[0]["loss"]
     for name, arch in (("flash", "DFlashDraftModel"), ("spark", "DSparkDraftModel")):
         assert both["drafters"][name]["checkpoint"] == checkpoint.step_dir(storage.join(out, name), 8)
@@ -213,7 +221,8 @@ def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
     assert result["restarts"] == 1
 
 
-def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_cluster, target, data, tmp_path):
+def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_cluster, target, data, tmp_path,
+                                                                           alone):
     """Drafter rank 1 raises at step 5 (as an out-of-memory error would) while rank 0 waits for it in
     the all-reduce: every stream restarts from the step-3 checkpoint, each step is taken once, and
     the weights are an undisturbed run's, bit for bit."""
@@ -225,8 +234,7 @@ def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_
     assert "injected fault at step 5 on drafter rank 1" in faulty["failures"][0], faulty["failures"]
     rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "faulty" / "metrics.jsonl")).splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    run_train(target, data, str(tmp_path / "clean"), load_config(None, SETTINGS), progress=False)
-    assert _final_weights(str(tmp_path / "faulty")) == _final_weights(str(tmp_path / "clean"))
+    assert _final_weights(str(tmp_path / "faulty")) == _final_weights(alone[0])
 
 
 def test_streams_the_cluster_cannot_hold_are_refused_before_any_actor_with_the_numbers():
@@ -300,23 +308,20 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
 
     out = str(tmp_path / "cli")
     args = ["train", "--data", data, "--target", target, "--output", out, "--json",
-            *[x for s in SETTINGS for x in ("--set", s)], "--stop-after-step", "2"]
+            *[x for s in SETTINGS + ["train.heldout=4", "train.eval_every=2"] for x in ("--set", s)],
+            "--stop-after-step", "2"]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["step"] == 2 and summary["trackers"] == {}  # none unless train.trackers
     assert main(args) == 2 and "--resume" in capsys.readouterr().err
     # a resume under settings that change what is trained is refused, naming the fields
-    assert main(args[:-2] + ["--resume", "--set", "train.heldout=4"]) == 2
+    assert main(args[:-2] + ["--resume", "--set", "train.heldout=6"]) == 2
     assert "train.heldout" in capsys.readouterr().err
     assert main(args[:-2] + ["--resume"]) == 0
-    assert json.loads(capsys.readouterr().out)["step"] == 8
-    out2 = str(tmp_path / "cli-eval")
-    args2 = ["train", "--data", data, "--target", target, "--output", out2, "--json",
-             *[x for s in SETTINGS for x in ("--set", s)], "--set", "train.heldout=4", "--set", "train.eval_every=2"]
-    assert main(args2) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["total_steps"] == 6  # 12 training samples over 2 streams
-    metrics = [json.loads(x) for x in storage.read_text(storage.join(out2, "metrics.jsonl")).splitlines()]
+    assert summary["step"] == summary["total_steps"] == 6  # 12 training samples over 2 streams
+    metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 7))  # each step once across the resume
     assert [m["step"] for m in metrics if "heldout_tau" in m] == [2, 4, 6]
     assert summary["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1
 
