@@ -178,6 +178,44 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
     assert storage.exists(storage.join(out, "spark", "metrics.png"))
 
 
+def _corrupt_same_size(output: str, step: int, name: str) -> None:
+    uri = storage.join(checkpoint.step_dir(output, step), name)
+    body = bytearray(storage.read_bytes(uri))
+    body[len(body) // 2] ^= 0xFF  # only its checksum can tell
+    storage.write_bytes(uri, bytes(body))
+
+
+def test_resume_passes_over_a_corrupt_checkpoint_and_continues_exactly(ray_cluster, target, data, tmp_path, alone):
+    """The drafters check what they load themselves: a corrupt newest checkpoint gives way to the one
+    before it, rotation keeps what a resume needs, and a checkpoint of another target is refused."""
+    import re
+    import shutil
+
+    from dflash_ray.errors import DFlashError
+
+    cfg = load_config(None, SETTINGS)
+    out = str(tmp_path / "run")
+    shutil.copytree(alone[0], out)  # a finished run of these settings
+    assert checkpoint.complete_steps(out) == [3, 6, 8]
+    reference = _final_weights(out)
+    storage.delete_tree(checkpoint.step_dir(out, 8))  # as if the run had stopped after step 6 ...
+    _corrupt_same_size(out, 6, "optimizer.pt")  # ... whose optimizer state only its checksum shows corrupt
+
+    resumed = run_train(target, data, out, load_config(None, SETTINGS + ["train.keep_checkpoints=1"]), progress=False)
+    assert resumed["step"] == 8 and resumed["restarts"] == 0
+    assert checkpoint.complete_steps(out) == [8]  # step 6 rewritten from 3 on, then rotated like 3
+    assert _final_weights(out) == reference  # bitwise: resumed from 3, as if never interrupted
+
+    other = shutil.copytree(target, tmp_path / "another-target")  # the same weights under another name
+    with pytest.raises(DFlashError, match=re.escape(f"target (checkpoint: {target}, now: {other})")):
+        run_train(str(other), data, out, cfg, progress=False)
+
+    _corrupt_same_size(out, 8, "drafter/model.safetensors")
+    with pytest.raises(DFlashError, match=r"no checkpoint verifies \(step 8: \S+model.safetensors: its sha256"):
+        run_train(target, data, out, cfg, progress=False)
+    assert checkpoint.complete_steps(out) == [8]  # refused, nothing overwritten
+
+
 def _metrics(output: str) -> list[dict]:
     import json
 
