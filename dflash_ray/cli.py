@@ -151,14 +151,24 @@ INPUTS_HELP = ("JSONL/JSON/Parquet files or folders, hf://datasets/ORG/NAME[/CON
                "optional when the config has a mix (prompts.sources)")
 
 
+class UsageError(Exception):
+    """A command line argparse refuses, raised instead of its exit so `--json` still ends with a summary."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--config", help="run config YAML (path or URI)")
     common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config field, e.g. --set tokenize.max_seq_len=2048")
     common.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
 
-    parser = argparse.ArgumentParser(prog="dflash-ray", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="dflash-ray", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prompts", parents=[common], help="normalize chat datasets into prompt shards")
@@ -274,7 +284,15 @@ def _ray_initialized() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        if "--json" in argv:  # the summary line a script reads, as for any other refusal
+            stage = next((a for a in argv if not a.startswith("-")), None)
+            print(json.dumps({"stage": stage, "ok": False, "error": str(e), "exit_code": 2}), flush=True)
+        return 2
     run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
     out = sys.stdout
     if args.json:  # stdout carries the summary alone: worker logs Ray forwards go to stderr

@@ -209,3 +209,19 @@ def test_a_config_file_on_a_base_states_only_what_differs_and_a_loop_is_refused(
     with pytest.raises(DFlashError) as e:
         load_config(str(tmp_path / "sub" / "child.yaml"))
     assert e.value.field == "base" and "loop" in str(e.value)
+
+
+def test_a_command_line_argparse_refuses_still_ends_with_a_json_summary(capsys):
+    import json
+
+    from dflash_ray.cli import main
+
+    assert main(["validate", "--json"]) == 2
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary == {"stage": "validate", "ok": False, "exit_code": 2,
+                       "error": "dflash-ray validate: error: the following arguments are required: --input"}
+    assert "usage: dflash-ray validate" in err and "required: --input" in err
+    assert main(["export", "CKPT", "--output", "x", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == "dflash-ray: error: unrecognized arguments: --output"
+    assert main(["validate"]) == 2 and capsys.readouterr().out == ""  # without --json stdout stays empty
