@@ -127,3 +127,15 @@ def test_gate_passes_a_healthy_dataset(ray_cluster, tmp_path):
     assert set(stats["sources"]) == {"math", "code"}
     assert len(report["random_examples"]) == cfg.validate.num_examples
     assert all(ex["response"].startswith("<think>") for ex in report["random_examples"])
+
+
+@pytest.mark.parametrize("kind, says", [("prompts", "holds prompts, not completions"),
+                                        ("tokenized", "holds tokenized samples already")])
+def test_tokenize_refuses_a_dataset_of_another_stage_naming_what_it_holds(tmp_path, kind, says):
+    from dflash_ray.errors import DFlashError
+
+    folder = str(tmp_path / kind)
+    manifest.write_manifest(folder, kind=kind, files=[], summary={})
+    with pytest.raises(DFlashError, match=says) as e:
+        run_tokenize(folder, str(tmp_path / "out"), load_config())
+    assert e.value.file == folder

@@ -164,6 +164,11 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
     import ray.data
 
     tcfg = cfg.tokenize
+    kind = str((manifest.read_manifest(input_uri) or {}).get("kind", ""))
+    if kind.startswith("prompts") or kind == "tokenized":  # a dataset of this project's, of another stage
+        raise DFlashError("holds prompts, not completions: generate them first with `dflash-ray generate "
+                          "--prompts URI --output DIR`" if kind != "tokenized" else
+                          "holds tokenized samples already: validate or train on it as it is", file=input_uri)
     files = manifest.dataset_files(input_uri, (".parquet", ".jsonl"))
     units, num_rows_in, rejects = work_units(files, manifest.listed_rows(input_uri))
     connect(cfg.ray)
