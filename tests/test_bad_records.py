@@ -228,13 +228,20 @@ def test_every_stage_refuses_a_listed_file_whose_sha256_changed(tmp_path, capsys
     (listed,) = manifest.read_manifest(str(prompts))["files"]
     assert len(listed["sha256"]) == 64 and listed["rows"] == 40
     _flip_a_byte(prompts / listed["name"])
-    for argv in (["tokenize", "--input", str(prompts), "--output", str(tmp_path / "tok"),
-                  "--set", "tokenize.tokenizer=smollm2-135m-instruct"],
-                 ["generate", "--prompts", str(prompts), "--output", str(tmp_path / "gen"), "--model",
-                  "smollm2-135m-instruct"]):
+    completions = tmp_path / "completions"
+    completions.mkdir()
+    (completions / "part-0.parquet").write_bytes(_parquet_bytes(pa.Table.from_pylist([_completion(i) for i in range(8)])))
+    manifest.write_manifest(str(completions), kind="completions", files=[{"name": "part-0.parquet", "rows": 8}],
+                            summary={})
+    _flip_a_byte(completions / "part-0.parquet")
+    for argv, name, rerun in (
+            (["tokenize", "--input", str(completions), "--output", str(tmp_path / "tok"),
+              "--set", "tokenize.tokenizer=smollm2-135m-instruct"], "part-0.parquet", "dflash-ray generate"),
+            (["generate", "--prompts", str(prompts), "--output", str(tmp_path / "gen"), "--model",
+              "smollm2-135m-instruct"], listed["name"], "dflash-ray prompts")):
         code, summary, _ = _cli(capsys, *argv)
-        assert code == 2 and listed["name"] in summary["error"], summary
-        assert "sha256 does not match" in summary["error"] and "dflash-ray prompts" in summary["error"]
+        assert code == 2 and name in summary["error"], summary
+        assert "sha256 does not match" in summary["error"] and rerun in summary["error"], summary
     assert not (tmp_path / "tok" / manifest.MANIFEST).exists() and not (tmp_path / "gen" / manifest.MANIFEST).exists()
 
     tokenized = tmp_path / "tokenized"
