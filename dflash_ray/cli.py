@@ -269,9 +269,8 @@ def _parser() -> argparse.ArgumentParser:
 def _print_human(summary: dict[str, Any], prefix: str = "") -> None:
     """The summary as a two-column table; nested sections flattened to dotted keys."""
     for key, value in summary.items():
-        sections = isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values())
-        if sections or isinstance(value, dict) and value and all(not isinstance(v, dict) for v in value.values()) \
-                and len(value) <= 8:  # a section per drafter, or a short flat mapping
+        nested = [isinstance(v, dict) for v in value.values()] if isinstance(value, dict) and value else None
+        if nested and (all(nested) or not any(nested) and len(value) <= 8):  # sections, or a short flat mapping
             _print_human(value, f"{prefix}{key}.")
             continue
         if isinstance(value, (dict, list)):

@@ -149,17 +149,18 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
     train = timed("train", run_train, cfg.pipeline.target, storage.join(work, "tokenized"),
                   storage.join(work, "train"), cfg, progress=progress)
     references: dict = {}  # the target's own outputs, decoded once for every drafter
-    results = {name: _export_and_evaluate(work, name, team_cfg, train["drafters"][name] if name else train,
+    folders = drafters.outputs(storage.join(work, "train"), cfg)  # each drafter's training folder
+    results = {name: _export_and_evaluate(work, name, team_cfg, train["drafters"][name] if name else train, folder,
                                           references, timed)
-               for name, team_cfg in drafters.expand(cfg)}
+               for (name, team_cfg), folder in zip(drafters.expand(cfg), folders)}
     shared = {"training_steps": train["step"], "stream_nodes": train["stream_nodes"],
               "coordinator_node": train["coordinator_node"]}
     first = next(iter(results.values()))
     return {**shared, **first, **({"drafters": results} if cfg.train.drafters else {})}
 
 
-def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str, Any], references: dict,
-                         timed) -> dict[str, Any]:
+def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str, Any], folder: str,
+                         references: dict, timed) -> dict[str, Any]:
     """One trained drafter (`name` "" for a run of one): exported under `drafter/`, evaluated beside
     the drafter its training started from, on the kept-aside prompts."""
     import importlib.util
@@ -204,6 +205,6 @@ def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str
         "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
         "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
         "lossless": before["lossless"] and after["lossless"],
-        "plots": storage.join(work, "train", name, "metrics.png") if name else storage.join(work, "train/metrics.png"),
+        "plots": storage.join(folder, "metrics.png"),
         "drafter": drafter,
     }
