@@ -245,6 +245,16 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ChaosConfig:
+    """A fault drill (dflash_ray/chaos.py): the pipeline kills these while it runs, and must finish as
+    an undisturbed run would."""
+    faults: list = field(default_factory=list)  # one per entry: generator, tokenize, target, drafter or node,
+    # alone or as KIND@SECONDS (its own window)
+    seed: int = 0  # which victims, and when
+    within_s: float = 10.0  # each fault fires within this many seconds after its victims show up
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PlanConfig:
     """What `dflash-ray plan` projects: the seed's workload on the cluster given here."""
     cluster: str = ""  # a cluster launcher YAML: GPUs of node types with gen_node / train_node resources
@@ -277,6 +287,7 @@ class RunConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self):
@@ -348,7 +359,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1), "train.markov_rank": _at_least(1),
     "train.conv_kernel_size": _at_least(1), "train.conv_group_size": _at_least(1),
     "train.selector_rank": _at_least(1), "train.selector_top_k": _at_least(1),
-    "pipeline.eval_prompts": _at_least(0),
+    "pipeline.eval_prompts": _at_least(0), "chaos.within_s": _at_least(0),
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
     "plan.generation_tokens_per_s_per_gpu": _above(0), "plan.training_tokens_per_s_per_gpu": _at_least(0),
@@ -415,6 +426,9 @@ def check(cfg: RunConfig) -> None:
     if bad or len(set(tr.trackers)) < len(tr.trackers):
         raise DFlashError(f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}",
                           field="train.trackers")
+    from dflash_ray import chaos
+
+    chaos.parse(cfg.chaos)
     bad_inputs = [x for x in cfg.pipeline.inputs if not isinstance(x, str) or not x]
     if bad_inputs:
         raise DFlashError(f"{bad_inputs!r}: allowed: a list of file or folder URIs", field="pipeline.inputs")

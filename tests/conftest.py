@@ -3,6 +3,7 @@ packaged tokenizers and tiny random models. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -17,7 +18,7 @@ _given: set[int] = set()
 
 # A test that asks for one of these is an integration test; so is one marked by hand (a vLLM engine,
 # a CLI in a subprocess). `make test-fast` runs the others: no Ray, S3 server or engine.
-INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "two_nodes"}
+INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "two_nodes", "three_nodes"}
 INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_export.py", "test_gpu_check.py"}
 
 
@@ -114,3 +115,63 @@ def tiny_qwen35_dir(tmp_path_factory):
     from dflash_ray.tiny_models import tiny_qwen35
 
     return tiny_qwen35(tmp_path_factory.mktemp("tiny-qwen35"))
+
+
+@contextlib.contextmanager
+def local_nodes(workers: list[tuple[str, int, dict]]):
+    """A cluster of several nodes on this machine, apart from the session's: a head on 127.0.0.1
+    (resource `head_node`, no CPUs) and a worker node per (address, CPUs, resources), token auth on.
+    Yields (address, environment for a driver); every node is stopped by its process group."""
+    import json
+    import secrets
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+
+    def own_ports():  # the session's other local cluster holds the default ones
+        return [f"--{name}-port={free_port()}" for name in (
+            "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+            "node-manager", "object-manager")]
+
+    def start(args):
+        return subprocess.Popen([str(bin_dir / "ray"), "start", "--block", *args, *own_ports()], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    temp = f"/tmp/ray2n-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
+    procs = [start(["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=0",
+                    '--resources={"head_node": 1}', "--include-dashboard=false", f"--temp-dir={temp}",
+                    f"--ray-client-server-port={free_port()}"])]
+    try:
+        address = f"127.0.0.1:{port}"
+        for ip, cpus, resources in workers:
+            procs.append(start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
+                                f"--resources={json.dumps(resources)}"]))
+        probe = ("import ray; ray.init(address='%s'); "
+                 "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
+        deadline = time.time() + 120
+        while True:
+            done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+            if done.stdout.strip().endswith(str(1 + len(workers))):
+                break
+            assert time.time() < deadline, f"the nodes did not come up: {done.stderr[-2000:]}"
+            time.sleep(2)
+        yield address, env
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -96,6 +96,9 @@ def test_config_is_frozen():
     ("pipeline.eval_prompts=-1", "pipeline.eval_prompts", ">= 0"),
     ("pipeline.inputs=somepath", "pipeline.inputs", "list"),
     ("validate.gate.max_mode_share=1.5", "validate.gate.max_mode_share", "[0, 1]"),
+    ("chaos.faults=[drafter, gpu]", "chaos.faults[1]", "KIND or KIND@SECONDS"),
+    ("chaos.faults=[node@soon]", "chaos.faults[0]", "'node'"),
+    ("chaos.within_s=-1", "chaos.within_s", ">= 0"),
 ])
 def test_out_of_range_values_are_refused_before_anything_runs(override, field, allowed):
     with pytest.raises(DFlashError) as e:

@@ -79,7 +79,9 @@ def test_book_requeues_the_shards_of_dead_and_late_generators():
     book.register("g0"), book.register("g1")
     a, b = book.lease("g0"), book.lease("g1")
     assert (a["index"], b["index"]) == (0, 1)
+    clock.t = 3
     assert book.exited("g0") == [0]  # died: its shard is first in line again
+    assert book.status()["seconds_lost"] == 3  # the work it had done on it
     assert book.lease("g1")["index"] == 0  # the next generator to ask gets it
     clock.t = 5
     book.heartbeat("g1")
@@ -88,6 +90,7 @@ def test_book_requeues_the_shards_of_dead_and_late_generators():
     clock.t = 16
     assert book.expire() == ["g1"]
     assert book.status()["queue_depth"] == 4 and book.status()["shards_leased"] == 0
+    assert book.status()["seconds_lost"] == 3 + 16 + 13  # and g1's two shards, leased at 0 and 3
 
 
 def test_book_first_completion_wins_and_a_drained_generator_gets_no_work():

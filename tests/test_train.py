@@ -497,65 +497,12 @@ def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(tar
 
 
 @pytest.fixture
-def two_nodes(tmp_path):
-    """A head on 127.0.0.1 (resource `head_node`) and a worker node on 127.0.0.2 (`train_node`), both
-    on this machine, token auth on; stopped by the process groups they started."""
-    import os
-    import secrets
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+def two_nodes():
+    """A head on 127.0.0.1 (resource `head_node`, no CPUs) and a worker node on 127.0.0.2 (`train_node`)."""
+    from conftest import local_nodes
 
-    from conftest import free_port
-
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    port = free_port()
-
-    def own_ports():  # the session's other local cluster holds the default ones
-        return [f"--{name}-port={free_port()}" for name in (
-            "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
-            "node-manager", "object-manager")]
-
-    temp = f"/tmp/ray2n-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
-    head = subprocess.Popen(
-        [str(bin_dir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--num-cpus=0", '--resources={"head_node": 1}', "--include-dashboard=false", f"--temp-dir={temp}",
-         f"--ray-client-server-port={free_port()}", *own_ports()],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    procs = [head]
-    try:
-        address = f"127.0.0.1:{port}"
-        worker = subprocess.Popen(
-            [str(bin_dir / "ray"), "start", "--block", f"--address={address}", "--node-ip-address=127.0.0.2",
-             "--num-cpus=2", '--resources={"train_node": 4}', *own_ports()],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        procs.append(worker)
-        probe = ("import ray; ray.init(address='%s'); "
-                 "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
-        deadline = time.time() + 120
-        while True:
-            done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-            if done.stdout.strip().endswith("2"):
-                break
-            assert time.time() < deadline, f"the two nodes did not come up: {done.stderr[-2000:]}"
-            time.sleep(2)
-        yield address, env
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with local_nodes([("127.0.0.2", 2, {"train_node": 4})]) as cluster:
+        yield cluster
 
 
 @pytest.mark.timeout(900)

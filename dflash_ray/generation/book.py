@@ -90,6 +90,7 @@ class ShardBook:
         self.start_s: list[float] = []  # seconds from start to a generator's first `lease`
         self.shard_s: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.peak = 0  # the most generators alive at once
+        self.lost_s = 0.0  # seconds of work on shards whose generator died or timed out (done again)
 
     # generators
     def register(self, gid: str) -> None:
@@ -102,8 +103,9 @@ class ShardBook:
         self.alive.discard(gid)
         self.draining.discard(gid)
         back = sorted(i for i, lease in self.leases.items() if lease.generator == gid)
+        now = self.clock()
         for i in reversed(back):
-            del self.leases[i]
+            self.lost_s += now - self.leases.pop(i).started
             self.pending.appendleft(i)
         return back
 
@@ -166,7 +168,7 @@ class ShardBook:
         late = sorted((i for i, lease in self.leases.items() if lease.deadline < now), reverse=True)
         gens = [self.leases[i].generator for i in late]
         for i in late:
-            del self.leases[i]
+            self.lost_s += now - self.leases.pop(i).started
             self.pending.appendleft(i)
         return sorted(set(gens))
 
@@ -208,5 +210,5 @@ class ShardBook:
             "paused": self.paused, "tokens_generated": self.tokens,
             "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,
             "eta_s": round((total - done) / rate, 1) if rate else None,
-            "finished": self.finished,
+            "finished": self.finished, "seconds_lost": round(self.lost_s, 1),
         }

@@ -193,7 +193,7 @@ class _Fleet:
             cause = failure_cause(error)
             self.deaths.append(f"{gid}: {cause}")
             raised = isinstance(error, RayTaskError) or (isinstance(error, RayActorError) and error.actor_init_failed)
-            if not had_started and gid not in self.killed:
+            if not had_started and raised and gid not in self.killed:  # its own code failed: it would again
                 fatal = fatal or f"generator {gid} failed before its first shard: {cause}"
             elif raised and gid not in self.killed:
                 first = self.errors.setdefault(same_error(cause), gid)
@@ -291,7 +291,8 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
         summary.update(_totals(done), generators_started=fleet.started, restarts=fleet.restarts,
                        deaths=fleet.deaths, seconds=round(time.time() - started, 1),
                        tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"],
-                       generators_peak=final["generators_peak"], autoscaled=gcfg.autoscale.enabled)
+                       generators_peak=final["generators_peak"], autoscaled=gcfg.autoscale.enabled,
+                       seconds_lost=final["seconds_lost"])
         held.check()
         _commit(output, units, done, summary, cfg)
         return summary

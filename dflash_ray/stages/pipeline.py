@@ -45,6 +45,7 @@ def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, 
 def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """prompts → (eval prompts kept aside) → generate → tokenize → validate → train → evaluate the
     untrained and trained drafter → export, every output under `pipeline.workdir`."""
+    from dflash_ray.chaos import Injector
     from dflash_ray.stages.prompts import run_prompts
     from dflash_ray.stages.validate import run_validate
     from dflash_ray.stages.generate import run_generate
@@ -69,48 +70,54 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
         timings[name] = round(time.time() - t, 1)
         return out
 
-    inputs = list(pcfg.inputs)
-    written = None
-    if cfg.selfprompt.count > 0:  # prompts the target writes itself join the given ones
-        from dflash_ray.stages.selfprompt import run_selfprompt
+    with Injector(cfg.chaos) as chaos:  # `chaos.faults`: a drill, killing actors while the stages run
+        inputs = list(pcfg.inputs)
+        written = None
+        if cfg.selfprompt.count > 0:  # prompts the target writes itself join the given ones
+            from dflash_ray.stages.selfprompt import run_selfprompt
 
-        written = timed("selfprompt", run_selfprompt, pcfg.target, at("self-prompts"), cfg, progress=progress)
-        inputs.append(at("self-prompts"))
-    prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress, responses=pcfg.responses)
-    if pcfg.responses:  # the answers are the completions; their contexts are the kept-aside prompts
-        kept = split_prompts(at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed,
-                             answered=True)
-        generated = {"completions": kept, "rejected_kinds": {}, "generator_nodes": [], "output_tokens": 0,
-                     "tokens_per_s": None}
-    else:
-        split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
-        generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
-                          progress=progress)
-    tokenized = timed("tokenize", run_tokenize, at("completions"), at("tokenized"), cfg)
-    report = timed("validate", run_validate, at("tokenized"), cfg, report_dir=at("report"))
-    summary = {
-        "stage": "pipeline", "workdir": work, "target": pcfg.target, "responses": pcfg.responses,
-        "records": prompts["records"], "prompts": prompts["prompts"],
-        "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
-        "self_prompts": written["prompts"] if written else 0,
-        "self_prompts_dropped": written["dropped"] if written else {},
-        "eval_prompts": pcfg.eval_prompts,
-        "completions": generated["completions"], "generation_rejected": generated["rejected_kinds"],
-        "generator_nodes": generated["generator_nodes"],
-        "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],
-        "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
-        "tokens_cut": tokenized["tokens_cut"], "share_kept": tokenized["share_kept"],
-        "length_warning": generated.get("length_warning"),
-        "loss_tokens": report["stats"]["loss_tokens"],
-        "response_fraction": round(report["stats"]["response_fraction"], 4),
-        "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
-        "gate_passed": report["passed"], "failed_rules": report["failed_rules"],
-        "report": at("report/report.md"),
-    }
-    if not report["passed"]:
-        raise GateFailed(f"validation gate failed: {report['failed_rules']}", file=at("tokenized")
-                         ).with_summary(summary)
-    summary.update(_train_and_evaluate(work, cfg, progress, timed))
+            written = timed("selfprompt", run_selfprompt, pcfg.target, at("self-prompts"), cfg, progress=progress)
+            inputs.append(at("self-prompts"))
+        prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress, responses=pcfg.responses)
+        if pcfg.responses:  # the answers are the completions; their contexts are the kept-aside prompts
+            kept = split_prompts(at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed,
+                                 answered=True)
+            generated = {"completions": kept, "rejected_kinds": {}, "generator_nodes": [], "output_tokens": 0,
+                         "tokens_per_s": None}
+        else:
+            split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
+            generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
+                              progress=progress)
+        tokenized = timed("tokenize", run_tokenize, at("completions"), at("tokenized"), cfg)
+        report = timed("validate", run_validate, at("tokenized"), cfg, report_dir=at("report"))
+        summary = {
+            "stage": "pipeline", "workdir": work, "target": pcfg.target, "responses": pcfg.responses,
+            "records": prompts["records"], "prompts": prompts["prompts"],
+            "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
+            "self_prompts": written["prompts"] if written else 0,
+            "self_prompts_dropped": written["dropped"] if written else {},
+            "eval_prompts": pcfg.eval_prompts,
+            "completions": generated["completions"], "generation_rejected": generated["rejected_kinds"],
+            "generator_nodes": generated["generator_nodes"],
+            "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],
+            "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
+            "tokens_cut": tokenized["tokens_cut"], "share_kept": tokenized["share_kept"],
+            "length_warning": generated.get("length_warning"),
+            "loss_tokens": report["stats"]["loss_tokens"],
+            "response_fraction": round(report["stats"]["response_fraction"], 4),
+            "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
+            "gate_passed": report["passed"], "failed_rules": report["failed_rules"],
+            "report": at("report/report.md"),
+        }
+        if not report["passed"]:
+            raise GateFailed(f"validation gate failed: {report['failed_rules']}", file=at("tokenized")
+                             ).with_summary(summary)
+        summary.update(_train_and_evaluate(work, cfg, progress, timed))
+    if cfg.chaos.faults:  # the run got here: every fault fired was recovered from
+        summary["chaos"] = {**chaos.summary(), "recovered": chaos.summary()["injected"],
+                            "restarts": {"generate": generated.get("restarts", 0), "train": summary["train_restarts"]},
+                            "seconds_lost": {"generate": generated.get("seconds_lost", 0.0),
+                                             "train": summary["train_seconds_lost"]}}
     summary["stage_seconds"] = timings
     summary["seconds"] = round(time.time() - started, 1)
     teams = summary.get("drafters") or {"": summary}
@@ -154,7 +161,8 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
                                           references, timed)
                for (name, team_cfg), folder in zip(drafters.expand(cfg), folders)}
     shared = {"training_steps": train["step"], "stream_nodes": train["stream_nodes"],
-              "coordinator_node": train["coordinator_node"]}
+              "coordinator_node": train["coordinator_node"], "train_restarts": train["restarts"],
+              "train_seconds_lost": train["seconds_lost"]}
     first = next(iter(results.values()))
     return {**shared, **first, **({"drafters": results} if cfg.train.drafters else {})}
 

@@ -116,6 +116,8 @@ class Coordinator:
         for team, pick in zip(self.teams, picks):
             team.pick = pick
         self.step, self.restarts = 0, 0
+        # the wall time failures cost: from a failure at step s until the run is past step s again
+        self.seconds_lost, self.lost_since = 0.0, None
         self.targets, self.groups = [], []
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
@@ -181,7 +183,7 @@ class Coordinator:
         for team in self.teams:  # each drafter's ranks form a process group of their own
             # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
             team.rendezvous = ray.get(team.drafters[0].__ray_call__.remote(_rendezvous))
-            ray.get([d.init_group.remote(*team.rendezvous) for d in team.drafters])
+            first_error([d.init_group.remote(*team.rendezvous) for d in team.drafters])
         ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
 
     @property
@@ -231,7 +233,7 @@ class Coordinator:
                 raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed)} differ): "
                                   "resuming would not continue the same run", file=self.output)
             try:
-                ray.get([d.load_checkpoint.remote(team.output, step) for team in self.teams for d in team.drafters])
+                first_error([d.load_checkpoint.remote(team.output, step) for team in self.teams for d in team.drafters])
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, checkpoint.CorruptCheckpoint):
                     raise
@@ -255,8 +257,8 @@ class Coordinator:
         for team in self.teams:  # a manifest of an earlier run at this step no longer counts
             checkpoint.begin(team.output, self.step)
         # every rank gathers its shard to rank 0, which writes the files (all drafters at once)
-        written = ray.get([d.write_checkpoint_files.remote(team.output, self.step)
-                           for team in self.teams for d in team.drafters])
+        written = first_error([d.write_checkpoint_files.remote(team.output, self.step)
+                               for team in self.teams for d in team.drafters])
         rngs = ray.get([d.rng_state.remote() for d in self.all_drafters])
         n = self.cfg.train.num_streams
         for i, team in enumerate(self.teams):
@@ -324,6 +326,11 @@ class Coordinator:
             team.gauges[name] = gauge
         return team.gauges[name]
 
+    def _regained(self) -> None:
+        if self.lost_since is not None and self.step >= self.lost_since[0]:
+            self.seconds_lost += time.perf_counter() - self.lost_since[1]
+            self.lost_since = None
+
     def _fault(self, stream: int) -> bool:
         """`train.fault_step`: drafter rank 1 raises at that step, in the run's first attempt only."""
         return stream == 1 and self.restarts == 0 and self.step + 1 == self.cfg.train.fault_step
@@ -362,6 +369,7 @@ class Coordinator:
                 stats = first_error([d.train_step.remote(self.step, refs[s], self._fault(s))
                                      for team in self.teams for s, d in enumerate(team.drafters)])
             self.step += 1
+            self._regained()
             step_s = time.perf_counter() - start
             for i, team in enumerate(self.teams):
                 self._record(team, stats[i * n:(i + 1) * n], wait_s, step_s)
@@ -391,9 +399,10 @@ class Coordinator:
         tracked = self.trackers.start(self.run_name, self.cfg.to_dict())
         try:
             while True:
-                self._start_actors()
                 try:
+                    self._start_actors()
                     self._resume()
+                    self._regained()
                     self._train(stop_after_step)
                     break
                 except (RayActorError, RayTaskError) as e:
@@ -405,6 +414,8 @@ class Coordinator:
                     # collective; every stream actor is stopped and the run goes on from its checkpoint
                     self.restarts += 1
                     self.failures.append(f"step {self.step + 1}: {failure_cause(e)}")
+                    if self.lost_since is None:  # a failure while redoing steps: still the first one's loss
+                        self.lost_since = (self.step, time.perf_counter())
                     if self.restarts > self.cfg.train.max_restarts:
                         raise DFlashError(f"a stream failed {self.restarts} times, over the budget of "
                                           f"{self.cfg.train.max_restarts} restarts; last: {failure_cause(e)}",
@@ -415,7 +426,7 @@ class Coordinator:
             self.trackers.finish()
         summaries = [self._summary(team) for team in self.teams]
         run = {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
-               "restarts": self.restarts, "failures": self.failures,
+               "restarts": self.restarts, "failures": self.failures, "seconds_lost": round(self.seconds_lost, 1),
                "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
                "seconds": round(time.perf_counter() - started, 1), "trackers": tracked}
         if self.cfg.train.drafters:  # each drafter's figures under its name

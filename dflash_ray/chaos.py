@@ -1,0 +1,142 @@
+"""Fault injection for drills: kill actors (and a node) of a running job at seeded moments, to prove
+that the run recovers and loses and repeats nothing.
+
+`chaos.faults` lists what to kill, one fault per entry: `generator`, `tokenize`, `target`,
+`drafter` (a worker process killed with SIGKILL, as the OOM killer or a crash would), or `node`
+(the raylet of a worker node that runs some of the job's actors: the node and every process on
+it are lost). Each fault fires at a seeded moment within `chaos.within_s` seconds (`KIND@SECONDS`:
+within that many) after its victims first show up, on a seeded choice among them; a stage that
+ends first leaves it not fired. The signal is sent by a task pinned to the victim's node, so it
+works on a real cluster too.
+
+No stage knows about this module: it watches the cluster from a thread in the driver.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash_ray.config import ChaosConfig
+
+# a fault's kind -> what the actor class names of its victims contain
+VICTIMS = {"generator": ("Generator",), "tokenize": ("_TokenizeUnit",), "target": ("TargetWorker",),
+           "drafter": ("DrafterWorker", "ColocatedWorker")}
+KINDS = (*VICTIMS, "node")
+POLL_S = 0.2
+
+
+@dataclass
+class Fault:
+    kind: str
+    delay_s: float  # after its victims first show up
+    seen_at: float | None = None
+    fired_at: float | None = None
+    victim: str = ""
+
+
+def parse(cfg: ChaosConfig) -> list[tuple[str, float]]:
+    """(kind, window in seconds) of each `chaos.faults` entry; a bad one names the field."""
+    from dflash_ray.errors import DFlashError
+
+    faults = []
+    for i, entry in enumerate(cfg.faults):
+        kind, _, window = str(entry).partition("@")
+        try:
+            seconds = float(window) if window else cfg.within_s
+        except ValueError:
+            seconds = -1.0
+        if kind not in KINDS or seconds < 0:
+            raise DFlashError(f"{entry!r}: allowed: KIND or KIND@SECONDS, KIND one of {list(KINDS)}",
+                              field=f"chaos.faults[{i}]")
+        faults.append((kind, seconds))
+    return faults
+
+
+def _signal(pid: int | None) -> None:
+    """SIGKILL `pid`, or with None this worker's parent: the raylet, and so the whole node."""
+    import os
+    import signal
+
+    os.kill(pid if pid is not None else os.getppid(), signal.SIGKILL)
+
+
+class Injector:
+    """A driver thread that fires the planned faults; `summary()` says what it did."""
+
+    def __init__(self, cfg: ChaosConfig):
+        rng = random.Random(cfg.seed)
+        self.rng = rng
+        self.faults = [Fault(kind, round(rng.uniform(0, window), 2)) for kind, window in parse(cfg)]
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+
+    def __enter__(self) -> Injector:
+        if self.faults:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import logging
+
+        log = logging.getLogger(__name__)
+        while not self._stop.wait(POLL_S):
+            pending = [f for f in self.faults if f.fired_at is None]
+            if not pending:
+                return
+            try:
+                self._tick(pending)
+            except Exception as e:  # the cluster between states (a node going): look again
+                log.debug("chaos: %s", e)
+
+    def _tick(self, pending: list[Fault]) -> None:
+        import ray
+        from ray._private import state
+
+        actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+        now = time.monotonic()
+        for fault in pending:
+            victims = self._victims(fault.kind, actors)
+            if not victims:
+                continue
+            if fault.seen_at is None:
+                fault.seen_at = now
+            if now - fault.seen_at < fault.delay_s:
+                continue
+            name, node, pid = self.rng.choice(sorted(victims))
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            ray.remote(_signal).options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=False)).remote(pid)
+            fault.fired_at, fault.victim = now, name
+            return  # one fault at a time: the next one sees the cluster it left
+
+    @staticmethod
+    def _victims(kind: str, actors: list[dict[str, Any]]) -> list[tuple[str, str, int | None]]:
+        """(what it is, its node id, the pid to kill; None: the node's raylet)."""
+        import ray
+
+        if kind != "node":
+            return [(f"{a['ActorClassName']} pid {a['Pid']}", a["Address"]["NodeID"], a["Pid"]) for a in actors
+                    if any(part in a["ActorClassName"] for part in VICTIMS[kind])]
+        busy = {a["Address"]["NodeID"] for a in actors if any(part in a["ActorClassName"]
+                                                              for parts in VICTIMS.values() for part in parts)}
+        return [(f"node {n['NodeManagerAddress']}", n["NodeID"], None) for n in ray.nodes()
+                if n["Alive"] and n["NodeID"] in busy and "node:__internal_head__" not in n["Resources"]]
+
+    def summary(self) -> dict[str, Any]:
+        fired = [f for f in self.faults if f.fired_at is not None]
+        return {"planned": len(self.faults), "injected": len(fired),
+                "faults": [{"kind": f.kind, "victim": f.victim, "at_s": round(f.fired_at - self.started, 1)}
+                           for f in fired],
+                "not_fired": [f.kind for f in self.faults if f.fired_at is None]}

@@ -1,0 +1,108 @@
+"""Fault drills: the whole pipeline with generator, tokenize, target and drafter actors killed at
+seeded moments, or a worker node lost, finishes as an undisturbed run does: every prompt generated
+once, every training step taken once, the same drafter bit for bit."""
+
+import json
+
+import pytest
+
+from dflash_ray import manifest, storage
+from dflash_ray.config import load_config
+
+pytestmark = pytest.mark.integration
+
+
+def _settings(work, inputs):
+    target, prompts = inputs
+    return [f"pipeline.inputs=[{prompts}]", f"pipeline.workdir={work}", f"pipeline.target={target}",
+            "pipeline.eval_prompts=2", "pipeline.vllm_evaluate=false", "generate.backend=transformers",
+            "generate.generators=2", "generate.generator_cpus=0.5", "generate.max_tokens=24",
+            "generate.truncated=keep", "generate.temperature=0", "generate.shard_size=2",
+            "generate.repeat_min_span=10000", "validate.gate.min_median_response=8",
+            "validate.gate.max_mode_share=1.0", "validate.gate.max_empty_thinking_share=1.0",
+            "train.num_streams=2", "train.epochs=3", "train.checkpoint_every=4", "train.num_anchors=4",
+            "train.heldout=0", "train.actor_cpus=0.25", "train.collective_timeout_s=60", "train.max_restarts=4",
+            "evaluate.max_new_tokens=4", "tokenize.concurrency=2"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, qwen3_tokenizer):
+    """A tiny random target with a real tokenizer (its vocabulary), and 18 prompts."""
+    from dflash_ray.tiny_models import tiny_qwen3
+
+    folder = tmp_path_factory.mktemp("chaos-inputs")
+    target = folder / "target"
+    tiny_qwen3(target, num_layers=4, vocab_size=len(qwen3_tokenizer))
+    qwen3_tokenizer.save_pretrained(target)
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]})
+                               + "\n" for i in range(18)))
+    return target, prompts
+
+
+@pytest.fixture(scope="module")
+def calm(ray_cluster, inputs, tmp_path_factory):
+    """The undisturbed run: (its summary, its work folder)."""
+    from dflash_ray.stages.pipeline import run_pipeline
+
+    work = tmp_path_factory.mktemp("calm")
+    return run_pipeline(load_config(None, _settings(work, inputs)), progress=False), work
+
+
+def _rows(folder, columns):
+    return sorted(manifest.read_rows(str(folder), columns, 10**6), key=lambda r: r["id"])
+
+
+def _same_as_calm(summary, work, calm):
+    """Every prompt generated once, every step taken once, and what the undisturbed run made."""
+    from dflash_ray.train import checkpoint
+
+    calm_summary, calm_work = calm
+    for stage, columns in (("completions", ["id", "output_token_ids"]), ("tokenized", ["id", "input_ids", "loss_mask"])):
+        rows = _rows(work / stage, columns)
+        assert len({r["id"] for r in rows}) == len(rows) == 16
+        assert rows == _rows(calm_work / stage, columns), stage
+    metrics = [json.loads(x) for x in storage.read_text(str(work / "train" / "metrics.jsonl")).splitlines()]
+    assert summary["training_steps"] == calm_summary["training_steps"] == 24
+    assert [r["step"] for r in metrics] == list(range(1, 25))
+    weights = [checkpoint.load_latest(str(w / "train"))[1]["drafter/model.safetensors"] for w in (calm_work, work)]
+    assert weights[0] == weights[1]
+    assert summary["tau_trained"] == calm_summary["tau_trained"] and summary["lossless"]
+
+
+@pytest.mark.timeout(1500)  # with the undisturbed run (the fixture) before it
+def test_a_pipeline_whose_actors_are_killed_finishes_as_an_undisturbed_one(inputs, calm, tmp_path):
+    from dflash_ray.stages.pipeline import run_pipeline
+
+    faults = ["generator@6", "tokenize@1", "target@25", "drafter@40"]
+    summary = run_pipeline(load_config(None, _settings(tmp_path, inputs) + [
+        f"chaos.faults=[{', '.join(faults)}]", "chaos.seed=3"]), progress=False)
+    drill = summary["chaos"]
+    assert drill["injected"] == drill["recovered"] == len(faults) and not drill["not_fired"], drill
+    assert [f["kind"] for f in drill["faults"]] == [f.split("@")[0] for f in faults], drill
+    assert drill["restarts"]["generate"] >= 1 and drill["restarts"]["train"] >= 2, drill
+    assert drill["seconds_lost"]["train"] > 0, drill
+    _same_as_calm(summary, tmp_path, calm)
+
+
+@pytest.mark.timeout(1200)
+def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(inputs, calm, tmp_path):
+    """Three nodes (a head without CPUs, two workers); one worker's raylet is killed while the run
+    uses it, and the run finishes on the other."""
+    import subprocess
+    import sys
+
+    from conftest import local_nodes
+
+    with local_nodes([("127.0.0.2", 2, {}), ("127.0.0.3", 2, {})]) as (address, env):
+        settings = _settings(tmp_path, inputs) + [f"ray.address={address}", "ray.head_resource=head_node",
+                                                  "chaos.faults=[node@45]", "chaos.seed=1"]
+        done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "pipeline", "--json",
+                               *[x for s in settings for x in ("--set", s)]],
+                              env=env, capture_output=True, text=True, timeout=1100)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    drill = summary["chaos"]
+    assert drill["injected"] == drill["recovered"] == 1 and drill["faults"][0]["kind"] == "node", drill
+    assert drill["faults"][0]["victim"] in ("node 127.0.0.2", "node 127.0.0.3"), drill
+    _same_as_calm(summary, tmp_path, calm)
