@@ -131,8 +131,10 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
     from pathlib import Path
 
     bin_dir = Path(sys.executable).parent
+    # a raylet gives up on its dashboard agent after 30 s by default: on a busy 2-core machine
+    # starting three nodes at once the agent can take longer, and the node then aborts
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "180000"}
     env.pop("RAY_ADDRESS", None)
     port = free_port()
 
@@ -156,7 +158,7 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
                                 f"--resources={json.dumps(resources)}"]))
         probe = ("import ray; ray.init(address='%s'); "
                  "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
-        deadline = time.time() + 120
+        deadline = time.time() + 300  # a busy 2-core machine takes minutes to start three nodes
         while True:
             done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
             if done.stdout.strip().endswith(str(1 + len(workers))):
