@@ -120,8 +120,8 @@ class GenerateConfig:
     # recovery
     lease_timeout_s: float = 1800.0  # a shard held this long without a heartbeat goes back; an engine
     # still starting after this long stops the run
-    max_restarts: int = 8  # generator deaths survived before the run fails; a death before the first
-    # shard, or a second of the same error, fails it at once
+    max_restarts: int = 8  # generator deaths survived before the run fails; an error of its own before
+    # the first shard, or a second of the same error, fails it at once
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

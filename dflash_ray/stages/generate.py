@@ -7,9 +7,10 @@ pool's target, and then only reconciles: it starts generators when the target gr
 whose lease timed out, and fails once more than `max_restarts` generators died. Each generator
 writes its shard's files itself (tokens never cross the object store), then reports to the pool.
 
-Failures a restart would repeat stop the run at once, with the cause in the error: a generator that
-dies before it asks for its first shard (its engine did not start), two generators that raise the
-same error (figures aside), or an engine still starting after `lease_timeout_s`.
+Failures a restart would repeat stop the run at once, with the cause in the error: a generator whose
+own code fails before it asks for its first shard (its engine did not start; one killed from outside
+is replaced), two generators that raise the same error (figures aside), or an engine still starting
+after `lease_timeout_s`.
 
 Restart: `_progress.json` lists finished shards; a rerun with the same prompts and shard size
 skips them, and a rerun of a finished job starts no actor at all. The output is a dataset only once
