@@ -121,22 +121,23 @@ def tiny_qwen35_dir(tmp_path_factory):
 def local_nodes(workers: list[tuple[str, int, dict]]):
     """A cluster of several nodes on this machine, apart from the session's: a head on 127.0.0.1
     (resource `head_node`, no CPUs) and a worker node per (address, CPUs, resources), token auth on.
-    Yields (address, environment for a driver); every node is stopped by its process group."""
+    Yields (address, environment for a driver); every node is stopped by its process group.
+
+    On a busy 2-core machine a head can take minutes to come up, and a worker node started before it
+    is up gives up on it; so the workers start once the head answers. A node that exits while the
+    cluster comes up (a raylet can abort at start on a busy machine) makes a fresh start of the
+    whole cluster, up to three times."""
     import json
     import secrets
-    import signal
     import subprocess
     import sys
     import time
     from pathlib import Path
 
     bin_dir = Path(sys.executable).parent
-    # a raylet gives up on its dashboard agent after 30 s by default: on a busy 2-core machine
-    # starting three nodes at once the agent can take longer, and the node then aborts
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "180000"}
+           "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    port = free_port()
 
     def own_ports():  # the session's other local cluster holds the default ones
         return [f"--{name}-port={free_port()}" for name in (
@@ -147,26 +148,20 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
         return subprocess.Popen([str(bin_dir / "ray"), "start", "--block", *args, *own_ports()], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
-    temp = f"/tmp/ray2n-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
-    procs = [start(["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=0",
-                    '--resources={"head_node": 1}', "--include-dashboard=false", f"--temp-dir={temp}",
-                    f"--ray-client-server-port={free_port()}"])]
-    try:
-        address = f"127.0.0.1:{port}"
-        for ip, cpus, resources in workers:
-            procs.append(start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
-                                f"--resources={json.dumps(resources)}"]))
-        probe = ("import ray; ray.init(address='%s'); "
-                 "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
-        deadline = time.time() + 300  # a busy 2-core machine takes minutes to start three nodes
+    def wait(address: str, procs: list, nodes: int) -> bool:
+        """Whether `nodes` nodes came up; False when one of `procs` exited first."""
+        probe = f"import ray; ray.init(address='{address}'); print(sum(1 for n in ray.nodes() if n['Alive']))"
+        deadline = time.time() + 300
         while True:
             done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-            if done.stdout.strip().endswith(str(1 + len(workers))):
-                break
+            if done.stdout.strip().endswith(str(nodes)):
+                return True
+            if any(proc.poll() is not None for proc in procs):
+                return False
             assert time.time() < deadline, f"the nodes did not come up: {done.stderr[-2000:]}"
             time.sleep(2)
-        yield address, env
-    finally:
+
+    def down(procs) -> None:
         for proc in reversed(procs):
             proc.terminate()
             try:
@@ -174,6 +169,32 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
             except subprocess.TimeoutExpired:
                 pass
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, 9)
             except ProcessLookupError:
                 pass
+
+    for attempt in range(3):
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        temp = f"/tmp/ray2n-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
+        procs = [start(["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=0",
+                        '--resources={"head_node": 1}', "--include-dashboard=false", f"--temp-dir={temp}",
+                        f"--ray-client-server-port={free_port()}"])]
+        try:
+            # the workers join a head that is up (one started earlier gives up on it)
+            ok = wait(address, procs, 1)
+            if ok:
+                procs += [start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
+                                 f"--resources={json.dumps(resources)}"]) for ip, cpus, resources in workers]
+                ok = wait(address, procs, 1 + len(workers))
+        except BaseException:
+            down(procs)
+            raise
+        if ok:
+            break
+        down(procs)
+        assert attempt < 2, "a node exited while the cluster came up, three times"
+    try:
+        yield address, env
+    finally:
+        down(procs)
