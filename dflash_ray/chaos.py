@@ -103,7 +103,10 @@ class Injector:
         import ray
         from ray._private import state
 
-        actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+        # an actor still in its constructor (loading weights, an engine) is a victim too: a crash
+        # there is as real as one mid-step, and a short-lived actor may never be idle alive
+        actors = [a for a in state.actors().values()
+                  if a["State"] == "ALIVE" or (a["State"] == "PENDING_CREATION" and a.get("Pid"))]
         now = time.monotonic()
         for fault in pending:
             victims = self._victims(fault.kind, actors)
