@@ -69,9 +69,8 @@ class Injector:
     """A driver thread that fires the planned faults; `summary()` says what it did."""
 
     def __init__(self, cfg: ChaosConfig):
-        rng = random.Random(cfg.seed)
-        self.rng = rng
-        self.faults = [Fault(kind, round(rng.uniform(0, window), 2)) for kind, window in parse(cfg)]
+        self.rng = random.Random(cfg.seed)
+        self.faults = [Fault(kind, round(self.rng.uniform(0, window), 2)) for kind, window in parse(cfg)]
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
@@ -102,6 +101,7 @@ class Injector:
     def _tick(self, pending: list[Fault]) -> None:
         import ray
         from ray._private import state
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # an actor still in its constructor (loading weights, an engine) is a victim too: a crash
         # there is as real as one mid-step, and a short-lived actor may never be idle alive
@@ -117,8 +117,6 @@ class Injector:
             if now - fault.seen_at < fault.delay_s:
                 continue
             name, node, pid = self.rng.choice(sorted(victims))
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             ray.remote(_signal).options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node, soft=False)).remote(pid)
             fault.fired_at, fault.victim = now, name

@@ -114,7 +114,8 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
                              ).with_summary(summary)
         summary.update(_train_and_evaluate(work, cfg, progress, timed))
     if cfg.chaos.faults:  # the run got here: every fault fired was recovered from
-        summary["chaos"] = {**chaos.summary(), "recovered": chaos.summary()["injected"],
+        drill = chaos.summary()
+        summary["chaos"] = {**drill, "recovered": drill["injected"],
                             "restarts": {"generate": generated.get("restarts", 0), "train": summary["train_restarts"]},
                             "seconds_lost": {"generate": generated.get("seconds_lost", 0.0),
                                              "train": summary["train_seconds_lost"]}}
