@@ -113,3 +113,36 @@ def test_rewriting_a_step_unmarks_it_until_committed(output):
     assert checkpoint.complete_steps(output) == []
     checkpoint.commit(output, 3, {"w.bin": checkpoint.write_file(output, 3, "w.bin", b"new!")})
     assert checkpoint.load(output, 3)[0] == {"w.bin": b"new!"}
+
+
+def test_a_background_upload_returns_at_once_and_the_checkpoint_exists_only_once_committed(output):
+    """The storage is held shut (a gate in the writer) while the caller goes on: the checkpoint
+    has no manifest, so nothing uses it; once the files are written their entries commit it. A
+    failed write is raised to the caller, and that checkpoint is never committed."""
+    import threading
+
+    checkpoint.save(output, 4, {"w.bin": b"old"})
+    gate, files = threading.Event(), {"drafter/model.safetensors": b"w" * 64, "optimizer.pt": b"o" * 32}
+
+    def held(*args):
+        assert gate.wait(30)
+        return checkpoint.write_file(*args)
+
+    checkpoint.begin(output, 8)
+    upload = checkpoint.Upload(output, 8, files, write=held)
+    assert not upload.done()  # the caller is free while the storage is shut
+    assert checkpoint.complete_steps(output) == [4] and checkpoint.load_latest(output)[0] == 4
+    gate.set()
+    entries = upload.result()
+    assert upload.done() and set(entries) == set(files)
+    checkpoint.commit(output, 8, entries)
+    step, loaded, _ = checkpoint.load_latest(output)
+    assert step == 8 and loaded == files
+
+    def broken(output, step, name, data):
+        raise OSError(f"storage refused {name}")
+
+    failed = checkpoint.Upload(output, 12, files, write=broken)
+    with pytest.raises(OSError, match="storage refused"):
+        failed.result()
+    assert checkpoint.complete_steps(output) == [4, 8]

@@ -76,22 +76,28 @@ def from_hf_config(data: dict) -> DrafterConfig:
         extra={k: v for k, v in data.items() if k not in known})
 
 
-def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None,
-                 state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write config.json + model.safetensors (`state`: the weights to write, when the module's own
-    are sharded); files land under temporary names, then are renamed."""
-    from safetensors.torch import save_file
+def drafter_files(drafter: nn.Module, dtype: torch.dtype | None = None,
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, bytes]:
+    """{WEIGHTS: safetensors bytes, CONFIG: JSON bytes}: a copy, taken now, of the weights (`state`:
+    the weights to write, when the module's own are sharded)."""
+    from safetensors.torch import save
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or next(drafter.parameters()).dtype
     state = drafter.state_dict() if state is None else state
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    tmp_w, tmp_c = out / f".{WEIGHTS}.tmp", out / f".{CONFIG}.tmp"
-    save_file(tensors, str(tmp_w), metadata={"format": "pt"})
-    tmp_c.write_text(json.dumps(to_hf_config(drafter.cfg, dtype), indent=2))
-    os.replace(tmp_w, out / WEIGHTS)
-    os.replace(tmp_c, out / CONFIG)
+    return {WEIGHTS: save(tensors, metadata={"format": "pt"}),
+            CONFIG: json.dumps(to_hf_config(drafter.cfg, dtype), indent=2).encode()}
+
+
+def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None,
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json + model.safetensors; files land under temporary names, then are renamed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in drafter_files(drafter, dtype, state).items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, out / name)
     return out
 
 

@@ -9,6 +9,10 @@ Checking costs differ: `verify` compares sizes only (one metadata request per fi
 what the coordinator can afford for a checkpoint of tens of GB; `read_file` checks the sha256 of
 what it reads, so whoever loads a file (each drafter its weights and optimizer state) checks it.
 Rotation deletes only checkpoints older than the newest one that verifies.
+
+Writing a checkpoint of tens of GB to S3 takes minutes; `Upload` writes its files from a thread
+while training goes on, and the manifest is committed once they are all written. A run that fails
+before then resumes from the checkpoint before: an unfinished upload has no manifest.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 from dflash_ray import storage
 from dflash_ray.manifest import file_entry
@@ -38,6 +44,35 @@ def write_file(output: str, step: int, name: str, data: bytes) -> dict:
     may write the files of one checkpoint (each drafter writes its own); one commits."""
     storage.write_bytes(storage.join(step_dir(output, step), name), data)
     return file_entry(data)
+
+
+class Upload:
+    """The files of one checkpoint written by a background thread (`write`: `write_file`'s
+    signature), so the caller goes on at once; `result` gives their manifest entries."""
+
+    def __init__(self, output: str, step: int, files: dict[str, bytes], write: Callable[..., dict] = write_file):
+        self.step = step
+        self._entries: dict[str, dict] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(output, files, write), daemon=True,
+                                        name=f"checkpoint-upload-{step}")
+        self._thread.start()
+
+    def _run(self, output: str, files: dict[str, bytes], write: Callable[..., dict]) -> None:
+        try:
+            self._entries = {name: write(output, self.step, name, data) for name, data in files.items()}
+        except BaseException as e:  # raised again by `result`, in the caller's thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> dict[str, dict]:
+        """The manifest entries, once every file is written (waits for it); the writer's error if one failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._entries
 
 
 def begin(output: str, step: int) -> None:

@@ -14,8 +14,9 @@ folder): the target captures the union of their layers once, and every drafter r
 feature reference.
 
 Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and
-rank 0 writes the weights and optimizer state, the coordinator adds the run state (step, every
-drafter's anchor RNG) and commits the manifest last. The data position follows from the step and
+rank 0 writes the weights and optimizer state in the background while training goes on; the
+coordinator takes the run state (step, every drafter's anchor RNG) at once and commits the manifest
+once the files are written. The data position follows from the step and
 the seed, and the learning rate from the step, so a resume from step k replays exactly what an
 uninterrupted run does. An actor that dies is replaced: every actor restarts from the last
 checkpoint, up to `max_restarts`.
@@ -118,6 +119,7 @@ class Coordinator:
         self.step, self.restarts = 0, 0
         # the wall time failures cost: from a failure at step s until the run is past step s again
         self.seconds_lost, self.lost_since = 0.0, None
+        self.uploading: tuple[int, list[dict]] | None = None  # (step, run states) of a checkpoint uploading
         self.targets, self.groups = [], []
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
@@ -196,6 +198,7 @@ class Coordinator:
 
         for actor in self.targets + self.all_drafters:
             ray.kill(actor)
+        self.uploading = None  # an upload still in flight ends with its actor: no manifest, never used
         for pg in self.groups:
             remove_placement_group(pg)
         self.targets, self.groups = [], []
@@ -252,26 +255,40 @@ class Coordinator:
 
     # -- checkpoints ------------------------------------------------------------------------
     def _checkpoint(self) -> None:
+        """Take a checkpoint of this step: the drafters gather their shards and rank 0 copies them,
+        then writes them in the background while training goes on; the run state is taken now, and
+        the manifest written (`_commit`) once every file is. One checkpoint is in flight at a time."""
         import ray
 
+        self._commit(wait=True)
         for team in self.teams:  # a manifest of an earlier run at this step no longer counts
             checkpoint.begin(team.output, self.step)
-        # every rank gathers its shard to rank 0, which writes the files (all drafters at once)
-        written = first_error([d.write_checkpoint_files.remote(team.output, self.step)
-                               for team in self.teams for d in team.drafters])
+        first_error([d.write_checkpoint_files.remote(team.output, self.step)
+                     for team in self.teams for d in team.drafters])
         rngs = ray.get([d.rng_state.remote() for d in self.all_drafters])
         n = self.cfg.train.num_streams
-        for i, team in enumerate(self.teams):
-            entries = written[i * n]  # rank 0's
-            state = {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
-                     "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": team.metrics,
-                     "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
-            entries["state.json"] = checkpoint.write_file(team.output, self.step, "state.json",
-                                                          json.dumps(state).encode())
-            checkpoint.commit(team.output, self.step, entries, {"step": self.step})
-            checkpoint.rotate(team.output, self.cfg.train.keep_checkpoints, upto=self.step)
+        self.uploading = (self.step, [
+            {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
+             "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": list(team.metrics),
+             "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
+            for i, team in enumerate(self.teams)])
+
+    def _commit(self, wait: bool) -> None:
+        """Commit the checkpoint in flight once rank 0 of every drafter has written its files (now,
+        with `wait`): the run state, then the manifest, last; then rotate."""
+        if self.uploading is None:
+            return
+        written = first_error([team.drafters[0].upload_entries.remote(wait) for team in self.teams])
+        if any(entries is None for entries in written):
+            return
+        step, states = self.uploading
+        for team, entries, state in zip(self.teams, written, states):
+            entries["state.json"] = checkpoint.write_file(team.output, step, "state.json", json.dumps(state).encode())
+            checkpoint.commit(team.output, step, entries, {"step": step})
+            checkpoint.rotate(team.output, self.cfg.train.keep_checkpoints, upto=step)
             storage.write_text(storage.join(team.output, "metrics.jsonl"),
-                               "".join(json.dumps(m) + "\n" for m in team.metrics))
+                               "".join(json.dumps(m) + "\n" for m in state["metrics"]))
+        self.uploading = None
         self.trackers.sync()
 
     def _evaluate(self) -> list[float | None]:
@@ -385,10 +402,13 @@ class Coordinator:
                                               if k != "step"})
             if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self._checkpoint()
+            else:
+                self._commit(wait=False)  # the checkpoint in flight, as soon as its files are written
             if stop_after_step is not None and self.step >= stop_after_step:
                 if self.step % tcfg.checkpoint_every:
                     self._checkpoint()
-                return
+                break
+        self._commit(wait=True)
 
     def run(self, stop_after_step: int | None = None) -> dict[str, Any]:
         import ray

@@ -141,6 +141,7 @@ class DrafterWorker:
         # anchors are drawn on the CPU on every device, so a run's anchors do not depend on where it runs
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
         self.total_steps = 1
+        self.upload = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
 
     def _autocast(self):
         """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
@@ -267,29 +268,33 @@ class DrafterWorker:
 
         self.generator.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
 
-    def write_checkpoint_files(self, output: str, step: int) -> dict[str, dict]:
-        """Drafter (serving format, fp32) and optimizer state, gathered whole onto rank 0 and written
-        by it directly. Every rank calls it (the gathering is collective); the others return {}."""
-        import tempfile
-        from pathlib import Path
-
-        from dflash_ray.drafter.export import CONFIG, WEIGHTS, save_drafter
+    def write_checkpoint_files(self, output: str, step: int) -> None:
+        """Drafter (serving format, fp32) and optimizer state, gathered whole onto rank 0, which copies
+        them to bytes now and writes them in the background (`checkpoint.Upload`): the next step
+        does not wait for the storage. Every rank calls it (the gathering is collective)."""
+        from dflash_ray.drafter.export import drafter_files
         from dflash_ray.train import checkpoint
         from dflash_ray.train.sharding import full_state
 
         weights, optimizer = full_state(self.drafter, self.opt, self.rank)
         if self.rank != 0:
-            return {}
-        entries = {}
-        with tempfile.TemporaryDirectory() as tmp:
-            save_drafter(self.drafter, tmp, dtype=torch.float32, state=weights)
-            for name in (WEIGHTS, CONFIG):
-                entries[f"drafter/{name}"] = checkpoint.write_file(output, step, f"drafter/{name}",
-                                                                   (Path(tmp) / name).read_bytes())
+            return
+        self.upload_entries(wait=True)  # one upload at a time (the coordinator commits each first)
+        files = {f"drafter/{name}": data
+                 for name, data in drafter_files(self.drafter, torch.float32, weights).items()}
         buf = io.BytesIO()
         torch.save(optimizer, buf)
-        entries["optimizer.pt"] = checkpoint.write_file(output, step, "optimizer.pt", buf.getvalue())
-        return entries
+        files["optimizer.pt"] = buf.getvalue()
+        self.upload = checkpoint.Upload(output, step, files)
+
+    def upload_entries(self, wait: bool) -> dict[str, dict] | None:
+        """The manifest entries of the checkpoint upload in flight once its files are all written,
+        then forgotten; None while it runs (`wait=False`) or when there is none (every rank but 0)."""
+        upload = self.upload
+        if upload is None or not (wait or upload.done()):
+            return None
+        self.upload = None
+        return upload.result()
 
     def load_checkpoint(self, output: str, step: int) -> None:
         """Weights, optimizer state and this rank's anchor RNG, read here (not through the
