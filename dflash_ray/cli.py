@@ -137,6 +137,12 @@ def _cmd_pipeline(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_pipeline(cfg, progress=not args.json)
 
 
+def _cmd_netcheck(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.stages.netcheck import run_netcheck
+
+    return run_netcheck(cfg, megabytes=args.megabytes, iters=args.iters)
+
+
 def _cmd_plan(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     import dataclasses
 
@@ -255,6 +261,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", metavar="URI", help="where every stage writes (pipeline.workdir)")
     p.add_argument("--target", metavar="PATH", help="target model (pipeline.target)")
     p.set_defaults(run=_cmd_pipeline)
+
+    p = sub.add_parser("netcheck", parents=[common],
+                       help="all-reduce bus bandwidth between the training ranks, per node pair (train.min_bus_bandwidth)")
+    p.add_argument("--megabytes", type=float, default=64.0, help="all-reduced by each rank (default 64)")
+    p.add_argument("--iters", type=int, default=5, help="timed all-reduces per measurement (default 5)")
+    p.set_defaults(run=_cmd_netcheck)
 
     p = sub.add_parser("plan", parents=[common], help="projected GPU-hours and wall time of a workload")
     p.add_argument("--cluster", metavar="YAML", help="cluster launcher config to count GPUs in (plan.cluster)")

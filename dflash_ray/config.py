@@ -223,6 +223,9 @@ class TrainConfig:
     max_restarts: int = 3  # actor deaths or step errors (an OOM on one rank) survived, each by a restart of
     # every stream actor from the last checkpoint, before failing
     collective_timeout_s: float = 300.0  # a collective waiting longer for a rank raises instead of hanging
+    # GB/s of all-reduce bus bandwidth every node pair of the drafters must carry, measured before
+    # training starts (`dflash-ray netcheck`); 0: not measured
+    min_bus_bandwidth: float = 0.0
     fault_step: int = 0  # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
     trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
     # several drafters from one target pass (train/drafters.py): [{name: dspark, drafter: dspark, ...}, ...],
@@ -355,6 +358,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
     "train.distill": SHARE, "train.distill_top_k": _at_least(1),
     "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0),
+    "train.min_bus_bandwidth": _at_least(0),
     "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
     "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1), "train.markov_rank": _at_least(1),
     "train.conv_kernel_size": _at_least(1), "train.conv_group_size": _at_least(1),

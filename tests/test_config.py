@@ -99,6 +99,7 @@ def test_config_is_frozen():
     ("chaos.faults=[drafter, gpu]", "chaos.faults[1]", "KIND or KIND@SECONDS"),
     ("chaos.faults=[node@soon]", "chaos.faults[0]", "'node'"),
     ("chaos.within_s=-1", "chaos.within_s", ">= 0"),
+    ("train.min_bus_bandwidth=-1", "train.min_bus_bandwidth", ">= 0"),
 ])
 def test_out_of_range_values_are_refused_before_anything_runs(override, field, allowed):
     with pytest.raises(DFlashError) as e:

@@ -77,6 +77,12 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         teams.append((name, team_cfg, drafter_cfg, init))
     connect(cfg.ray)
     check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    network = None
+    if cfg.train.min_bus_bandwidth > 0 and cfg.train.num_streams > 1:  # the network first, not a slow run
+        from dflash_ray.stages.netcheck import check_floor, measure
+
+        network = measure(cfg.train)
+        check_floor(network, cfg.train.min_bus_bandwidth)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
                                                   resources=on_node(cfg.ray.head_resource)).remote(
@@ -102,6 +108,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
                 bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
             bar.refresh()
         summary = ray.get(run_ref)
+        if network:
+            summary["network"] = {k: network[k] for k in ("all_reduce_bus_gbs", "slowest_pair")}
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, DFlashError):  # the coordinator's own error, as it raised it
             raise e.cause from None

@@ -79,7 +79,7 @@ def first_error(refs: list) -> list:
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
                "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers",
-               "collective_timeout_s", "fault_step"}
+               "collective_timeout_s", "fault_step", "min_bus_bandwidth"}
 
 
 @dataclass

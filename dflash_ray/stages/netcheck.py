@@ -1,0 +1,109 @@
+"""`dflash-ray netcheck`: the all-reduce bus bandwidth the drafters' collectives will get, measured
+over probes placed as the training streams are (one per stream, in its drafter's bundle, on
+`train.node_resource` nodes), for the whole group and for every node pair (`train/netprobe.py`).
+
+`train.min_bus_bandwidth` (GB/s) is the floor: `dflash-ray train` (and the pipeline's training)
+measures first and refuses to start when a node pair is below it, naming the pair, rather than
+crawling for hours over a socket fallback. 0 (the default) measures nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_ray.config import RunConfig, TrainConfig
+from dflash_ray.errors import DFlashError
+
+MEGABYTES = 64.0  # per rank: past NCCL's latency-bound sizes, so the figure is the link's
+
+
+def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> dict[str, Any]:
+    """Place the probes, measure, free them. Needs a connected Ray and `num_streams` >= 2."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from dflash_ray.train.coordinator import _node, _rendezvous, first_error
+    from dflash_ray.train.devices import stream_bundles
+    from dflash_ray.train.netprobe import NetProbe, bus_bandwidth, node_pairs
+
+    n, bundles = tcfg.num_streams, stream_bundles(tcfg)
+    index = 0 if tcfg.colocate else 1  # the drafter's bundle: where the collectives run
+    groups, probes = [], []
+    try:
+        for s in range(n):
+            pg = placement_group(bundles, strategy="STRICT_PACK")
+            groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise DFlashError(f"stream {s}'s probe ({bundles}, on one node) was not placed in "
+                                  f"{tcfg.placement_timeout_s:g} s", field="train.placement_timeout_s") from None
+            probes.append(ray.remote(NetProbe).options(
+                num_cpus=tcfg.actor_cpus, num_gpus=bundles[index].get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
+                .remote(tcfg, s, n))
+        nodes = ray.get([p.__ray_call__.remote(_node) for p in probes])
+        address, port = ray.get(probes[0].__ray_call__.remote(_rendezvous))
+        first_error([p.join.remote(address, port) for p in probes])
+        nbytes = int(megabytes * 1e6) // 4 * 4
+        pairs = node_pairs(nodes)
+        seconds = first_error([p.measure.remote(pairs, nbytes, iters) for p in probes])
+    finally:
+        for probe in probes:
+            ray.kill(probe)
+        for pg in groups:
+            remove_placement_group(pg)
+    slowest = max(s["all"] for s in seconds)  # a collective ends when its slowest rank does
+    rows = []
+    for a, b in pairs:
+        pair_s = max(seconds[a][f"{a}-{b}"], seconds[b][f"{a}-{b}"])
+        rows.append({"ranks": [a, b], "nodes": [nodes[a], nodes[b]], "within_node": nodes[a] == nodes[b],
+                     "bus_gbs": round(bus_bandwidth(nbytes, pair_s, 2), 3), "seconds": round(pair_s, 6)})
+    return {"stage": "netcheck", "ranks": n, "nodes": nodes, "bytes": nbytes, "iters": iters,
+            "all_reduce_bus_gbs": round(bus_bandwidth(nbytes, slowest, n), 3), "all_reduce_seconds": round(slowest, 6),
+            "pairs": rows, "slowest_pair": min(rows, key=lambda r: r["bus_gbs"]) if rows else None}
+
+
+def check_floor(summary: dict[str, Any], floor: float) -> None:
+    """Refuse when the slowest node pair, or the whole group, is below `floor` GB/s."""
+    if floor <= 0:
+        return
+    below = [r for r in summary["pairs"] if r["bus_gbs"] < floor]
+    if below:
+        worst = min(below, key=lambda r: r["bus_gbs"])
+        where = (f"within node {worst['nodes'][0]}" if worst["within_node"]
+                 else f"between nodes {worst['nodes'][0]} and {worst['nodes'][1]}")
+        raise DFlashError(
+            f"the link {where} carries {worst['bus_gbs']:g} GB/s of "
+            f"all-reduce bus bandwidth, below the floor of {floor:g} GB/s ({len(below)} of {len(summary['pairs'])} "
+            "pairs below): NCCL may have fallen back to sockets (no EFA device or OFI plugin on a node); "
+            "`dflash-ray netcheck --json` shows every pair", field="train.min_bus_bandwidth")
+    if summary["all_reduce_bus_gbs"] < floor:
+        raise DFlashError(f"the training ranks' all-reduce carries {summary['all_reduce_bus_gbs']:g} GB/s of bus "
+                          f"bandwidth, below the floor of {floor:g} GB/s", field="train.min_bus_bandwidth")
+
+
+def run_netcheck(cfg: RunConfig, megabytes: float = MEGABYTES, iters: int = 5) -> dict[str, Any]:
+    """The measurement on the cluster `cfg.ray` names, with the floor's verdict (not an error here:
+    the figures are what this command is for)."""
+    import ray
+
+    from dflash_ray.cluster import connect
+    from dflash_ray.train.devices import check_resources
+
+    tcfg = cfg.train
+    if iters < 1 or megabytes <= 0:
+        raise DFlashError(f"--iters {iters} and --megabytes {megabytes:g}: both must be above 0")
+    if tcfg.num_streams < 2:
+        raise DFlashError("one training stream has no collective to measure", field="train.num_streams")
+    connect(cfg.ray)
+    check_resources(tcfg, [node["Resources"] for node in ray.nodes() if node.get("Alive")])
+    summary = measure(tcfg, megabytes, iters)
+    floor = tcfg.min_bus_bandwidth
+    try:
+        check_floor(summary, floor)
+        verdict = None
+    except DFlashError as e:
+        verdict = str(e)
+    return {**summary, "floor_gbs": floor, "above_floor": verdict is None if floor > 0 else None,
+            "below_floor": verdict}
