@@ -5,6 +5,7 @@ exactly once (a completion or a rejected record with its reason)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import time
 
@@ -14,7 +15,6 @@ from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
 from dflash_ray.registry import SMOLLM2
 
-NAME = "gen-test"
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +62,31 @@ def _engines_up(n: int):
     return lambda s: s["generators_alive"] == n and not s["generators_starting"]
 
 
-def _start(prompts: str, output: str, overrides: list[str]):
+@contextlib.contextmanager
+def _started(name: str, prompts: str, output: str, overrides: list[str]):
+    """A generation named `name` running in a thread: (its config, its future). Whatever the test's
+    outcome, none of its actors outlives the test: a generation left paused by a failed test would
+    hold the session cluster's CPUs for every test after it."""
+    import ray
+
+    from dflash_ray.generation.actors import NAMESPACE
     from dflash_ray.stages.generate import run_generate
 
-    cfg = load_config(None, [f"generate.name={NAME}", "generate.shard_size=2", "generate.max_tokens=24",
+    cfg = load_config(None, [f"generate.name={name}", "generate.shard_size=2", "generate.max_tokens=24",
                              "generate.max_model_len=1024", *overrides])
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    return cfg, pool.submit(run_generate, prompts, output, SMOLLM2, cfg, progress=False)
+    future = pool.submit(run_generate, prompts, output, SMOLLM2, cfg, progress=False)
+    try:
+        yield cfg, future
+    finally:
+        if not future.done():
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if actor["namespace"] == NAMESPACE and (actor["name"] == name or actor["name"].startswith(f"{name}-")):
+                    ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
+@pytest.mark.timeout(900)  # two vLLM engines start on 2 CPUs: minutes on a busy machine
 def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s3_bucket):
     import ray
 
@@ -78,14 +94,15 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
     from dflash_ray.stages.generate import pause, run_generate, status
 
     output = f"{s3_bucket}/completions"
-    cfg, future = _start(prompts, output, ["generate.generators=2", "generate.start_paused=true"])
-    held = _wait(lambda: status(cfg), _engines_up(2), future)  # both engines loaded, neither has a shard
-    assert held["paused"] and held["shards_done"] == 0 and not held["leased_by"]
-    resumed = pause(False, cfg)  # both held lease calls take a shard at once
-    assert not resumed["paused"] and sorted(resumed["leased_by"]) == ["g0", "g1"]
-    victim = "g0"  # holds a shard right now: its first takes longer than these two calls
-    ray.kill(ray.get_actor(f"{NAME}-{victim}", namespace=NAMESPACE))
-    summary = future.result(timeout=600)
+    with _started("gen-kill", prompts, output, ["generate.generators=2", "generate.start_paused=true"]) as (cfg, future):
+        # both engines loaded, neither has a shard
+        held = _wait(lambda: status(cfg), _engines_up(2), future, timeout=600)
+        assert held["paused"] and held["shards_done"] == 0 and not held["leased_by"]
+        resumed = pause(False, cfg)  # both held lease calls take a shard at once
+        assert not resumed["paused"] and sorted(resumed["leased_by"]) == ["g0", "g1"]
+        victim = "g0"  # holds a shard right now: its first takes longer than these two calls
+        ray.kill(ray.get_actor(f"gen-kill-{victim}", namespace=NAMESPACE))
+        summary = future.result(timeout=600)
 
     assert summary["restarts"] == 1 and victim in summary["deaths"][0]
     completions, rejected, generators = _output_ids(output)
@@ -116,26 +133,26 @@ def test_scaling_one_two_one_mid_run_loses_and_duplicates_nothing(prompts, tmp_p
     from dflash_ray.stages.generate import pause, scale, status
 
     output = str(tmp_path / "completions")
-    cfg, future = _start(prompts, output, ["generate.generators=1", "generate.backend=transformers",
-                                           "generate.shard_size=1", "generate.max_tokens=4",
-                                           "generate.truncated=keep", "generate.start_paused=true"])
-    _wait(lambda: status(cfg), _engines_up(1), future)
-    pause(False, cfg)
-    _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2, future)
-    pause(True, cfg)  # g1's engine starts while g0 waits: g0 cannot finish the run first
-    assert scale(2, cfg)["generators_target"] == 2
-    _wait(lambda: status(cfg), _engines_up(2), future)
-    pause(False, cfg)
-    _wait(lambda: status(cfg), lambda s: s["done_by"].get("g1", 0) >= 1, future)
-    paused = pause(True, cfg)  # work is left: g1 has done one of 48 shards, g0 a few
-    left = paused["shards_total"] - paused["shards_done"]
-    assert left > paused["shards_leased"]
-    scale(1, cfg)
-    mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1 and not s["leased_by"], future)
-    assert mid["generators"] == ["g0"] and not mid["finished"]  # g1 drained while work was still left
-    assert mid["shards_done"] < mid["shards_total"]
-    pause(False, cfg)
-    summary = future.result(timeout=600)
+    with _started("gen-scale", prompts, output, ["generate.generators=1", "generate.backend=transformers",
+                                                  "generate.shard_size=1", "generate.max_tokens=4",
+                                                  "generate.truncated=keep", "generate.start_paused=true"]) as (cfg, future):
+        _wait(lambda: status(cfg), _engines_up(1), future)
+        pause(False, cfg)
+        _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2, future)
+        pause(True, cfg)  # g1's engine starts while g0 waits: g0 cannot finish the run first
+        assert scale(2, cfg)["generators_target"] == 2
+        _wait(lambda: status(cfg), _engines_up(2), future)
+        pause(False, cfg)
+        _wait(lambda: status(cfg), lambda s: s["done_by"].get("g1", 0) >= 1, future)
+        paused = pause(True, cfg)  # work is left: g1 has done one of 48 shards, g0 a few
+        left = paused["shards_total"] - paused["shards_done"]
+        assert left > paused["shards_leased"]
+        scale(1, cfg)
+        mid = _wait(lambda: status(cfg), lambda s: s["generators_alive"] == 1 and not s["leased_by"], future)
+        assert mid["generators"] == ["g0"] and not mid["finished"]  # g1 drained while work was still left
+        assert mid["shards_done"] < mid["shards_total"]
+        pause(False, cfg)
+        summary = future.result(timeout=600)
 
     assert summary["restarts"] == 0 and summary["generators_started"] == 2
     completions, rejected, generators = _output_ids(output)
