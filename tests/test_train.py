@@ -121,7 +121,10 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     single.train_step(0, union)
     assert not torch.equal(single.flat_weights(), before)  # the step moved the weights
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
-    torch.testing.assert_close(weights[0], single.flat_weights(), rtol=1e-5, atol=1e-6)
+    # AdamW's first step moves each weight by about lr·g/(|g| + eps): where a gradient is near eps, its
+    # last bits (which the summation order sets) move that weight by a share of lr, so the weights
+    # agree to 1% of lr, still far below the lr a missing or different step would show
+    torch.testing.assert_close(weights[0], single.flat_weights(), rtol=1e-5, atol=1e-2 * cfg.train.lr)
     whole = single.optimizer_bytes()
     assert whole > 0 and all(abs(b - whole / 2) <= 0.05 * whole for b in shard_bytes), (shard_bytes, whole)
 
