@@ -208,6 +208,9 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: the last vocabulary row that is not a special token
     # placement and recovery
     colocate: bool = False  # target and drafter of a stream in one actor on one device: no feature transfer
+    # how a paired stream's features reach its drafters: torch.distributed send/recv (NCCL on GPUs, gloo on
+    # the CPU), or Ray's object store (serialized and copied: the slower path, kept to compare with)
+    feature_transport: Literal["direct", "object_store"] = "direct"
     actor_cpus: float = 1.0  # per actor; each target+drafter pair is packed on one node
     actor_gpus: float = 0.0  # per actor; > 0 places the target (bf16) and the drafter on the GPU Ray gives it
     target_gpus: float | None = None  # per target actor; None: actor_gpus. Over 1 spreads a target too big for

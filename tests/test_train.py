@@ -149,6 +149,47 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
                           progress=False)
     assert colocated["step"] == 8
     assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
+    # the features through Ray's object store instead of send/recv: the same weights too
+    stored = run_train(target, data, str(tmp_path / "stored"),
+                       load_config(None, SETTINGS + ["train.feature_transport=object_store"]), progress=False)
+    assert stored["step"] == 8
+    assert _final_weights(str(tmp_path / "stored")) == (8, weights_a)  # bitwise
+
+
+def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_shapes_through_ray(
+        ray_cluster, target, data):
+    """`handoff`: the target posts the batch's tensors to its drafter and returns their shapes alone
+    (under 2 KB through Ray, where the features are tens of KB); the drafter receives exactly what
+    the target computed, twice in a row (messages in order), and trains on it."""
+    import json
+    import pickle
+
+    from dflash_ray.train.coordinator import _free_port
+    from dflash_ray.train.handoff import Layout
+
+    cfg = load_config(None, SETTINGS + ["train.num_streams=1"])
+    layout = Layout(streams=1, teams=1)
+    samples = [[(f"{data}/part-0.parquet", 0), (f"{data}/part-0.parquet", 3)], [(f"{data}/part-0.parquet", 7)]]
+    expected = [TargetWorker(target, [0, 1, 2], cfg.train).features(b) for b in samples]
+    sender = ray.remote(TargetWorker).options(num_cpus=0.5).remote(target, [0, 1, 2], cfg.train)
+    receiver = ray.remote(DrafterWorker).options(num_cpus=0.5).remote(
+        target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
+    port = _free_port()
+    ray.get([sender.join_run.remote("127.0.0.1", port, layout.target(0), layout),
+             receiver.join_run.remote("127.0.0.1", port, 0, layout)])
+    refs = [sender.send_features.remote(b, [layout.drafter(0, 0)]) for b in samples]  # both posted at once
+    metas = ray.get(refs)
+    received = ray.get([receiver.__ray_call__.remote(lambda w, m: w._received(m), m) for m in metas])
+    stats = ray.get(receiver.train_step.remote(0, ray.get(sender.send_features.remote(samples[0], [1]))))
+    ray.kill(sender)
+    ray.kill(receiver)
+    for meta, got, want in zip(metas, received, expected):
+        assert len(pickle.dumps(meta)) < 2048 < want["features"].numel() * 4
+        assert meta["bytes"] == sum(want[k].numel() * want[k].element_size() for k in ("features", "input_ids",
+                                                                                       "loss_mask"))
+        for key in ("input_ids", "loss_mask", "features"):
+            assert torch.equal(got[key], want[key]), key
+    assert stats["handoff_seconds"] > 0 and stats["loss"] > 0
 
 
 def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, target, data, tmp_path, alone):

@@ -2,16 +2,17 @@
 
 The coordinator owns the run: a deterministic, seeded sample order per epoch, split over the
 streams; each stream's target computes the features of step t+1 while its drafter trains on step
-t (`max_in_flight` batches ahead, so memory stays flat). Features go from a target to its drafter as
-an object reference the drafter resolves itself; with `train.colocate` a stream is one actor and its
-features never leave the device. The drafters shard their weights, gradients and optimizer state
-(`sharding`: FSDP2, NCCL between GPUs, gloo on the CPU); their rendezvous is drafter rank 0's own
-node. The coordinator only handles sample ids, references and figures.
+t (`max_in_flight` batches ahead, so memory stays flat). Features go from a target to its drafters
+by torch.distributed send/recv (`handoff`: one process group of every stream actor, its store on
+target 0's node; NCCL between GPUs, gloo on the CPU), or with `train.feature_transport=object_store`
+as an object reference each drafter resolves itself; with `train.colocate` a stream is one actor
+and its features never leave the device. The drafters shard their weights, gradients and optimizer
+state over their own ranks (`sharding`: FSDP2). The coordinator only handles sample ids, shapes,
+references and figures.
 
 With `train.drafters` each stream has one drafter actor per drafter of the run (a `Team` is one
 drafter's actors over the streams, with its own process group, checkpoints, metrics and output
-folder): the target captures the union of their layers once, and every drafter resolves the same
-feature reference.
+folder): the target captures the union of their layers once and sends them to each.
 
 Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and
 rank 0 writes the weights and optimizer state in the background while training goes on; the
@@ -38,6 +39,7 @@ from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
+from dflash_ray.train.handoff import Layout
 from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
 from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
@@ -79,7 +81,7 @@ def first_error(refs: list) -> list:
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
                "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers",
-               "collective_timeout_s", "fault_step", "min_bus_bandwidth"}
+               "collective_timeout_s", "fault_step", "min_bus_bandwidth", "feature_transport"}
 
 
 @dataclass
@@ -182,11 +184,31 @@ class Coordinator:
                 team.drafters.append(ray.remote(DrafterWorker).options(**at(1 + i, role)).remote(
                     self.target, team.drafter_cfg_json, team.init, team.cfg.train, s, tcfg.num_streams, team.pick))
         self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.all_drafters]))
-        for team in self.teams:  # each drafter's ranks form a process group of their own
-            # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
-            team.rendezvous = ray.get(team.drafters[0].__ray_call__.remote(_rendezvous))
-            first_error([d.init_group.remote(*team.rendezvous) for d in team.drafters])
+        if self.direct:  # one process group of every stream actor: features by send/recv
+            # target 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
+            rendezvous = ray.get(self.targets[0].__ray_call__.remote(_rendezvous))
+            layout = self.layout
+            first_error([t.join_run.remote(*rendezvous, layout.target(s), layout) for s, t in enumerate(self.targets)]
+                        + [d.join_run.remote(*rendezvous, i, layout) for i, team in enumerate(self.teams)
+                           for d in team.drafters])
+            for team in self.teams:
+                team.rendezvous = rendezvous
+        else:
+            for team in self.teams:  # each drafter's ranks form a process group of their own
+                # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
+                team.rendezvous = ray.get(team.drafters[0].__ray_call__.remote(_rendezvous))
+                first_error([d.init_group.remote(*team.rendezvous) for d in team.drafters])
         ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
+
+    @property
+    def direct(self) -> bool:
+        """Features go from a target to its drafters by send/recv (`handoff`), not as object references."""
+        tcfg = self.cfg.train
+        return not tcfg.colocate and tcfg.feature_transport == "direct"
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.cfg.train.num_streams, len(self.teams))
 
     @property
     def all_drafters(self) -> list:
@@ -326,6 +348,7 @@ class Coordinator:
                "grad_norm": stats[0]["grad_norm"], "tau": sum(s["tau"] for s in stats) / len(stats),
                "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
                "target_seconds": max(s["target_seconds"] for s in stats),
+               "handoff_seconds": max(s["handoff_seconds"] for s in stats),
                "drafter_seconds": max(s["drafter_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
         team.metrics.append(row)
@@ -362,7 +385,12 @@ class Coordinator:
         def submit(step: int) -> None:
             for s, target in enumerate(self.targets):
                 if step < self.total_steps and step not in ahead[s]:
-                    ahead[s][step] = target.features.remote(self.schedule.batch_for(step, s))
+                    batch = self.schedule.batch_for(step, s)
+                    if self.direct:  # posted to every drafter of the stream; only the shapes come back
+                        dsts = [self.layout.drafter(i, s) for i in range(len(self.teams))]
+                        ahead[s][step] = target.send_features.remote(batch, dsts)
+                    else:
+                        ahead[s][step] = target.features.remote(batch)
 
         if tcfg.eval_every and self.step == 0 and self.teams[0].heldout_start is None:
             # the untrained start: what learning is measured against

@@ -56,6 +56,26 @@ class TargetWorker:
             self.model.to(self.place.device)
         self._file, self._table = None, None
         self._staging: dict[str, torch.Tensor] = {}
+        self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
+
+    def join_run(self, address: str, port: int, rank: int, layout) -> None:
+        """Join the run's process group (`handoff`) to send features to the stream's drafters."""
+        from dflash_ray.train import handoff
+
+        handoff.join(self.place.backend, address, port, rank, layout, self.cfg.collective_timeout_s)
+
+    def send_features(self, samples: list[Sample], dsts: list[int]) -> dict[str, Any]:
+        """The batch's features posted to the drafters at ranks `dsts` (`handoff.send`); returns what
+        they allocate to receive them, the target's seconds and the bytes each receives. The sends of
+        earlier batches that every receiver has are let go here (their buffers with them)."""
+        from dflash_ray.train import handoff
+
+        self._sent = [s for s in self._sent if not s.done()]
+        batch = self.features(samples, to_host=False)
+        seconds = batch.pop("seconds")
+        sent = handoff.send(batch, dsts)
+        self._sent.append(sent)
+        return {"meta": sent.meta, "seconds": seconds, "bytes": handoff.nbytes(sent.meta)}
 
     def _row(self, uri: str, row: int) -> dict[str, list[int]]:
         if uri != self._file:
@@ -142,6 +162,8 @@ class DrafterWorker:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
         self.total_steps = 1
         self.upload = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
+        self.group = None  # this drafter's ranks (torch.distributed), when the run has several streams
+        self.source = None  # the global rank of this stream's target, when features come by `handoff`
 
     def _autocast(self):
         """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
@@ -154,20 +176,45 @@ class DrafterWorker:
         node (it hosts the store)."""
         import torch.distributed as dist
 
-        from dflash_ray.train.sharding import shard
-
         if self.world > 1:  # a rank that never reaches a collective fails the others after the timeout
             dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                     world_size=self.world,
                                     timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
-            shard(self.drafter, self.place.device.split(":")[0], self.world, self.dtype)
-            # the optimizer over the shards this rank now holds (its state was still empty)
-            self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+            self._shard(dist.group.WORLD)
+
+    def join_run(self, address: str, port: int, team: int, layout) -> None:
+        """Join the run's process group (`handoff`: features come from this stream's target by
+        send/recv) and shard the drafter over this team's subgroup of it."""
+        from dflash_ray.train import handoff
+
+        groups = handoff.join(self.place.backend, address, port, layout.drafter(team, self.rank), layout,
+                              self.cfg.collective_timeout_s)
+        self.source = layout.target(self.rank)
+        if self.world > 1:
+            self._shard(groups[team])
+
+    def _shard(self, group) -> None:
+        from dflash_ray.train.sharding import shard
+
+        self.group = group
+        shard(self.drafter, self.place.device.split(":")[0], group, self.dtype)
+        # the optimizer over the shards this rank now holds (its state was still empty)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     def set_total_steps(self, total: int) -> None:
         self.total_steps = total
 
     # -- training ---------------------------------------------------------------------------
+    def _received(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch itself, or (`handoff`) the tensors its target sent, received now."""
+        if "meta" not in batch:
+            return batch
+        from dflash_ray.train import handoff
+
+        start = time.perf_counter()
+        received = handoff.receive(batch["meta"], self.source, self.place.device)
+        return {**received, "seconds": batch["seconds"], "handoff_seconds": time.perf_counter() - start}
+
     def _features(self, batch: dict[str, Any]) -> torch.Tensor:
         """This drafter's target layers [B, S, L·H], on its device in its compute dtype: all the
         captured ones, or its own among those of several drafters (`pick`)."""
@@ -198,8 +245,8 @@ class DrafterWorker:
         self.opt.zero_grad()
         weight = out.loss.weight_sum.detach().float()
         sums = torch.stack([out.loss.loss.detach().float() * weight, weight])
-        if self.world > 1:
-            dist.all_reduce(sums)
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
         total = sums[1].clamp_min(1e-12)
         (out.loss.loss * (weight / total)).backward()
         return out, float(sums[0] / total), float(total)
@@ -242,6 +289,7 @@ class DrafterWorker:
 
         if fault:
             raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")
+        batch = self._received(batch)
         start = time.perf_counter()
         out, loss, positions = self.averaged_gradients(batch)  # reads figures back: the device is idle after
         stepping = time.perf_counter()
@@ -256,7 +304,8 @@ class DrafterWorker:
                  "grad_norm": float(full(grad_norm)), "lr": lr}  # floats: synchronized
         done = time.perf_counter()
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
-                "target_seconds": batch["seconds"], "tokens": int(batch["loss_mask"].numel()),
+                "target_seconds": batch["seconds"], "handoff_seconds": batch.get("handoff_seconds", 0.0),
+                "tokens": int(batch["loss_mask"].numel()),
                 "positions": positions}
 
     # -- state ------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Features from a target to its drafters over torch.distributed send/recv, not through the object store.
+
+A paired run's stream actors form one process group (`train.feature_transport=direct`): the
+targets are ranks 0..N-1 and drafter s of team t is rank N + t·N + s (`Layout`). Each drafter's
+ranks also form a subgroup of their own, which its FSDP sharding and loss all-reduce use. A target
+posts its batch's tensors as non-blocking sends to its stream's drafters and returns only their
+shapes and dtypes (`Sent.meta`, a few hundred bytes through Ray); a drafter allocates buffers of
+exactly those shapes and receives into them. NCCL between GPUs (NVLink on a node, EFA across
+nodes), gloo on the CPU; nothing is pickled or copied into shared memory.
+
+NCCL ignores tags: the messages of a pair must be received in the order they were sent, which the
+coordinator keeps (each stream's batches in step order, every drafter receiving each one). No Ray here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Global ranks of a paired run's stream actors: N targets, then each team's N drafters."""
+    streams: int
+    teams: int
+
+    @property
+    def world(self) -> int:
+        return self.streams * (1 + self.teams)
+
+    def target(self, stream: int) -> int:
+        return stream
+
+    def drafter(self, team: int, stream: int) -> int:
+        return self.streams * (1 + team) + stream
+
+    def team_ranks(self, team: int) -> list[int]:
+        return [self.drafter(team, s) for s in range(self.streams)]
+
+
+def join(backend: str, address: str, port: int, rank: int, layout: Layout, timeout_s: float) -> list[Any]:
+    """Join the run's process group as `rank`, then make every team's subgroup (collective: every rank
+    makes all of them, in order). Returns the subgroups, one per team."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=layout.world,
+                            timeout=timeout)
+    return [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+@dataclass
+class Sent:
+    """Sends posted by a target: their tensors stay alive here until every receiver has them."""
+    meta: dict[str, Any]  # key -> (shape, dtype name): what a receiver allocates
+    works: list[Any] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def send(batch: dict[str, torch.Tensor], dsts: list[int]) -> Sent:
+    """Post non-blocking sends of every tensor of `batch` (sorted by key) to each of `dsts`."""
+    import torch.distributed as dist
+
+    sent = Sent({k: (list(batch[k].shape), str(batch[k].dtype)) for k in sorted(batch)})
+    for key in sorted(batch):
+        tensor = batch[key].contiguous()
+        sent.tensors.append(tensor)
+        for dst in dsts:
+            sent.works.append(dist.isend(tensor, dst))
+    return sent
+
+
+def receive(meta: dict[str, Any], src: int, device: str) -> dict[str, torch.Tensor]:
+    """The tensors a target sent (`send`'s meta, in its key order), received into buffers of their
+    exact shapes on `device`."""
+    import torch.distributed as dist
+
+    batch = {k: torch.empty(shape, dtype=_dtype(dtype), device=device) for k, (shape, dtype) in sorted(meta.items())}
+    works = [dist.irecv(batch[k], src) for k in sorted(batch)]
+    for w in works:
+        w.wait()
+    return batch
+
+
+def nbytes(meta: dict[str, Any]) -> int:
+    """Bytes a receiver takes in for `meta`."""
+    total = 0
+    for shape, dtype in meta.values():
+        count = 1
+        for n in shape:
+            count *= n
+        total += count * _dtype(dtype).itemsize
+    return total
