@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python -m bench.generate --json
 	$(BIN)/python -m bench.engine_start --json
 	$(BIN)/python -m bench.stream --json
+	$(BIN)/python -m bench.handoff --json
 	$(BIN)/python -m bench.drafters --json
 	$(BIN)/python -m bench.families --json
 
