@@ -19,10 +19,10 @@ MEGABYTES = 64.0  # per rank: past NCCL's latency-bound sizes, so the figure is 
 def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> dict[str, Any]:
     """Place the probes, measure, free them. Needs a connected Ray and `num_streams` >= 2."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from dflash_ray.train.coordinator import _node, _rendezvous, first_error
+    from dflash_ray.train.coordinator import _node, _rendezvous, first_error, place_stream
     from dflash_ray.train.devices import stream_bundles
     from dflash_ray.train.netprobe import NetProbe, bus_bandwidth, node_pairs
 
@@ -31,16 +31,10 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
     groups, probes = [], []
     try:
         for s in range(n):
-            pg = placement_group(bundles, strategy="STRICT_PACK")
-            groups.append(pg)
-            try:
-                ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise DFlashError(f"stream {s}'s probe ({bundles}, on one node) was not placed in "
-                                  f"{tcfg.placement_timeout_s:g} s", field="train.placement_timeout_s") from None
+            groups.append(place_stream(tcfg, s, bundles, "probe's bundles"))
             probes.append(ray.remote(NetProbe).options(
                 num_cpus=tcfg.actor_cpus, num_gpus=bundles[index].get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
+                scheduling_strategy=PlacementGroupSchedulingStrategy(groups[-1], placement_group_bundle_index=index))
                 .remote(tcfg, s, n))
         nodes = ray.get([p.__ray_call__.remote(_node) for p in probes])
         address, port = ray.get(probes[0].__ray_call__.remote(_rendezvous))

@@ -66,6 +66,24 @@ def _rendezvous(_worker) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), _free_port()
 
 
+def place_stream(tcfg, stream: int, bundles: list[dict], what: str):
+    """A STRICT_PACK placement group of a stream's bundles (one node), ready; refused after
+    `train.placement_timeout_s` naming the bundles and what the cluster has free. The caller removes it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy="STRICT_PACK")
+    try:
+        ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise DFlashError(f"stream {stream}'s {what} ({bundles}, on one node) were not placed in "
+                          f"{tcfg.placement_timeout_s:g} s: the cluster has {ray.available_resources()} "
+                          "free; other work holds the rest, or the autoscaler cannot add such a node",
+                          field="train.placement_timeout_s") from None
+    return pg
+
+
 def first_error(refs: list) -> list:
     """The results of one step's calls on every stream; a rank's error is raised as soon as it is
     known, while the other ranks may still wait for it in a collective."""
@@ -145,7 +163,6 @@ class Coordinator:
     # -- actors -----------------------------------------------------------------------------
     def _start_actors(self) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         tcfg = self.cfg.train
@@ -155,15 +172,8 @@ class Coordinator:
         for team in self.teams:
             team.drafters = []
         for s in range(tcfg.num_streams):
-            pg = placement_group(bundles, strategy="STRICT_PACK")
+            pg = place_stream(tcfg, s, bundles, "actors")
             self.groups.append(pg)
-            try:
-                ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise DFlashError(f"stream {s}'s actors ({bundles}, on one node) were not placed in "
-                                  f"{tcfg.placement_timeout_s:g} s: the cluster has {ray.available_resources()} "
-                                  "free; other work holds the rest, or the autoscaler cannot add such a node",
-                                  field="train.placement_timeout_s") from None
 
             def at(index: int, role: str) -> dict:
                 gpus = bundles[index].get("GPU", 0)
