@@ -319,6 +319,20 @@ def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_
     assert _final_weights(str(tmp_path / "faulty")) == _final_weights(alone[0])
 
 
+def test_a_stream_not_placed_in_time_is_refused_naming_the_setting_and_leaves_no_placement_group(ray_cluster):
+    from ray.util import placement_group_table
+
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.train.coordinator import place_stream
+
+    tcfg = load_config(None, ["train.placement_timeout_s=1"]).train
+    before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    with pytest.raises(DFlashError, match="stream 1's actors") as e:
+        place_stream(tcfg, 1, [{"CPU": 64.0}], "actors")  # more than the node has
+    assert e.value.field == "train.placement_timeout_s" and "free" in str(e.value)
+    assert {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"} == before
+
+
 def test_streams_the_cluster_cannot_hold_are_refused_before_any_actor_with_the_numbers():
     from dflash_ray.errors import DFlashError
     from dflash_ray.train.devices import check_resources
