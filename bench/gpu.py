@@ -17,6 +17,10 @@ One JSON line per check, each with "ok":
   on the GPU; none on the CPU, which runs the dense mask); and what the paired
   path's trip of one batch's features through host memory (device → host → device) costs against it;
   and the same step with distillation (the target's top-32 over the response positions).
+- hybrid_target: a target of Qwen3.6-27B's own layer shapes (3 Gated-DeltaNet layers, 1 full
+  attention): its forward over the shape check's lengths in tokens/s, whether Gated-DeltaNet ran
+  through the fast kernels (flash-linear-attention, causal-conv1d) or the torch fallback, and a
+  batch of two lengths against each row alone.
 - speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
   target's own greedy output; its acceptance length.
 - ray_free: nothing above imported Ray or vLLM (the GPU machine has neither).
@@ -86,6 +90,7 @@ class Sizes:
     spec_tokens: int
     spec_train_steps: int
     block: int = 16
+    hybrid: dict = field(default_factory=dict)  # the hybrid target's shape (`tiny_qwen35` arguments)
     extra: dict = field(default_factory=dict)
 
 
@@ -95,11 +100,17 @@ FULL_SIZES = Sizes(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_d
                    target_layers=6, layer_ids=[1, 2, 3, 4, 5], drafter_layers=5,
                    layer_types=[SLIDING] * 4 + [FULL], sliding_window=2048, anchors=512, seq_len=3072,
                    lengths=[2100, 2222, 2345, 2500, 2560, 2700, 2850, 2999, 3072], length_bucket=512, steps=4,
-                   warmup=2, spec_hidden=1024, spec_vocab=32000, spec_tokens=64, spec_train_steps=100)
+                   warmup=2, spec_hidden=1024, spec_vocab=32000, spec_tokens=64, spec_train_steps=100,
+                   # Qwen3.6-27B's layer shapes: 3 Gated-DeltaNet layers (16 key / 48 value heads of 128)
+                   # and 1 full-attention layer (24/4 heads of 256), hidden 5120, intermediate 17408
+                   hybrid=dict(num_layers=4, hidden_size=5120, intermediate_size=17408, num_heads=24,
+                               num_kv_heads=4, head_dim=256, linear_key_heads=16, linear_value_heads=48,
+                               linear_head_dim=128))
 TINY_SIZES = Sizes(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, target_layers=4,
                    layer_ids=[0, 1, 2], drafter_layers=2, layer_types=[SLIDING, FULL], sliding_window=32,
                    anchors=16, seq_len=96, lengths=[40, 47, 55, 61, 64, 70, 77, 85, 90, 96], length_bucket=32,
-                   steps=2, warmup=1, spec_hidden=64, spec_vocab=512, spec_tokens=24, spec_train_steps=30)
+                   steps=2, warmup=1, spec_hidden=64, spec_vocab=512, spec_tokens=24, spec_train_steps=30,
+                   hybrid=dict(num_layers=4, hidden_size=64, vocab_size=512))
 
 
 def _sync(device: str) -> None:
@@ -387,6 +398,46 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
             "feature_pinned_trip_share_of_step": (to_pinned_s + pinned_to_device_s) / wall}
 
 
+def check_hybrid_target(sz: Sizes, device: str, tmp: Path) -> dict:
+    """The hybrid target's forward (what a target actor runs to capture features) over the shape
+    check's lengths: Gated-DeltaNet through flash-linear-attention and causal-conv1d when installed
+    (transformers picks them up), else its torch fallback; which one ran is reported. A batch of two
+    lengths gives each row the features it gets alone (no state crosses rows or padding)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray.target.capture import target_features
+    from dflash_ray.tiny_models import tiny_qwen35
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    path = tiny_qwen35(tmp / "hybrid", **sz.hybrid, device=device, dtype=str(dtype).removeprefix("torch."))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    layers = list(range(model.config.num_hidden_layers))
+    kernels = {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    seconds = {}
+    for n in sz.lengths:
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+        seconds[n] = _timed(lambda ids=ids: target_features(model, ids, layers), device, reps=1)
+    short, long = sz.lengths[0], sz.lengths[-1]
+    ids = torch.randint(0, vocab, (2, long), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, short:] = 0
+    batch = target_features(model, ids, layers, attention_mask=mask)
+    alone = [target_features(model, ids[:1], layers), target_features(model, ids[1:, :short], layers)]
+    row_err = max(_rel(batch[0], alone[0][0]), _rel(batch[1, :short], alone[1][0]))
+    tokens = sum(seconds) / sum(seconds.values())
+    finite = bool(torch.isfinite(batch).all())
+    return {"check": "hybrid_target", "ok": finite and row_err < (2e-2 if cuda else 1e-4), "device": device,
+            "layers": model.config.layer_types, "hidden": model.config.hidden_size, "kernels": kernels,
+            "gated_deltanet": "fast kernels" if all(kernels.values()) else "torch fallback",
+            "tokens_per_s": tokens, "seconds_by_length": {str(k): round(v, 4) for k, v in seconds.items()},
+            "batch_row_rel_err": row_err}
+
+
 def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -452,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = {"fused_ce": lambda: check_fused_ce(sz, args.device),
                   "flex_attention": lambda: check_flex_attention(sz, args.device),
                   "train_step": lambda: check_train_step(sz, args.device, Path(tmp), args.peak_tflops),
+                  "hybrid_target": lambda: check_hybrid_target(sz, args.device, Path(tmp)),
                   "speculative": lambda: check_speculative(sz, args.device, Path(tmp)),
                   "ray_free": check_ray_free}
         for name, run in checks.items():
