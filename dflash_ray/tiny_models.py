@@ -9,6 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _saved(model_class, config, out_dir: str | Path, device: str, dtype: str) -> str:
+    """A random `model_class` of `config`, built on `device` in `dtype` and saved as safetensors."""
+    import torch
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = model_class(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return str(out_dir)
+
+
 def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 151936,
                seed: int = 0, intermediate_size: int | None = None, num_heads: int = 4, num_kv_heads: int = 2,
                head_dim: int | None = None, device: str = "cpu", dtype: str = "float32") -> str:
@@ -23,15 +38,7 @@ def tiny_qwen3(out_dir: str | Path, *, num_layers: int = 6, hidden_size: int = 6
                          num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=4096,
                          tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return str(out_dir)
+    return _saved(Qwen3ForCausalLM, config, out_dir, device, dtype)
 
 
 def tiny_qwen35(out_dir: str | Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0,
@@ -53,12 +60,4 @@ def tiny_qwen35(out_dir: str | Path, *, num_layers: int = 4, hidden_size: int = 
                                linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
                                linear_num_key_heads=linear_key_heads, linear_num_value_heads=linear_value_heads,
                                layer_types=layer_types, max_position_embeddings=4096, tie_word_embeddings=False)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return str(out_dir)
+    return _saved(Qwen3_5ForCausalLM, config, out_dir, device, dtype)
