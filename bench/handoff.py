@@ -35,6 +35,7 @@ class Target:
         from dflash_ray.train import handoff
 
         handoff.join("gloo", "127.0.0.1", port, 0, handoff.Layout(1, 1), 600)
+        handoff.greet([1], True, "cpu")
 
     def stored(self) -> tuple[float, dict]:
         """A fresh batch, returned through the object store: its serialization starts now."""
@@ -56,6 +57,7 @@ class Drafter:
         from dflash_ray.train import handoff
 
         handoff.join("gloo", "127.0.0.1", port, 1, handoff.Layout(1, 1), 600)
+        handoff.greet([0], False, "cpu")
 
     def take(self, handed: tuple[float, dict]) -> float:
         """Seconds from the start of the handoff until this actor holds the batch."""

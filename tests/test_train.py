@@ -175,7 +175,7 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     receiver = ray.remote(DrafterWorker).options(num_cpus=0.5).remote(
         target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
     port = _free_port()
-    ray.get([sender.join_run.remote("127.0.0.1", port, layout.target(0), layout),
+    ray.get([sender.join_run.remote("127.0.0.1", port, 0, layout),
              receiver.join_run.remote("127.0.0.1", port, 0, layout)])
     refs = [sender.send_features.remote(b, [layout.drafter(0, 0)]) for b in samples]  # both posted at once
     metas = ray.get(refs)

@@ -198,7 +198,7 @@ class Coordinator:
             # target 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
             rendezvous = ray.get(self.targets[0].__ray_call__.remote(_rendezvous))
             layout = self.layout
-            first_error([t.join_run.remote(*rendezvous, layout.target(s), layout) for s, t in enumerate(self.targets)]
+            first_error([t.join_run.remote(*rendezvous, s, layout) for s, t in enumerate(self.targets)]
                         + [d.join_run.remote(*rendezvous, i, layout) for i, team in enumerate(self.teams)
                            for d in team.drafters])
             for team in self.teams:

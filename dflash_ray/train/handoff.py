@@ -52,6 +52,18 @@ def join(backend: str, address: str, port: int, rank: int, layout: Layout, timeo
     return [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
 
 
+def greet(peers: list[int], sending: bool, device: str) -> None:
+    """One small blocking message to (or from) each peer, in order, while every rank is still in its
+    join call. NCCL opens a pair's communicator on the pair's first send/recv and blocks both sides
+    until the other arrives; a target's first `send` must not meet that, since its drafter posts the
+    matching receive only after the target has returned (gloo connects every pair at once)."""
+    import torch.distributed as dist
+
+    token = torch.zeros(1, device=device)
+    for peer in peers:
+        (dist.send if sending else dist.recv)(token, peer)
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 

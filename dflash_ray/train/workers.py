@@ -58,11 +58,13 @@ class TargetWorker:
         self._staging: dict[str, torch.Tensor] = {}
         self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
 
-    def join_run(self, address: str, port: int, rank: int, layout) -> None:
-        """Join the run's process group (`handoff`) to send features to the stream's drafters."""
+    def join_run(self, address: str, port: int, stream: int, layout) -> None:
+        """Join the run's process group (`handoff`) as stream `stream`'s target, to send features to
+        the stream's drafters."""
         from dflash_ray.train import handoff
 
-        handoff.join(self.place.backend, address, port, rank, layout, self.cfg.collective_timeout_s)
+        handoff.join(self.place.backend, address, port, layout.target(stream), layout, self.cfg.collective_timeout_s)
+        handoff.greet([layout.drafter(t, stream) for t in range(layout.teams)], True, self.place.device)
 
     def send_features(self, samples: list[Sample], dsts: list[int]) -> dict[str, Any]:
         """The batch's features posted to the drafters at ranks `dsts` (`handoff.send`); returns what
@@ -190,6 +192,7 @@ class DrafterWorker:
         groups = handoff.join(self.place.backend, address, port, layout.drafter(team, self.rank), layout,
                               self.cfg.collective_timeout_s)
         self.source = layout.target(self.rank)
+        handoff.greet([self.source], False, self.place.device)
         if self.world > 1:
             self._shard(groups[team])
 
