@@ -124,9 +124,11 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
     Yields (address, environment for a driver); every node is stopped by its process group.
 
     On a busy 2-core machine a head can take minutes to come up, and a worker node started before it
-    is up gives up on it; so the workers start once the head answers. A node that exits while the
-    cluster comes up (a raylet can abort at start on a busy machine) makes a fresh start of the
-    whole cluster, up to three times."""
+    is up gives up on it; so the workers start once the head answers, and each once the one before
+    is up: nodes of one machine share the head's session folder, and two raylets starting at once
+    can pick the same socket name there, the second aborting with "bind: Address already in use".
+    A node that exits while the cluster comes up makes a fresh start of the whole cluster, up to
+    three times."""
     import json
     import secrets
     import subprocess
@@ -183,10 +185,12 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
         try:
             # the workers join a head that is up (one started earlier gives up on it)
             ok = wait(address, procs, 1)
-            if ok:
-                procs += [start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
-                                 f"--resources={json.dumps(resources)}"]) for ip, cpus, resources in workers]
-                ok = wait(address, procs, 1 + len(workers))
+            for ip, cpus, resources in workers if ok else []:  # one at a time: see above
+                procs.append(start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
+                                    f"--resources={json.dumps(resources)}"]))
+                ok = wait(address, procs, len(procs))
+                if not ok:
+                    break
         except BaseException:
             down(procs)
             raise
