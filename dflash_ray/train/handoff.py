@@ -78,10 +78,6 @@ class Sent:
     def done(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-
 
 def send(batch: dict[str, torch.Tensor], dsts: list[int]) -> Sent:
     """Post non-blocking sends of every tensor of `batch` (sorted by key) to each of `dsts`."""
