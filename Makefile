@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -y -q $(CUDA_DRAGGED) || true
 	touch $@
 
+# Two test files at a time (pytest-xdist), the longest first (tests/conftest.py): the suite is
+# CPU-bound, but its Ray clusters, engines and subprocesses leave a core idle much of the time.
 test: setup
-	$(BIN)/python -m pytest -q --durations=40 tests
+	$(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.
 test-fast: setup

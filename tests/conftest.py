@@ -14,6 +14,10 @@ import pytest
 
 _ports = random.Random(os.getpid())
 _given: set[int] = set()
+# `make test` runs two pytest workers at once (pytest-xdist): each draws its ports from its own range
+_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_PORTS = range(20000 + _worker * 12000 // _workers, 20000 + (_worker + 1) * 12000 // _workers)
 
 
 # A test that asks for one of these is an integration test; so is one marked by hand (a vLLM engine,
@@ -22,18 +26,27 @@ INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "two_nodes", 
 INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_export.py", "test_gpu_check.py"}
 
 
+# The files that take longest, longest first: `make test` runs two files at a time (pytest-xdist,
+# a file to a worker, in this order), and a long file started last would finish alone.
+LONGEST_FIRST = ("test_train.py", "test_chaos.py", "test_vllm_export.py", "test_job_submit.py",
+                 "test_generate_actors.py", "test_responses.py", "test_autoscale.py", "test_engine_memory.py")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if INTEGRATION_FIXTURES & set(item.fixturenames) or item.path.name in INTEGRATION_FILES:
             item.add_marker(pytest.mark.integration)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def free_port() -> int:
     """A port that binds now, drawn below the kernel's ephemeral range (32768 and up) and above Ray's
     worker ports (10002-19999): between this check and the server's own bind, no outgoing connection
-    of any process can be given it, and no two calls of one session return the same port."""
+    of any process can be given it, and no two calls of one session (or two of its workers) return
+    the same port."""
     while True:
-        port = _ports.randrange(20000, 32000)
+        port = _ports.choice(_PORTS)
         if port in _given:
             continue
         with socket.socket() as s:

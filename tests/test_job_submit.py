@@ -206,10 +206,15 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
     resumed = _submit(address, env, "resume-1", "jobs/resume.py", "--name", NAME, "--json", wait=True)
     assert '"paused": false' in resumed.stdout, resumed.stdout + resumed.stderr
 
+    # `ray job logs --follow` returns when the job ends (or its stream drops): one process to wait
+    # with, not a `ray job status` process every few seconds
     deadline = time.time() + 900
-    while time.time() < deadline:
+    while True:
+        subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, "--follow", "pipeline-1"],
+                       env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=max(1.0, deadline - time.time()))
         state = _ray(env, "job", "status", "--address", address, "pipeline-1").stdout.upper()
-        if any(s in state for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+        if any(s in state for s in ("SUCCEEDED", "FAILED", "STOPPED")) or time.time() > deadline:
             break
         time.sleep(3)
     logs = _ray(env, "job", "logs", "--address", address, "pipeline-1").stdout

@@ -42,7 +42,8 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for step in range(400):
         ids, mask, feats = data[step % len(data)]
-        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=24, generator=g)
+        # 12 anchors: the answers are 12-30 tokens, so more would mostly be padding through the head
+        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=12, generator=g)
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
