@@ -18,8 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -y -q $(CUDA_DRAGGED) || true
 	touch $@
 
-# Two test files at a time (pytest-xdist), the longest first (tests/conftest.py): the suite is
-# CPU-bound, but its Ray clusters, engines and subprocesses leave a core idle much of the time.
+# Two test files at a time (pytest-xdist), the longest first (tests/conftest.py): most tests keep
+# both cores busy, but starts, waits and single-threaded stretches leave room for a second file.
 test: setup
 	$(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
 
