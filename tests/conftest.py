@@ -130,6 +130,79 @@ def tiny_qwen35_dir(tmp_path_factory):
     return tiny_qwen35(tmp_path_factory.mktemp("tiny-qwen35"))
 
 
+_PROBE = """
+import sys, time
+import ray
+address, nodes = sys.argv[1], int(sys.argv[2])
+while True:
+    try:
+        ray.init(address=address, log_to_driver=False)
+        break
+    except Exception:
+        time.sleep(1)
+while sum(1 for n in ray.nodes() if n["Alive"]) < nodes:
+    time.sleep(0.5)
+"""
+
+
+def wait_for_nodes(address: str, env: dict, nodes: int, procs: list, timeout_s: float = 300) -> bool:
+    """Whether `nodes` nodes of the cluster at `address` (GCS host:port) are alive within
+    `timeout_s`; False as soon as one of `procs` (the nodes' `ray start` processes) exits. One
+    driver process waits, polling from inside: a fresh Python and Ray import every poll would cost
+    a busy 2-core machine seconds of CPU each."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a retrying probe's warnings could fill one
+    probe = subprocess.Popen([sys.executable, "-c", _PROBE, address, str(nodes)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=log, text=True)
+    deadline = time.time() + timeout_s
+    try:
+        while probe.poll() is None:
+            if any(proc.poll() is not None for proc in procs):
+                return False
+            assert time.time() < deadline, f"{nodes} nodes did not come up at {address} in {timeout_s:.0f} s"
+            time.sleep(0.5)
+        log.seek(0)
+        assert probe.returncode == 0, f"the probe of {address} failed: {log.read()[-2000:]}"
+        return True
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+        probe.wait()
+        log.close()
+
+
+# A killed raylet refuses the GCS's health checks at once; a check a second and five refusals find
+# it dead in about 5 s instead of Ray's 15 (a live node misses five checks in a row only if stalled)
+FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "5"}
+
+
+def stop_nodes(procs: list, grace_s: float = 10) -> None:
+    """Stop the nodes whose `ray start --block` processes are `procs`: each is asked to stop at
+    once, and whatever of their process groups is left after `grace_s` is killed (a node that
+    drains gracefully can take half a minute; its files are thrown away anyway)."""
+    import signal
+    import time
+
+    for proc in procs:
+        proc.terminate()
+    deadline = time.time() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.time()))
+        except Exception:  # subprocess.TimeoutExpired
+            pass
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 @contextlib.contextmanager
 def local_nodes(workers: list[tuple[str, int, dict]]):
     """A cluster of several nodes on this machine, apart from the session's: a head on 127.0.0.1
@@ -146,12 +219,11 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
     import secrets
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", **FAST_NODE_DEATH}
     env.pop("RAY_ADDRESS", None)
 
     def own_ports():  # the session's other local cluster holds the default ones
@@ -165,28 +237,7 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
 
     def wait(address: str, procs: list, nodes: int) -> bool:
         """Whether `nodes` nodes came up; False when one of `procs` exited first."""
-        probe = f"import ray; ray.init(address='{address}'); print(sum(1 for n in ray.nodes() if n['Alive']))"
-        deadline = time.time() + 300
-        while True:
-            done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-            if done.stdout.strip().endswith(str(nodes)):
-                return True
-            if any(proc.poll() is not None for proc in procs):
-                return False
-            assert time.time() < deadline, f"the nodes did not come up: {done.stderr[-2000:]}"
-            time.sleep(2)
-
-    def down(procs) -> None:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
+        return wait_for_nodes(address, env, nodes, procs)
 
     for attempt in range(3):
         port = free_port()
@@ -205,13 +256,13 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
                 if not ok:
                     break
         except BaseException:
-            down(procs)
+            stop_nodes(procs)
             raise
         if ok:
             break
-        down(procs)
+        stop_nodes(procs)
         assert attempt < 2, "a node exited while the cluster came up, three times"
     try:
         yield address, env
     finally:
-        down(procs)
+        stop_nodes(procs)

@@ -14,12 +14,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, stop_nodes, wait_for_nodes
 from dflash_ray import manifest, storage
 from dflash_ray.registry import SMOLLM2
 
@@ -93,22 +92,11 @@ def autoscaling_head(tmp_path):
              "object-manager"))],
         env=head_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto')"], env=env,
-                             capture_output=True).returncode:
-            assert head.poll() is None and time.time() < deadline, "the head did not come up"
-            time.sleep(1)
+        assert wait_for_nodes(f"127.0.0.1:{port}", env, 1, [head], timeout_s=120), "the head exited as it came up"
         yield env
     finally:
-        head.terminate()  # --block: the head stops what it started, the fake nodes with its monitor
-        try:
-            head.wait(timeout=60)
-        finally:
-            try:
-                os.killpg(head.pid, 9)
-            except ProcessLookupError:
-                pass
-            shutil.rmtree(temp, ignore_errors=True)
+        stop_nodes([head])  # the fake nodes are in its process group (its monitor started them)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_the_autoscaler_adds_generation_nodes_for_the_backlog_and_releases_them(

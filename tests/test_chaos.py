@@ -20,7 +20,7 @@ def _settings(work, inputs):
             "generate.truncated=keep", "generate.temperature=0", "generate.shard_size=2",
             "generate.repeat_min_span=10000", "validate.gate.min_median_response=8",
             "validate.gate.max_mode_share=1.0", "validate.gate.max_empty_thinking_share=1.0",
-            "train.num_streams=2", "train.epochs=6", "train.checkpoint_every=4", "train.num_anchors=4",
+            "train.num_streams=2", "train.epochs=4", "train.checkpoint_every=4", "train.num_anchors=4",
             "train.heldout=0", "train.actor_cpus=0.25", "train.collective_timeout_s=60", "train.max_restarts=4",
             "evaluate.max_new_tokens=4", "tokenize.concurrency=2"]
 
@@ -63,8 +63,8 @@ def _same_as_calm(summary, work, calm):
         assert len({r["id"] for r in rows}) == len(rows) == 16
         assert rows == _rows(calm_work / stage, columns), stage
     metrics = [json.loads(x) for x in storage.read_text(str(work / "train" / "metrics.jsonl")).splitlines()]
-    assert summary["training_steps"] == calm_summary["training_steps"] == 48
-    assert [r["step"] for r in metrics] == list(range(1, 49))
+    assert summary["training_steps"] == calm_summary["training_steps"] == 32
+    assert [r["step"] for r in metrics] == list(range(1, 33))
     weights = [checkpoint.load_latest(str(w / "train"))[1]["drafter/model.safetensors"] for w in (calm_work, work)]
     assert weights[0] == weights[1]
     assert summary["tau_trained"] == calm_summary["tau_trained"] and summary["lossless"]
@@ -76,7 +76,7 @@ def test_a_pipeline_whose_actors_are_killed_finishes_as_an_undisturbed_one(input
 
     # a fault fires at the first moment past its seeded delay (seed 3: 1.4, 0.5, 3.0 and 9.7 s after
     # its first victim's process started) that finds a victim: each stage outlasts its delay on any
-    # machine (an actor's start alone takes seconds; the training's 48 steps and the restart the
+    # machine (an actor's start alone takes seconds; the training's 32 steps and the restart the
     # target's death costs outlast 9.7 s), so all four fire, wherever they land
     faults = ["generator@6", "tokenize@1", "target@8", "drafter@16"]
     summary = run_pipeline(load_config(None, _settings(tmp_path, inputs) + [

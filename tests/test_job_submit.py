@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import FAST_NODE_DEATH, free_port, stop_nodes, wait_for_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -43,7 +42,7 @@ def cluster():
     on every node with a token of this test's own. Yields the dashboard address, the environment
     and each node's metrics export address."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_metrics_report_interval_ms": "1000", **FAST_NODE_DEATH,
            # the jobs' `python` is this environment's, as a cluster image's Python carries the package
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
@@ -71,29 +70,14 @@ def cluster():
         for worker in ("gen_node", "train_node"):  # a temp dir each: two raylets' sockets must not meet
             start(worker, f"--address=127.0.0.1:{gcs}", "--num-cpus=2", f"--temp-dir={temp}-{worker[:3]}")
         address = f"http://127.0.0.1:{dash}"
-        probe = "import ray; ray.init(); print(sum(1 for n in ray.nodes() if n['Alive']))"
-        deadline = time.time() + 180
-        while True:
-            up = subprocess.run([sys.executable, "-c", probe], env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"},
-                                capture_output=True, text=True)
-            if up.stdout.strip().endswith("3") and _ray(env, "job", "list", "--address", address,
-                                                        check=False).returncode == 0:
-                break
-            assert time.time() < deadline and all(p.poll() is None for p in procs), \
-                f"the three nodes did not come up: {up.stderr[-2000:]}"
+        assert wait_for_nodes(f"127.0.0.1:{gcs}", env, 3, procs, timeout_s=180), "a node exited as the cluster came up"
+        deadline = time.time() + 120
+        while _ray(env, "job", "list", "--address", address, check=False).returncode:  # the job server
+            assert time.time() < deadline, "the dashboard's job server did not answer"
             time.sleep(2)
         yield address, env, metrics
     finally:
-        for proc in reversed(procs):  # --block: each node drains and stops the processes it started
-            proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(timeout=90)
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its process group
-                except ProcessLookupError:
-                    pass
+        stop_nodes(procs)
         for folder in (temp, f"{temp}-gen", f"{temp}-tra"):
             shutil.rmtree(folder, ignore_errors=True)
 
