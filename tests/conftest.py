@@ -22,14 +22,15 @@ _PORTS = range(20000 + _worker * 12000 // _workers, 20000 + (_worker + 1) * 1200
 
 # A test that asks for one of these is an integration test; so is one marked by hand (a vLLM engine,
 # a CLI in a subprocess). `make test-fast` runs the others: no Ray, S3 server or engine.
-INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "two_nodes", "three_nodes"}
+INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "three_nodes"}
 INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_export.py", "test_gpu_check.py"}
 
 
 # The files that take longest, longest first: `make test` runs two files at a time (pytest-xdist,
 # a file to a worker, in this order), and a long file started last would finish alone.
 LONGEST_FIRST = ("test_train.py", "test_chaos.py", "test_vllm_export.py", "test_job_submit.py",
-                 "test_generate_actors.py", "test_responses.py", "test_autoscale.py", "test_engine_memory.py")
+                 "test_generate_actors.py", "test_tokenize_validate.py", "test_responses.py", "test_autoscale.py",
+                 "test_engine_memory.py", "test_speculative.py", "test_trackers.py", "test_gpu_check.py")
 
 
 def pytest_collection_modifyitems(items):

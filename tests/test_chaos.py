@@ -1,20 +1,25 @@
 """Fault drills: the whole pipeline with generator, tokenize, target and drafter actors killed at
 seeded moments, or a worker node lost, finishes as an undisturbed run does: every prompt generated
-once, every training step taken once, the same drafter bit for bit."""
+once, every training step taken once, the same drafter bit for bit. The runs that need several
+nodes share one cluster of three (starting one costs a busy 2-core machine most of a minute): two
+streams training across its nodes first, then the drill that kills one of them."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
+from test_train import SETTINGS, data, target  # noqa: F401  (the tiny training run's fixtures)
 
 pytestmark = pytest.mark.integration
 
 
 def _settings(work, inputs):
-    target, prompts = inputs
-    return [f"pipeline.inputs=[{prompts}]", f"pipeline.workdir={work}", f"pipeline.target={target}",
+    model, prompts = inputs
+    return [f"pipeline.inputs=[{prompts}]", f"pipeline.workdir={work}", f"pipeline.target={model}",
             "pipeline.eval_prompts=2", "pipeline.vllm_evaluate=false", "generate.backend=transformers",
             "generate.generators=2", "generate.generator_cpus=0.5", "generate.max_tokens=24",
             "generate.truncated=keep", "generate.temperature=0", "generate.shard_size=2",
@@ -31,13 +36,13 @@ def inputs(tmp_path_factory, qwen3_tokenizer):
     from dflash_ray.tiny_models import tiny_qwen3
 
     folder = tmp_path_factory.mktemp("chaos-inputs")
-    target = folder / "target"
-    tiny_qwen3(target, num_layers=4, vocab_size=len(qwen3_tokenizer))
-    qwen3_tokenizer.save_pretrained(target)
+    model = folder / "target"
+    tiny_qwen3(model, num_layers=4, vocab_size=len(qwen3_tokenizer))
+    qwen3_tokenizer.save_pretrained(model)
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]})
                                + "\n" for i in range(18)))
-    return target, prompts
+    return model, prompts
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,16 @@ def calm(ray_cluster, inputs, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("calm")
     return run_pipeline(load_config(None, _settings(work, inputs)), progress=False), work
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """A head on 127.0.0.1 (resource `head_node`, no CPUs) and two worker nodes, 127.0.0.2 and
+    127.0.0.3 (`train_node`, room for one stream each): (address, environment for a driver)."""
+    from conftest import local_nodes
+
+    with local_nodes([("127.0.0.2", 2, {"train_node": 4}), ("127.0.0.3", 2, {"train_node": 4})]) as cluster:
+        yield cluster
 
 
 def _rows(folder, columns):
@@ -89,21 +104,38 @@ def test_a_pipeline_whose_actors_are_killed_finishes_as_an_undisturbed_one(input
     _same_as_calm(summary, tmp_path, calm)
 
 
-@pytest.mark.timeout(1200)
-def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(inputs, calm, tmp_path):
-    """Three nodes (a head without CPUs, two workers); one worker's raylet is killed while the run
-    uses it, and the run finishes on the other."""
-    import subprocess
-    import sys
+@pytest.mark.timeout(900)
+def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(three_nodes, target, data, tmp_path):
+    """The coordinator on the head, a stream on each worker node: the network between the nodes is
+    measured first (`train.min_bus_bandwidth`, gloo across the two nodes), the drafters' process
+    group meets at rank 0's node, not the coordinator's, and 3 steps of 2 streams train."""
+    address, env = three_nodes
+    out = str(tmp_path / "two-nodes")
+    workers = {"127.0.0.2", "127.0.0.3"}
+    args = ["train", "--data", data, "--target", target, "--output", out, "--json", "--stop-after-step", "3",
+            *[x for s in SETTINGS + [f"ray.address={address}", "train.node_resource=train_node",
+                                     "ray.head_resource=head_node", "train.actor_cpus=1",  # a node per stream
+                                     "train.min_bus_bandwidth=0.001"] for x in ("--set", s)]]
+    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 3 and set(summary["stream_nodes"]) == workers, summary
+    pair = summary["network"]["slowest_pair"]  # the one pair: a rank on each node
+    assert set(pair["nodes"]) == workers and not pair["within_node"] and pair["bus_gbs"] >= 0.001, summary
+    assert summary["rendezvous"].split(":")[0] in workers, summary
+    assert summary["coordinator_node"] not in workers, summary  # the head (it reports the machine's address)
 
-    from conftest import local_nodes
 
-    with local_nodes([("127.0.0.2", 2, {}), ("127.0.0.3", 2, {})]) as (address, env):
-        settings = _settings(tmp_path, inputs) + [f"ray.address={address}", "ray.head_resource=head_node",
-                                                  "chaos.faults=[node@45]", "chaos.seed=1"]
-        done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "pipeline", "--json",
-                               *[x for s in settings for x in ("--set", s)]],
-                              env=env, capture_output=True, text=True, timeout=1100)
+@pytest.mark.timeout(1200)  # last in this file: it takes a node of the shared cluster down
+def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(three_nodes, inputs, calm, tmp_path):
+    """One worker's raylet is killed while the run uses it, and the run finishes on the other."""
+    address, env = three_nodes
+    settings = _settings(tmp_path, inputs) + [f"ray.address={address}", "ray.head_resource=head_node",
+                                              "chaos.faults=[node@45]", "chaos.seed=1"]
+    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "pipeline", "--json",
+                           *[x for s in settings for x in ("--set", s)]],
+                          env=env, capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     drill = summary["chaos"]

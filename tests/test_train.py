@@ -297,9 +297,9 @@ def _train_and_kill(target, data, output: str, cfg, name: str, role: str) -> dic
 
 @pytest.mark.parametrize("role", ["target", "drafter"])
 def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
-    cfg = load_config(None, SETTINGS + ["train.epochs=6"])  # 48 steps: the kill lands well before the end
-    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, f"kill-{role}", role)
-    assert result["step"] == result["total_steps"] == 48
+    cfg = load_config(None, SETTINGS + ["train.epochs=3"])  # 24 steps: the kill lands after the first
+    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, f"kill-{role}", role)  # checkpoint (3)
+    assert result["step"] == result["total_steps"] == 24
     assert result["restarts"] == 1
 
 
@@ -552,40 +552,3 @@ def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(tar
         drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
                                                              "train.num_layers=2"]))
     assert "layer_types" in str(e.value) and "train" in str(e.value)
-
-
-@pytest.fixture
-def two_nodes():
-    """A head on 127.0.0.1 (resource `head_node`, no CPUs) and two worker nodes, 127.0.0.2 and
-    127.0.0.3 (`train_node`), room for one stream each."""
-    from conftest import local_nodes
-
-    with local_nodes([("127.0.0.2", 2, {"train_node": 4}), ("127.0.0.3", 2, {"train_node": 4})]) as cluster:
-        yield cluster
-
-
-@pytest.mark.timeout(900)
-def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(two_nodes, target, data, tmp_path):
-    """The coordinator on the head, a stream on each worker node: the network between the nodes is
-    measured first (`train.min_bus_bandwidth`, gloo across the two nodes), the drafters' process
-    group meets at rank 0's node, not the coordinator's, and 3 steps of 2 streams train."""
-    import json
-    import subprocess
-    import sys
-
-    address, env = two_nodes
-    out = str(tmp_path / "two-nodes")
-    workers = {"127.0.0.2", "127.0.0.3"}
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json", "--stop-after-step", "3",
-            *[x for s in SETTINGS + [f"ray.address={address}", "train.node_resource=train_node",
-                                     "ray.head_resource=head_node", "train.actor_cpus=1",  # a node per stream
-                                     "train.min_bus_bandwidth=0.001"] for x in ("--set", s)]]
-    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["step"] == 3 and set(summary["stream_nodes"]) == workers, summary
-    pair = summary["network"]["slowest_pair"]  # the one pair: a rank on each node
-    assert set(pair["nodes"]) == workers and not pair["within_node"] and pair["bus_gbs"] >= 0.001, summary
-    assert summary["rendezvous"].split(":")[0] in workers, summary
-    assert summary["coordinator_node"] not in workers, summary  # the head (it reports the machine's address)
