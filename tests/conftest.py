@@ -186,6 +186,7 @@ def stop_nodes(procs: list, grace_s: float = 10) -> None:
     once, and whatever of their process groups is left after `grace_s` is killed (a node that
     drains gracefully can take half a minute; its files are thrown away anyway)."""
     import signal
+    import subprocess
     import time
 
     for proc in procs:
@@ -194,7 +195,7 @@ def stop_nodes(procs: list, grace_s: float = 10) -> None:
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.time()))
-        except Exception:  # subprocess.TimeoutExpired
+        except subprocess.TimeoutExpired:
             pass
     for proc in procs:
         try:
@@ -236,10 +237,6 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
         return subprocess.Popen([str(bin_dir / "ray"), "start", "--block", *args, *own_ports()], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def wait(address: str, procs: list, nodes: int) -> bool:
-        """Whether `nodes` nodes came up; False when one of `procs` exited first."""
-        return wait_for_nodes(address, env, nodes, procs)
-
     for attempt in range(3):
         port = free_port()
         address = f"127.0.0.1:{port}"
@@ -249,11 +246,11 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
                         f"--ray-client-server-port={free_port()}"])]
         try:
             # the workers join a head that is up (one started earlier gives up on it)
-            ok = wait(address, procs, 1)
+            ok = wait_for_nodes(address, env, 1, procs)
             for ip, cpus, resources in workers if ok else []:  # one at a time: see above
                 procs.append(start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
                                     f"--resources={json.dumps(resources)}"]))
-                ok = wait(address, procs, len(procs))
+                ok = wait_for_nodes(address, env, len(procs), procs)
                 if not ok:
                     break
         except BaseException:
