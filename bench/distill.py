@@ -33,7 +33,7 @@ def main() -> None:
     import torch
     from bench.side_by_side import train_side_by_side
     from dflash_ray import storage
-    from dflash_ray.stages.demo import demo_config
+    from dflash_ray.stages.demo import DFLASH_SETTINGS, demo_config
     from dflash_ray.drafter.export import save_drafter
     from dflash_ray.stages.evaluate import run_evaluate
     from dflash_ray.registry import SMOLLM2
@@ -41,9 +41,10 @@ def main() -> None:
     from dflash_ray.train.schedule import Schedule, dataset_samples
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
-    # the demo's settings; the target worker sends its top-k whenever any variant distills
-    base = demo_config(None, ["train.torch_threads=2", *args.set])
-    cfgs = {name: demo_config(None, ["train.torch_threads=2", *args.set, f"train.distill={share}"])
+    # the demo's settings with its one-layer DFlash drafter (the one measured in bench/RESULTS.md); the
+    # target worker sends its top-k whenever any variant distills
+    base = demo_config(None, [*DFLASH_SETTINGS, "train.torch_threads=2", *args.set])
+    cfgs = {name: demo_config(None, [*DFLASH_SETTINGS, "train.torch_threads=2", *args.set, f"train.distill={share}"])
             for name, share in VARIANTS.items()}
     samples = dataset_samples(storage.join(args.workdir, "tokenized"))
     schedule = Schedule(samples, 1, args.batch, base.train.seed)

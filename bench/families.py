@@ -8,7 +8,7 @@ ratio of each family's greedy tau to DFlash's, acceptance by draft position, the
 and the drafter's parameter count (embedding and head are the target's). `families.png` in the work
 folder plots acceptance by position. The demo's generated data is reused when `--workdir` holds it.
 
-    .venv/bin/python -m bench.families [--workdir DIR] [--max-new-tokens 256] [--json]
+    .venv/bin/python -m bench.families [--workdir DIR] [--max-new-tokens 256] [--num-layers 1] [--json]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import statistics
 from dflash_ray import storage
 
 # the published shapes of DFlash2 and DSpark (blocks of 8 and 7, top-16 selector) with the
-# low-rank parts scaled to a one-layer drafter of a 576-wide target; DFlash keeps the demo's block 16
-FAMILIES = [{"name": "dflash"},
+# low-rank parts scaled to a small drafter of a 576-wide target; DFlash keeps its block 16 (the demo's before)
+FAMILIES = [{"name": "dflash", "drafter": "dflash", "block_size": 16},
             {"name": "dflash2", "drafter": "dflash2", "block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16,
              "selector_top_k": 16, "selector_rank": 64},
             {"name": "dspark", "drafter": "dspark", "block_size": 7, "markov_rank": 64}]
@@ -51,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="demo-run", help="the demo's work folder (its generation is reused)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=1, help="every family's drafter layers")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -59,7 +60,8 @@ def main() -> None:
 
     teams = json.dumps(FAMILIES).replace('"', "")
     # 2 streams of a target and three drafter actors on the demo's 2 CPUs
-    cfg = demo_config(None, [f"train.drafters={teams}", "train.actor_cpus=0.25", f"evaluate.max_new_tokens={args.max_new_tokens}",
+    cfg = demo_config(None, [f"train.drafters={teams}", f"train.num_layers={args.num_layers}", "train.actor_cpus=0.25",
+                             f"evaluate.max_new_tokens={args.max_new_tokens}",
                              "pipeline.min_tau_gain=0", "pipeline.beat_ngram=false", "pipeline.vllm_evaluate=false"])
     summary = run_demo(args.workdir, cfg, progress=not args.json)
     base = summary["drafters"]["dflash"]["tau_trained"]

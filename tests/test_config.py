@@ -172,6 +172,8 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     cfg = demo_config(None, [])
     check(cfg)
     assert cfg.pipeline.beat_ngram and cfg.pipeline.min_tau_gain > 0 and cfg.train.loss_decay == 2
+    # held to prompt lookup at the answer length users serve, with the drafter that beats it there
+    assert cfg.evaluate.max_new_tokens == 256 and (cfg.train.drafter, cfg.train.num_layers) == ("dspark", 2)
     (tmp_path / "mine.yaml").write_text("train: {epochs: 1}\n")
     mine = demo_config(str(tmp_path / "mine.yaml"), ["pipeline.beat_ngram=false"])
     assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 2
