@@ -18,8 +18,10 @@ from dflash_ray.drafter.shape import drafter_config
 from dflash_ray.stages.train import run_train
 from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
+# every paired run here sends its features under NCCL's rules (`p2p`): a wait that would hang on GPUs
+# raises after collective_timeout_s instead
 SETTINGS = ["train.actor_cpus=0.5", "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
-            "train.lr=3e-3", "train.checkpoint_every=3", "train.epochs=1"]
+            "train.lr=3e-3", "train.checkpoint_every=3", "train.epochs=1", "train.collective_timeout_s=60"]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,28 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
     start, end = summary["heldout_tau_start"], summary["heldout_tau"]
     assert start is not None and start < 1.1, start  # untrained: next to no draft token accepted
     assert end > 1.4 and end > start + 0.3, (start, end, [m.get("heldout_tau") for m in metrics])
+
+
+def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(ray_cluster, target, data, tmp_path):
+    """Under NCCL's rules a target's batch for step t+1 stays unmatched until its drafter's next
+    step, so an evaluation at step t that made the target wait on its device would hang (on GPUs
+    until the watchdog; here it raises after the timeout, and no restart is allowed). Evaluations at
+    steps 2, 4, 6 and checkpoints at 3, 6 with 0, 1 and 2 batches ahead all run, and train the same
+    weights bit for bit (an evaluation changes nothing in training)."""
+    import json
+
+    weights = []
+    for ahead in (0, 1, 2):
+        out = str(tmp_path / f"ahead{ahead}")
+        cfg = load_config(None, SETTINGS + ["train.heldout=4", "train.eval_every=2", f"train.max_in_flight={ahead}",
+                                            "train.collective_timeout_s=20", "train.max_restarts=0"])
+        summary = run_train(target, data, out, cfg, progress=False)
+        assert summary["restarts"] == 0 and summary["step"] == 6, summary
+        metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
+        assert [m["step"] for m in metrics if m.get("heldout_tau") is not None] == [2, 4, 6]
+        assert checkpoint.complete_steps(out)[-1] == 6
+        weights.append(_final_weights(out))
+    assert weights[0] == weights[1] == weights[2]
 
 
 def _final_weights(output):

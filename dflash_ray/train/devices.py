@@ -66,9 +66,20 @@ def actor_placement(cfg, *, target: bool = False) -> Placement:
 
 
 def synchronize(device: str) -> None:
-    """Wait for queued GPU work, so wall-clock timings mean what they say."""
+    """Wait for every stream of the device, NCCL's included: under NCCL's rules (`p2p`) this waits
+    for the rank's own pending sends to be received, so a rank that sends must use `wait_compute`."""
+    from dflash_ray.train import p2p
+
+    p2p.settle()
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def wait_compute(device: str) -> None:
+    """Wait for the compute stream's queued work alone (not NCCL's), so wall-clock timings mean what
+    they say without waiting on a peer's receive."""
+    if device.startswith("cuda"):
+        torch.cuda.current_stream(device).synchronize()
 
 
 def planned_placement(cfg: RunConfig):

@@ -9,7 +9,9 @@ exactly those shapes and receives into them. NCCL between GPUs (NVLink on a node
 nodes), gloo on the CPU; nothing is pickled or copied into shared memory.
 
 NCCL ignores tags: the messages of a pair must be received in the order they were sent, which the
-coordinator keeps (each stream's batches in step order, every drafter receiving each one). No Ray here.
+coordinator keeps (each stream's batches in step order, every drafter receiving each one). Every
+send and receive goes through the process's `p2p.Ledger`, which holds a CPU run to NCCL's rules
+(a send completes only once its receive is posted; a device synchronization waits for it). No Ray here.
 """
 
 from __future__ import annotations
@@ -46,9 +48,12 @@ def join(backend: str, address: str, port: int, rank: int, layout: Layout, timeo
     makes all of them, in order). Returns the subgroups, one per team."""
     import torch.distributed as dist
 
+    from dflash_ray.train import p2p
+
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=layout.world,
                             timeout=timeout)
+    p2p.start(rank, backend, timeout_s)
     return [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
 
 
@@ -57,11 +62,12 @@ def greet(peers: list[int], sending: bool, device: str) -> None:
     join call. NCCL opens a pair's communicator on the pair's first send/recv and blocks both sides
     until the other arrives; a target's first `send` must not meet that, since its drafter posts the
     matching receive only after the target has returned (gloo connects every pair at once)."""
-    import torch.distributed as dist
+    from dflash_ray.train import p2p
 
+    ledger = p2p.ledger()
     token = torch.zeros(1, device=device)
     for peer in peers:
-        (dist.send if sending else dist.recv)(token, peer)
+        (ledger.send(token, peer, "greeting") if sending else ledger.recv(token, peer)).wait()
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -74,33 +80,50 @@ class Sent:
     meta: dict[str, Any]  # key -> (shape, dtype name): what a receiver allocates
     works: list[Any] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    sends: list[tuple[int, int]] = field(default_factory=list)  # (peer, ordinal) in the ledger
 
     def done(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        """Every receiver has it (under NCCL's rules: its receive is posted, and the data went)."""
+        from dflash_ray.train import p2p
+
+        ledger = p2p.ledger()
+        if not ledger.enforce:
+            return all(w.is_completed() for w in self.works)
+        if ledger.unmatched(self.sends):
+            return False
+        for w in self.works:  # matched: gloo's send finishes writing (its `is_completed` stays False until waited)
+            w.wait()
+        return True
 
 
 def send(batch: dict[str, torch.Tensor], dsts: list[int]) -> Sent:
     """Post non-blocking sends of every tensor of `batch` (sorted by key) to each of `dsts`."""
-    import torch.distributed as dist
+    from dflash_ray.train import p2p
 
+    ledger = p2p.ledger()
     sent = Sent({k: (list(batch[k].shape), str(batch[k].dtype)) for k in sorted(batch)})
     for key in sorted(batch):
         tensor = batch[key].contiguous()
         sent.tensors.append(tensor)
         for dst in dsts:
-            sent.works.append(dist.isend(tensor, dst))
+            sent.works.append(ledger.send(tensor, dst, f"the features' {key!r}"))
+            sent.sends.append((dst, ledger.last(dst)))
     return sent
 
 
 def receive(meta: dict[str, Any], src: int, device: str) -> dict[str, torch.Tensor]:
     """The tensors a target sent (`send`'s meta, in its key order), received into buffers of their
-    exact shapes on `device`."""
-    import torch.distributed as dist
+    exact shapes on `device`; returned once they are there (on a GPU, `wait` only orders the
+    compute stream after NCCL's: the stream is synchronized so the caller's clock sees the transfer)."""
+    from dflash_ray.train import p2p
+    from dflash_ray.train.devices import wait_compute
 
+    ledger = p2p.ledger()
     batch = {k: torch.empty(shape, dtype=_dtype(dtype), device=device) for k, (shape, dtype) in sorted(meta.items())}
-    works = [dist.irecv(batch[k], src) for k in sorted(batch)]
+    works = [ledger.recv(batch[k], src) for k in sorted(batch)]
     for w in works:
         w.wait()
+    wait_compute(device)
     return batch
 
 

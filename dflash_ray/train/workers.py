@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dflash_ray.config import TrainConfig
-from dflash_ray.train.devices import actor_placement, synchronize
+from dflash_ray.train.devices import actor_placement, wait_compute
 
 Sample = tuple[str, int]  # (tokenized file URI, row in it)
 
@@ -110,7 +110,9 @@ class TargetWorker:
             batch.update(teacher_ids=teacher_ids.int(), teacher_probs=teacher_probs.half())
         for key, value in batch.items():
             batch[key] = self._staged(key, value) if to_host else value.to(device)
-        synchronize(device)
+        # the compute stream alone: a device-wide synchronization would wait for this target's own
+        # sends still unmatched (NCCL's stream), which its drafter takes only at its next step
+        wait_compute(device)
         return {**batch, "seconds": time.perf_counter() - start}
 
     def _staged(self, key: str, value: torch.Tensor) -> torch.Tensor:

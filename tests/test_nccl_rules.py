@@ -1,0 +1,112 @@
+"""`p2p.Ledger` holds two gloo processes to NCCL's point-to-point rules: a send completes only once
+its receive is posted, pairs match by order, a device synchronization waits for the rank's own
+unmatched sends and raises past the timeout, and so does a send left unmatched too long."""
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import free_port
+
+
+def _rank(rank: int, port: int, results: dict, scenario: str) -> None:
+    from dflash_ray.train import handoff, p2p
+    from dflash_ray.train.devices import synchronize, wait_compute
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    ledger = p2p.start(rank, "gloo", timeout_s=2.0)
+    out = {}
+    try:
+        if scenario != "no_greeting":  # what a run's join does: the pair's communicator opens here
+            handoff.greet([1 - rank], rank == 0, "cpu")
+        if scenario == "no_greeting":
+            if rank == 0:
+                try:  # the pair's first message, while the peer waits elsewhere: NCCL blocks both
+                    handoff.send({"a": torch.arange(4.0)}, [1])
+                except p2p.NcclRuleError as e:
+                    out["error"] = str(e)
+        elif scenario == "matched":
+            if rank == 0:
+                sent = handoff.send({"a": torch.arange(4.0), "b": torch.ones(2, 3)}, [1])
+                out["done_before"] = sent.done()  # gloo has taken the bytes; the receive is not posted
+                dist.barrier()  # rank 1 posts its receives after this
+                dist.barrier()
+                out["done_after"] = sent.done()
+                synchronize("cpu")  # returns at once: every send is matched
+            else:
+                dist.barrier()
+                got = handoff.receive({"a": ([4], "torch.float32"), "b": ([2, 3], "torch.float32")}, 0, "cpu")
+                out["got"] = [got["a"].tolist(), got["b"].tolist()]
+                dist.barrier()
+        elif scenario == "sync_waits_for_own_send":
+            if rank == 0:
+                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
+                wait_compute("cpu")  # the compute stream alone: never waits on a peer
+                start = time.monotonic()
+                try:
+                    synchronize("cpu")  # the peer waits for us below: on GPUs a hang
+                except p2p.NcclRuleError as e:
+                    out["error"] = str(e)
+                out["waited"] = time.monotonic() - start
+                dist.barrier()
+            else:
+                dist.barrier()  # waits for rank 0, which waits for this rank's receive
+                handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+        elif scenario == "watchdog":
+            if rank == 0:
+                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
+                time.sleep(2.5)
+                try:
+                    handoff.send({"a": torch.arange(4.0)}, [1])
+                except p2p.NcclRuleError as e:
+                    out["error"] = str(e)
+            dist.barrier()
+            if rank == 1:
+                handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+        out["ledger_sent"] = dict(ledger.sent)
+        dist.barrier()  # every message taken before either process leaves
+    finally:
+        results[rank] = out
+        dist.destroy_process_group()
+
+
+def _run(scenario: str) -> dict:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = mp.Manager().dict()
+    mp.spawn(_rank, args=(free_port(), results, scenario), nprocs=2, join=True)
+    return dict(results)
+
+
+def test_a_send_is_done_only_once_its_receive_is_posted():
+    r = _run("matched")
+    assert r[0]["done_before"] is False and r[0]["done_after"] is True, r
+    assert r[1]["got"] == [[0.0, 1.0, 2.0, 3.0], [[1.0] * 3] * 2]
+
+
+def test_a_device_sync_waits_for_the_ranks_own_unmatched_send_and_raises_past_the_timeout():
+    r = _run("sync_waits_for_own_send")
+    assert "unmatched send" in r[0]["error"] and "to rank 1" in r[0]["error"], r[0]
+    assert 1.9 < r[0]["waited"] < 10, r[0]
+
+
+def test_a_send_unmatched_past_the_timeout_is_ended_as_the_watchdog_would():
+    r = _run("watchdog")
+    assert "watchdog" in r[0]["error"] and "collective_timeout_s" in r[0]["error"], r[0]
+
+
+def test_a_pairs_first_message_waits_for_both_sides():
+    r = _run("no_greeting")
+    assert "first message to rank 1" in r[0]["error"], r[0]
+
+
+def test_on_nccl_the_ledger_only_passes_calls_through():
+    from dflash_ray.train.p2p import Ledger
+
+    ledger = Ledger(rank=0, timeout_s=1.0, enforce=False)
+    ledger.settle()  # nothing to wait for, no store needed
+    assert ledger.unmatched([(1, 1)]) == []
