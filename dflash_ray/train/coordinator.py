@@ -340,8 +340,12 @@ class Coordinator:
         if self.cfg.train.colocate:
             drafters = self.teams[0].drafters
             per_team = [ray.get([drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])]
-        else:
-            features = [self.targets[i % n].features.remote(b) for i, b in enumerate(batches)]
+        else:  # the training transport: with `handoff`, no training batch is in flight now (`_horizon`)
+            if self.direct:
+                features = [self.targets[i % n].send_features.remote(
+                    b, [self.layout.drafter(t, i % n) for t in range(len(self.teams))]) for i, b in enumerate(batches)]
+            else:
+                features = [self.targets[i % n].features.remote(b) for i, b in enumerate(batches)]
             pending = [[team.drafters[i % n].evaluate.remote(f) for i, f in enumerate(features)]
                        for team in self.teams]
             per_team = [ray.get(refs) for refs in pending]
@@ -359,7 +363,8 @@ class Coordinator:
                "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
                "target_seconds": max(s["target_seconds"] for s in stats),
                "handoff_seconds": max(s["handoff_seconds"] for s in stats),
-               "drafter_seconds": max(s["drafter_seconds"] for s in stats), "wait_seconds": wait_s,
+               "drafter_seconds": max(s["drafter_seconds"] for s in stats),
+               "optimizer_seconds": max(s["optimizer_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
         team.metrics.append(row)
         for k, v in row.items():
@@ -385,6 +390,16 @@ class Coordinator:
         """`train.fault_step`: drafter rank 1 raises at that step, in the run's first attempt only."""
         return stream == 1 and self.restarts == 0 and self.step + 1 == self.cfg.train.fault_step
 
+    def _horizon(self) -> int:
+        """The steps whose batches may be sent now. An evaluation's features travel the same pairs as
+        training's, and NCCL matches a pair's messages by order alone: a batch sent ahead past an
+        evaluation would meet the evaluation's receive. So batches past the next evaluation wait for
+        it (one target forward of idle drafters per evaluation)."""
+        every = self.cfg.train.eval_every
+        if not (self.direct and every):
+            return self.total_steps
+        return min(self.total_steps, (self.step // every + 1) * every)
+
     def _train(self, stop_after_step: int | None) -> None:
         import ray
 
@@ -394,7 +409,7 @@ class Coordinator:
 
         def submit(step: int) -> None:
             for s, target in enumerate(self.targets):
-                if step < self.total_steps and step not in ahead[s]:
+                if step < self._horizon() and step not in ahead[s]:
                     batch = self.schedule.batch_for(step, s)
                     if self.direct:  # posted to every drafter of the stream; only the shapes come back
                         dsts = [self.layout.drafter(i, s) for i in range(len(self.teams))]

@@ -259,14 +259,18 @@ class DrafterWorker:
     @torch.no_grad()
     def evaluate(self, batch: dict[str, Any]) -> list[float]:
         """Simulated acceptance lengths on a held-out batch, with anchors from a fixed seed so
-        evaluations at different steps score the same blocks."""
+        evaluations at different steps score the same blocks. The batch comes as training's do (by
+        `handoff` when the run sends its features) and runs the training attention at its padded
+        lengths, so an evaluation never needs more memory than a step, nor a new compiled shape."""
+        batch = self._received(batch)
         device = self.place.device
         forward_loss = self.family.forward_loss
         with self._autocast():
             out = forward_loss(self.drafter, self.embed, self.head, self._features(batch),
                                batch["input_ids"].to(device), batch["loss_mask"].to(device),
                                num_anchors=self.cfg.num_anchors,
-                               generator=torch.Generator().manual_seed(self.cfg.seed), attention="sdpa")
+                               generator=torch.Generator().manual_seed(self.cfg.seed),
+                               attention=self.place.attention, length_bucket=self.cfg.length_bucket)
         return out.tau.tolist()
 
     def flat_grad(self) -> torch.Tensor:
