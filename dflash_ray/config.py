@@ -226,6 +226,9 @@ class TrainConfig:
     max_restarts: int = 3  # actor deaths or step errors (an OOM on one rank) survived, each by a restart of
     # every stream actor from the last checkpoint, before failing
     collective_timeout_s: float = 300.0  # a collective waiting longer for a rank raises instead of hanging
+    # a hybrid target on CUDA whose Gated-DeltaNet kernels (flash-linear-attention, causal-conv1d) do not
+    # import is refused at the start; true: train on transformers' torch fallback anyway (said in the summary)
+    allow_slow_target: bool = False
     # GB/s of all-reduce bus bandwidth every node pair of the drafters must carry, measured before
     # training starts (`dflash-ray netcheck`); 0: not measured
     min_bus_bandwidth: float = 0.0

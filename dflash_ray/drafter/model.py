@@ -80,7 +80,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
-MAX_SHAPES = 64  # graphs one compiled function may hold; bucketed lengths keep a run well below
+# graphs one compiled function may hold: a run meets one per padded length, mask kind and grad mode
+# (`preflight.compiled_shapes`: 24 x 2 x 2 = 96 for the Qwen3.6-27B preset), each compiled once
+MAX_SHAPES = 128
 
 
 def compile_static(fn):

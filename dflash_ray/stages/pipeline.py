@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 from dflash_ray import manifest, storage
-from dflash_ray.config import RunConfig, check_lengths
+from dflash_ray.config import RunConfig
+from dflash_ray.preflight import preflight
 from dflash_ray.errors import DFlashError, GateFailed
 
 
@@ -55,8 +56,8 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     for key in ("inputs", "workdir", "target"):
         if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
-    if not pcfg.responses:
-        check_lengths(cfg)  # a refused length pair fails before the prompts stage, not at generation
+    # refused settings fail before the prompts stage, not at generation or in training
+    preflight(cfg, generating=not pcfg.responses)
     work = pcfg.workdir
     started = time.time()
     timings: dict[str, float] = {}

@@ -47,6 +47,9 @@ def cluster_gpus(uri: str) -> tuple[int, int]:
 
 
 def run_plan(cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.preflight import preflight
+
+    warnings = preflight(cfg)  # every check a run of this config makes before it starts
     p = cfg.plan
     gen_gpus, train_gpus = cluster_gpus(p.cluster) if p.cluster else (p.generation_gpus, p.training_gpus)
     if gen_gpus < 1 or train_gpus < 1:
@@ -75,4 +78,5 @@ def run_plan(cfg: RunConfig) -> dict[str, Any]:
         "offline_storage_avoided_tb": round(offline / 1e12, 1),
         "offline_storage_note": f"{v.num_feature_layers} layers x hidden {v.hidden_size} x 2 bytes per token, "
                                 "written once and read every epoch",
+        "warnings": warnings,
     }

@@ -61,9 +61,11 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
 
     from dflash_ray.cluster import connect
 
+    from dflash_ray.preflight import preflight
     from dflash_ray.registry import pin
 
     check_installed(cfg.train.trackers)
+    preflight(cfg, generating=False)
     target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
     teams = []
     for name, team_cfg in drafters.expand(cfg):  # bad settings fail here, naming the drafter

@@ -58,6 +58,13 @@ class TargetWorker:
         self._staging: dict[str, torch.Tensor] = {}
         self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
 
+    def kernels(self) -> list[str]:
+        """The fast kernels a hybrid target goes without on its GPU (`fastpath.check`: refused
+        unless `train.allow_slow_target`)."""
+        from dflash_ray.target import fastpath
+
+        return fastpath.check(self.model, self.place.device, self.cfg.allow_slow_target)
+
     def join_run(self, address: str, port: int, stream: int, layout) -> None:
         """Join the run's process group (`handoff`) as stream `stream`'s target, to send features to
         the stream's drafters."""
@@ -383,6 +390,9 @@ class ColocatedWorker(DrafterWorker):
 
     def train_samples(self, step: int, samples: list[Sample], fault: bool = False) -> dict[str, float]:
         return self.train_step(step, self.target.features(samples, to_host=False), fault)
+
+    def kernels(self) -> list[str]:
+        return self.target.kernels()
 
     def evaluate_samples(self, samples: list[Sample]) -> list[float]:
         return self.evaluate(self.target.features(samples, to_host=False))
