@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, Callable
 
@@ -290,6 +291,17 @@ def _print_human(summary: dict[str, Any], prefix: str = "") -> None:
         print(f"{prefix + key:>28}: {value}")
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as null: `--json` prints JSON, never `NaN` or `Infinity`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _ray_initialized() -> bool:
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()
@@ -331,15 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     except DFlashError as e:
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"stage": args.command, "ok": False, "error": str(e),
-                              "exit_code": e.exit_code, **e.summary}), file=out, flush=True)
+            print(json.dumps(_json_safe({"stage": args.command, "ok": False, "error": str(e),
+                                         "exit_code": e.exit_code, **e.summary}), allow_nan=False), file=out, flush=True)
         return e.exit_code
     finally:
         if not joined and _ray_initialized():  # Ray's log thread must not print after the summary
             sys.modules["ray"].shutdown()
         sys.stdout = out
     if args.json:
-        print(json.dumps({"ok": True, **summary}), flush=True)
+        print(json.dumps(_json_safe({"ok": True, **summary}), allow_nan=False), flush=True)
     else:
         _print_human(summary)
     return 0

@@ -8,6 +8,7 @@ typo fails before any actor starts. The resolved config is saved next to every o
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -536,14 +537,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise DFlashError(f"expected an integer, got {value!r}", field=where)
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `3e-3` (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `3e-3` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise DFlashError(f"expected a number, got {value!r}", field=where)
+        if number is not None and math.isfinite(number):
+            return number
+        # nan and inf pass every range check (nan compares false, inf is above every bound) and train to garbage
+        raise DFlashError(f"expected a finite number, got {value!r}", field=where)
     if origin is list:  # list[X]: each element built as an X, named `where[i]`
         if not isinstance(value, list):
             raise DFlashError(f"expected a list such as [a, b], got {value!r}", field=where)

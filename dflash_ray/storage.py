@@ -36,6 +36,17 @@ def local_path(uri: str) -> Path:
     return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
 
 
+def overlaps(a: str, b: str) -> bool:
+    """Whether one of two URIs is the other or lies inside it (local paths resolved, links followed)."""
+    if is_s3(a) != is_s3(b):
+        return False
+    if is_s3(a):
+        x, y = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    else:
+        x, y = str(local_path(a).resolve()) + "/", str(local_path(b).resolve()) + "/"
+    return x.startswith(y) or y.startswith(x)
+
+
 def split_s3(uri: str) -> tuple[str, str]:
     bucket, _, key = str(uri)[len(S3_PREFIX):].partition("/")
     return bucket, key

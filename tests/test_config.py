@@ -52,6 +52,10 @@ def test_config_is_frozen():
     ("train.batch_size=0", "train.batch_size", ">= 1"),
     ("train.epochs=0", "train.epochs", ">= 1"),
     ("train.lr=0", "train.lr", "> 0"),
+    ("train.lr=inf", "train.lr", "finite"),  # inf passed every range check and trained to NaN
+    ("train.lr=nan", "train.lr", "finite"),
+    ("plan.mfu=-inf", "plan.mfu", "finite"),
+    ("train.collective_timeout_s=.inf", "train.collective_timeout_s", "finite"),
     ("train.lr=-1e-3", "train.lr", "> 0"),
     ("train.warmup_ratio=1", "train.warmup_ratio", "[0, 1)"),
     ("train.warmup_ratio=-0.1", "train.warmup_ratio", "[0, 1)"),

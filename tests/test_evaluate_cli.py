@@ -80,6 +80,18 @@ def test_export_checks_a_checkpoint_against_its_manifest(tmp_path, capsys):
     assert main(["export", step4, str(tmp_path / "good"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verified_files"] == 2
 
+    # an output inside the checkpoint (or the checkpoint inside the output) would overwrite what it
+    # reads: refused with the checkpoint untouched, which still exports
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    for out in (step4 + "/drafter", step4, str(tmp_path / "run")):
+        assert main(["export", step4, out, "--json"]) == 2
+        assert "overlap" in json.loads(capsys.readouterr().out)["error"]
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+    (tmp_path / "a-file").write_text("mine")
+    assert main(["export", step4, str(tmp_path / "a-file"), "--json"]) == 2
+    assert "is a file" in json.loads(capsys.readouterr().out)["error"]
+    assert (tmp_path / "a-file").read_text() == "mine"
+
     weights = tmp_path / "run" / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-64:] = b"\xff" * 64  # same size, other weights

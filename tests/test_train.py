@@ -576,3 +576,24 @@ def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(tar
         drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
                                                              "train.num_layers=2"]))
     assert "layer_types" in str(e.value) and "train" in str(e.value)
+
+
+def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(ray_cluster, target, data, tmp_path,
+                                                                                capsys):
+    """A rate that sends the weights to infinity: the first non-finite loss stops the run at that
+    step (no restart: it would diverge the same way), named, exit 2, with a summary that is JSON."""
+    import json
+
+    from dflash_ray.cli import main
+
+    def no_constants(name):
+        raise AssertionError(f"--json printed {name}")
+
+    out = str(tmp_path / "nan")
+    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
+            *[x for s in SETTINGS + ["train.lr=1e30", "train.warmup_ratio=0"] for x in ("--set", s)]]
+    assert main(args) == 2
+    summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)
+    assert not summary["ok"] and "not finite" in summary["error"] and "train.lr" in summary["error"]
+    assert "step 2:" in summary["error"], summary["error"]  # step 1's update made the weights infinite
+    assert checkpoint.complete_steps(out) == []  # nothing non-finite was ever committed

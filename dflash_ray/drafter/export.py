@@ -130,11 +130,15 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
 
         raise DFlashError(f"no {CONFIG}: not a drafter folder or a checkpoint holding one", file=checkpoint)
     drafter = load_drafter(source)
-    local = out_dir if not storage.is_s3(out_dir) else str(Path(source).parent / ".export")
-    save_drafter(drafter, local, dtype=getattr(torch, dtype))
     if storage.is_s3(out_dir):
-        for name in (WEIGHTS, CONFIG):  # the config last: a reader checks for it
-            storage.upload_file(Path(local) / name, storage.join(out_dir, name))
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="dflash-export-") as local:  # never inside what was read
+            save_drafter(drafter, local, dtype=getattr(torch, dtype))
+            for name in (WEIGHTS, CONFIG):  # the config last: a reader checks for it
+                storage.upload_file(Path(local) / name, storage.join(out_dir, name))
+    else:
+        save_drafter(drafter, out_dir, dtype=getattr(torch, dtype))
     return {"stage": "export", "checkpoint": checkpoint, "out_dir": out_dir, "dtype": dtype,
             "parameters": sum(p.numel() for p in drafter.parameters()),
             "layers": drafter.cfg.num_layers, "target_layer_ids": drafter.cfg.target_layer_ids}

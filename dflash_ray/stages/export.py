@@ -37,5 +37,11 @@ def verify_drafter_files(checkpoint_uri: str) -> int:
 def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dict[str, Any]:
     from dflash_ray.drafter.export import export_checkpoint
 
+    if storage.overlaps(checkpoint, out_dir):  # the export would overwrite what it reads
+        raise DFlashError(f"the output {out_dir} and the checkpoint {checkpoint} overlap (one is, or is inside, "
+                          "the other): nothing was exported; choose an output folder outside the checkpoint",
+                          file=out_dir)
+    if not storage.is_s3(out_dir) and storage.local_path(out_dir).exists() and not storage.local_path(out_dir).is_dir():
+        raise DFlashError("is a file, not a folder: nothing was exported; choose a folder", file=out_dir)
     verified = verify_drafter_files(checkpoint)
     return {**export_checkpoint(checkpoint, out_dir, dtype=dtype), "verified_files": verified}

@@ -309,7 +309,14 @@ class DrafterWorker:
         start = time.perf_counter()
         out, loss, positions = self.averaged_gradients(batch)  # reads figures back: the device is idle after
         stepping = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)
+        grad_norm = float(full(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)))
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same two numbers
+            from dflash_ray.errors import DFlashError
+
+            raise DFlashError(f"step {step + 1}: the loss is {loss} and the gradient norm {grad_norm}, not finite: the "
+                              "run stops with this step not applied (a restart would diverge the same way); the "
+                              "newest checkpoint holds the last finite weights. Lower train.lr, or look at the "
+                              "step's samples", field="train.lr")
         lr = lr_at(step, self.total_steps, self.cfg.lr, self.cfg.warmup_ratio)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -317,7 +324,7 @@ class DrafterWorker:
         acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
         stats = {"loss": loss, "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
                  "acc_k1": float(acc[self.family.first_prediction]),  # the first drafted token
-                 "grad_norm": float(full(grad_norm)), "lr": lr}  # floats: synchronized
+                 "grad_norm": grad_norm, "lr": lr}  # floats: synchronized
         done = time.perf_counter()
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
                 "target_seconds": batch["seconds"], "handoff_seconds": batch.get("handoff_seconds", 0.0),
