@@ -137,3 +137,22 @@ def test_parquet_rows_with_each_others_columns_as_nulls_keep_their_format(tmp_pa
     cfg = load_config(None, ["prompts.max_prompt_tokens=0", "prompts.multi_turn=user_turns"])
     summary = run_prompts([str(tmp_path / "mixed.parquet")], str(tmp_path / "out"), cfg, progress=False)
     assert summary["quarantined"] == 0 and summary["prompts"] == 3
+
+
+def test_an_output_that_overlaps_an_input_is_refused_and_the_users_files_survive(tmp_path):
+    """A folder of the user's own prompt shards (no manifest) given as input and output: a commit
+    would delete every `prompts-*.parquet` it did not list, so the run is refused before it writes."""
+    from dflash_ray.errors import DFlashError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), mine / "prompts-mine.parquet")
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    cfg = load_config(None, [])
+    for inputs, out in (([str(mine)], str(mine)), ([str(mine / "prompts-mine.parquet")], str(mine)),
+                        ([str(mine)], str(mine / "sub"))):
+        with pytest.raises(DFlashError) as e:
+            run_prompts(inputs, out, cfg, progress=False)
+        assert "overlap" in str(e.value) and str(mine) in str(e.value)
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before

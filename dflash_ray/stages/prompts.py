@@ -67,6 +67,13 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
     """Prompt shards for generation; with `responses`, completion shards of the records' own last
     assistant answers instead (existing responses: tokenize reads them as it reads generated ones).
     The sources are `inputs` (all of each) and the mix of `prompts.sources` (see `mix`)."""
+    from dflash_ray.data import hub
+
+    for uri in inputs:  # a commit replaces the output's shards: never where the user's own files are read
+        if not hub.is_hub_dataset(uri) and storage.overlaps(uri, output):
+            raise DFlashError(f"the output {output} and the input {uri} overlap (one is, or is inside, the other): "
+                              "writing there could replace the input's files; give an output folder of its own",
+                              file=output)
     with writer.claim(output, "completions" if responses else "prompts") as held:
         return _prompts(inputs, output, cfg, progress, responses, held)
 
