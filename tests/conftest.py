@@ -264,3 +264,15 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
         yield address, env
     finally:
         stop_nodes(procs)
+
+
+def checkpoint_weights(output: str) -> tuple[int, bytes]:
+    """The newest complete checkpoint of a run: its step and its whole drafter weights, assembled
+    from every rank's shard (safetensors bytes: equal bytes, equal weights bit for bit)."""
+    from safetensors.torch import save
+
+    from dflash_ray.train import checkpoint, shards
+
+    step = checkpoint.complete_steps(output)[-1]
+    drafter, _ = shards.assemble(checkpoint.step_dir(output, step))
+    return step, save({k: v.contiguous() for k, v in drafter.state_dict().items()})

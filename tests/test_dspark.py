@@ -330,7 +330,7 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
     """`train.drafter=dspark` end to end on a local Ray cluster (two streams); its checkpoint's drafter
     (the serving format) loads as DSpark and decodes losslessly."""
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.export import load_drafter
+    from dflash_ray.train import shards
     from dflash_ray.train import checkpoint
     from dflash_ray.stages.train import run_train
 
@@ -340,13 +340,8 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
                              "train.lr=3e-3", "train.checkpoint_every=2", "train.epochs=1", "train.distill_top_k=8"])
     out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)
     assert out["step"] == out["total_steps"] == 4
-    step, files, _ = checkpoint.load_latest(str(tmp_path / "run"))
-    assert step == 4
-    drafter_dir = tmp_path / "drafter"
-    drafter_dir.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (drafter_dir / name).write_bytes(files[f"drafter/{name}"])
-    drafter = load_drafter(drafter_dir).eval()
+    assert checkpoint.complete_steps(str(tmp_path / "run"))[-1] == 4
+    drafter = shards.assemble(checkpoint.step_dir(str(tmp_path / "run"), 4))[0].eval()
     assert isinstance(drafter, DSparkDrafter) and drafter.cfg.block_size == 6
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     embed, head = load_embed_and_head(target)

@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 
+from conftest import checkpoint_weights
 from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
 from dflash_ray.tiny_models import tiny_qwen3
@@ -106,8 +107,7 @@ def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(r
 
 
 def _final_weights(output):
-    step, files, _ = checkpoint.load_latest(output)
-    return step, files["drafter/model.safetensors"]
+    return checkpoint_weights(output)
 
 
 def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer_state(ray_cluster, target, data):
@@ -223,7 +223,7 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
     the DSpark one trains, and each folder is a run of its own that exports."""
     import json
 
-    from dflash_ray.drafter.export import export_checkpoint
+    from dflash_ray.stages.export import run_export
 
     teams = ("train.drafters=[{name: flash}, {name: spark, drafter: dspark, markov_rank: 16, block_size: 6, "
              "target_layer_ids: [1, 3]}]")
@@ -241,7 +241,7 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
     assert spark[-1]["loss"] < spark[0]["loss"] and spark[0]["loss"] != flash[0]["loss"]
     for name, arch in (("flash", "DFlashDraftModel"), ("spark", "DSparkDraftModel")):
         assert both["drafters"][name]["checkpoint"] == checkpoint.step_dir(storage.join(out, name), 8)
-        export_checkpoint(both["drafters"][name]["checkpoint"], str(tmp_path / f"export-{name}"), dtype="float32")
+        run_export(both["drafters"][name]["checkpoint"], str(tmp_path / f"export-{name}"), dtype="float32")
         assert json.loads((tmp_path / f"export-{name}" / "config.json").read_text())["architectures"] == [arch]
     assert storage.exists(storage.join(out, "spark", "metrics.png"))
 
@@ -267,7 +267,7 @@ def test_resume_passes_over_a_corrupt_checkpoint_and_continues_exactly(ray_clust
     assert checkpoint.complete_steps(out) == [3, 6, 8]
     reference = _final_weights(out)
     storage.delete_tree(checkpoint.step_dir(out, 8))  # as if the run had stopped after step 6 ...
-    _corrupt_same_size(out, 6, "optimizer.pt")  # ... whose optimizer state only its checksum shows corrupt
+    _corrupt_same_size(out, 6, "shards/__1_0.distcp")  # ... whose rank-1 shard only its checksum shows corrupt
 
     resumed = run_train(target, data, out, load_config(None, SETTINGS + ["train.keep_checkpoints=1"]), progress=False)
     assert resumed["step"] == 8 and resumed["restarts"] == 0
@@ -278,8 +278,8 @@ def test_resume_passes_over_a_corrupt_checkpoint_and_continues_exactly(ray_clust
     with pytest.raises(DFlashError, match=re.escape(f"target (checkpoint: {target}, now: {other})")):
         run_train(str(other), data, out, cfg, progress=False)
 
-    _corrupt_same_size(out, 8, "drafter/model.safetensors")
-    with pytest.raises(DFlashError, match=r"no checkpoint verifies \(step 8: \S+model.safetensors: its sha256"):
+    _corrupt_same_size(out, 8, "shards/__0_0.distcp")
+    with pytest.raises(DFlashError, match=r"no checkpoint verifies \(step 8: \S+__0_0.distcp: its sha256"):
         run_train(target, data, out, cfg, progress=False)
     assert checkpoint.complete_steps(out) == [8]  # refused, nothing overwritten
 
@@ -405,7 +405,7 @@ def test_a_death_past_the_restart_budget_fails_the_run_with_a_clear_error(ray_cl
 
 def test_training_with_target_and_output_on_s3_resumes_and_exports_there(ray_cluster, target, data, s3_bucket):
     """The target read from `s3://`, checkpoints written there, a resume from them, the export to S3."""
-    from dflash_ray.drafter.export import export_checkpoint
+    from dflash_ray.stages.export import run_export
 
     storage.upload_tree(target, f"{s3_bucket}/target")
     out = f"{s3_bucket}/run"
@@ -414,7 +414,7 @@ def test_training_with_target_and_output_on_s3_resumes_and_exports_there(ray_clu
     resumed = run_train(f"{s3_bucket}/target", data, out, cfg, progress=False)
     assert resumed["step"] == 8 and resumed["checkpoint"].startswith(out)
     assert storage.exists(storage.join(out, "metrics.png"))
-    export_checkpoint(resumed["checkpoint"], f"{s3_bucket}/drafter", dtype="float32")
+    run_export(resumed["checkpoint"], f"{s3_bucket}/drafter", dtype="float32")
     names = {storage.basename(f) for f in storage.list_files(f"{s3_bucket}/drafter", (".json", ".safetensors"))}
     assert {"config.json", "model.safetensors"} <= names
     step, weights = _final_weights(out)

@@ -116,7 +116,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> nn.Mod
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") -> dict:
-    """A training checkpoint (its `drafter/` folder) or a drafter folder → the serving format."""
+    """A drafter folder (or a folder holding one under `drafter/`) → the serving format."""
     from dflash_ray import storage
     from dflash_ray.registry import resolve
 
@@ -125,11 +125,18 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
     source = resolve(checkpoint)
     if (Path(source) / "drafter" / CONFIG).exists():
         source = str(Path(source) / "drafter")
-    if not (Path(source) / CONFIG).exists():
+    if not (Path(source) / CONFIG).exists() or not (Path(source) / WEIGHTS).exists():
         from dflash_ray.errors import DFlashError
 
-        raise DFlashError(f"no {CONFIG}: not a drafter folder or a checkpoint holding one", file=checkpoint)
-    drafter = load_drafter(source)
+        raise DFlashError(f"no {CONFIG} and {WEIGHTS}: not a drafter folder or a checkpoint holding one",
+                          file=checkpoint)
+    return {**export_drafter(load_drafter(source), out_dir, dtype), "checkpoint": checkpoint}
+
+
+def export_drafter(drafter: nn.Module, out_dir: str, dtype: str = "bfloat16") -> dict:
+    """Write `drafter` in the serving format to a local folder or `s3://`."""
+    from dflash_ray import storage
+
     if storage.is_s3(out_dir):
         import tempfile
 
@@ -139,6 +146,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
                 storage.upload_file(Path(local) / name, storage.join(out_dir, name))
     else:
         save_drafter(drafter, out_dir, dtype=getattr(torch, dtype))
-    return {"stage": "export", "checkpoint": checkpoint, "out_dir": out_dir, "dtype": dtype,
+    return {"stage": "export", "out_dir": out_dir, "dtype": dtype,
             "parameters": sum(p.numel() for p in drafter.parameters()),
             "layers": drafter.cfg.num_layers, "target_layer_ids": drafter.cfg.target_layer_ids}

@@ -179,15 +179,16 @@ def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str
     import torch
 
     from dflash_ray.drafter import families
-    from dflash_ray.drafter.export import export_checkpoint, from_hf_config, save_drafter
+    from dflash_ray.drafter.export import from_hf_config, save_drafter
     from dflash_ray.drafter.init import initial_drafter
     from dflash_ray.drafter.shape import drafter_config, drafter_init
     from dflash_ray.registry import resolve
     from dflash_ray.stages.evaluate import run_evaluate
+    from dflash_ray.stages.export import run_export
 
     target = cfg.pipeline.target
     drafter = storage.join(work, "drafter", name) if name else storage.join(work, "drafter")
-    export_checkpoint(trained["checkpoint"], drafter, dtype="float32")
+    run_export(trained["checkpoint"], drafter, dtype="float32")
     untrained = tempfile.mkdtemp(prefix="dflash-untrained-")  # the drafter training started from
     start = initial_drafter(from_hf_config(drafter_config(target, cfg)), resolve(target), drafter_init(target, cfg),
                             cfg.train.seed)

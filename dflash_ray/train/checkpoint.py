@@ -1,18 +1,20 @@
 """Training checkpoints on `file://` or `s3://`: complete only once their manifest is written.
 
-Layout: `OUTPUT/checkpoints/step-00000042/` holding named files (the drafter in the serving
-format under `drafter/`, optimizer and scheduler state, the run state with data position and every
-RNG) and `MANIFEST.json`, written last, with each file's size and sha256. A resume takes the newest
-checkpoint whose manifest exists and whose files all match it; anything else is never used.
+Layout: `OUTPUT/checkpoints/step-00000042/` holding named files (each drafter rank's shard of the
+weights and optimizer state under `shards/`, see `shards`; the serving config under `drafter/`; the
+run state with data position and every RNG in `state.json`) and `MANIFEST.json`, written last, with
+each file's size and sha256. A resume takes the newest checkpoint whose manifest exists and whose
+files all match it; anything else is never used.
 
 Checking costs differ: `verify` compares sizes only (one metadata request per file, nothing read),
 what the coordinator can afford for a checkpoint of tens of GB; `read_file` checks the sha256 of
 what it reads, so whoever loads a file (each drafter its weights and optimizer state) checks it.
 Rotation deletes only checkpoints older than the newest one that verifies.
 
-Writing a checkpoint of tens of GB to S3 takes minutes; `Upload` writes its files from a thread
-while training goes on, and the manifest is committed once they are all written. A run that fails
-before then resumes from the checkpoint before: an unfinished upload has no manifest.
+Writing a checkpoint of tens of GB to S3 takes minutes; its files are written from a thread on
+every rank while training goes on (`shards.Upload`; `Upload` here for whole files), and the
+manifest is committed once they are all written. A run that fails before then resumes from the
+checkpoint before: an unfinished upload has no manifest.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from dflash_ray import storage
 from dflash_ray.manifest import file_entry
@@ -113,16 +118,7 @@ def complete_steps(output: str) -> list[int]:
 
 def read_manifest(output: str, step: int) -> dict:
     """The manifest of a checkpoint (CorruptCheckpoint when it is missing or unreadable)."""
-    uri = storage.join(step_dir(output, step), MANIFEST)
-    try:
-        manifest = json.loads(storage.read_text(uri))
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError("no file list")
-        return manifest
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{uri}: no manifest") from None
-    except ValueError as e:  # JSON that does not parse, or a manifest of another shape
-        raise CorruptCheckpoint(f"{uri}: unreadable manifest: {e}") from None
+    return read_folder_manifest(step_dir(output, step))
 
 
 def _entry(manifest: dict, folder: str, name: str) -> dict:
@@ -133,18 +129,76 @@ def _entry(manifest: dict, folder: str, name: str) -> dict:
 
 def read_file(output: str, step: int, name: str, manifest: dict | None = None) -> bytes:
     """One file of a checkpoint, its size and sha256 checked against the manifest."""
-    manifest = manifest or read_manifest(output, step)
-    folder = step_dir(output, step)
+    return read_checked(step_dir(output, step), name, manifest or read_manifest(output, step))
+
+
+def _check(uri: str, entry: dict, size: int, sha256: Callable[[], str]) -> None:
+    if size != entry["bytes"]:
+        raise CorruptCheckpoint(f"{uri}: {size} bytes, the manifest lists {entry['bytes']} (truncated)")
+    if sha256() != entry["sha256"]:
+        raise CorruptCheckpoint(f"{uri}: its sha256 does not match the manifest's checksum (corrupt)")
+
+
+def read_checked(folder: str, name: str, manifest: dict) -> bytes:
+    """One file of the checkpoint in `folder`, its size and sha256 checked against `manifest`."""
     entry, uri = _entry(manifest, folder, name), storage.join(folder, name)
     try:
         data = storage.read_bytes(uri)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{uri}: listed in the manifest but missing") from None
-    if len(data) != entry["bytes"]:
-        raise CorruptCheckpoint(f"{uri}: {len(data)} bytes, the manifest lists {entry['bytes']} (truncated)")
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CorruptCheckpoint(f"{uri}: its sha256 does not match the manifest's checksum (corrupt)")
+    _check(uri, entry, len(data), lambda: hashlib.sha256(data).hexdigest())
     return data
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_out(folder: str, name: str, manifest: dict, dest: Path | None) -> None:
+    """Check one (possibly large) file of the checkpoint in `folder` against `manifest`, reading it in
+    chunks; with `dest`, first fetch it there (a checkpoint on S3)."""
+    entry, uri = _entry(manifest, folder, name), storage.join(folder, name)
+    try:
+        if dest is not None:
+            dest.write_bytes(storage.read_bytes(uri))
+        path = dest or storage.local_path(uri)
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{uri}: listed in the manifest but missing") from None
+    _check(uri, entry, size, lambda: _sha256_file(path))
+
+
+def copy_in(path: Path, folder: str, name: str) -> dict:
+    """Copy a local file into the checkpoint in `folder` as `name` (atomically); its manifest entry."""
+    uri = storage.join(folder, name)
+    if storage.is_s3(uri):
+        storage.upload_file(path, uri)
+    else:
+        target = storage.local_path(uri)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, target)
+    return {"bytes": path.stat().st_size, "sha256": _sha256_file(path)}
+
+
+def read_folder_manifest(folder: str) -> dict:
+    """The manifest of the checkpoint in `folder`, whatever the folder is called (a copied or renamed
+    checkpoint too); CorruptCheckpoint when it is missing or unreadable."""
+    uri = storage.join(folder, MANIFEST)
+    try:
+        manifest = json.loads(storage.read_text(uri))
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("no file list")
+        return manifest
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{uri}: no manifest") from None
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{uri}: unreadable manifest: {e}") from None
 
 
 def verify(output: str, step: int) -> dict:

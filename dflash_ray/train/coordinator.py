@@ -14,10 +14,10 @@ With `train.drafters` each stream has one drafter actor per drafter of the run (
 drafter's actors over the streams, with its own process group, checkpoints, metrics and output
 folder): the target captures the union of their layers once and sends them to each.
 
-Checkpoints every `checkpoint_every` steps and at the end: the drafters gather their shards and
-rank 0 writes the weights and optimizer state in the background while training goes on; the
+Checkpoints every `checkpoint_every` steps and at the end: each drafter rank writes its own shard
+of the weights and optimizer state in the background while training goes on (`shards`); the
 coordinator takes the run state (step, every drafter's anchor RNG) at once and commits the manifest
-once the files are written. The data position follows from the step and
+once every rank's files are written. The data position follows from the step and
 the seed, and the learning rate from the step, so a resume from step k replays exactly what an
 uninterrupted run does. An actor that dies is replaced: every actor restarts from the last
 checkpoint, up to `max_restarts`.
@@ -292,9 +292,10 @@ class Coordinator:
 
     # -- checkpoints ------------------------------------------------------------------------
     def _checkpoint(self) -> None:
-        """Take a checkpoint of this step: the drafters gather their shards and rank 0 copies them,
-        then writes them in the background while training goes on; the run state is taken now, and
-        the manifest written (`_commit`) once every file is. One checkpoint is in flight at a time."""
+        """Take a checkpoint of this step: every drafter rank copies its shard to host memory and
+        writes it in the background while training goes on (`shards`); the run state is taken now,
+        and the manifest written (`_commit`) once every rank's files are. One checkpoint is in flight
+        at a time."""
         import ray
 
         self._commit(wait=True)
@@ -315,11 +316,13 @@ class Coordinator:
         with `wait`): the run state, then the manifest, last; then rotate."""
         if self.uploading is None:
             return
-        written = first_error([team.drafters[0].upload_entries.remote(wait) for team in self.teams])
+        n = self.cfg.train.num_streams  # every rank of every drafter writes its own shard
+        written = first_error([d.upload_entries.remote(wait) for d in self.all_drafters])
         if any(entries is None for entries in written):
             return
         step, states = self.uploading
-        for team, entries, state in zip(self.teams, written, states):
+        for i, (team, state) in enumerate(zip(self.teams, states)):
+            entries = {name: entry for ranks in written[i * n:(i + 1) * n] for name, entry in ranks.items()}
             entries["state.json"] = checkpoint.write_file(team.output, step, "state.json", json.dumps(state).encode())
             checkpoint.commit(team.output, step, entries, {"step": step})
             checkpoint.rotate(team.output, self.cfg.train.keep_checkpoints, upto=step)

@@ -43,9 +43,11 @@ class Layout:
         return [self.drafter(team, s) for s in range(self.streams)]
 
 
-def join(backend: str, address: str, port: int, rank: int, layout: Layout, timeout_s: float) -> list[Any]:
-    """Join the run's process group as `rank`, then make every team's subgroup (collective: every rank
-    makes all of them, in order). Returns the subgroups, one per team."""
+def join(backend: str, address: str, port: int, rank: int, layout: Layout,
+         timeout_s: float) -> tuple[list[Any], list[Any]]:
+    """Join the run's process group as `rank`, then make every team's subgroups (collective: every
+    rank makes all of them, in order): one on the run's backend for training, one over gloo for
+    checkpoints (`shards`). Returns both lists, one group per team each."""
     import torch.distributed as dist
 
     from dflash_ray.train import p2p
@@ -54,7 +56,8 @@ def join(backend: str, address: str, port: int, rank: int, layout: Layout, timeo
     dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=layout.world,
                             timeout=timeout)
     p2p.start(rank, backend, timeout_s)
-    return [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
+    groups = [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
+    return groups, [dist.new_group(layout.team_ranks(t), timeout=timeout, backend="gloo") for t in range(layout.teams)]
 
 
 def greet(peers: list[int], sending: bool, device: str) -> None:

@@ -12,7 +12,6 @@ itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU). None im
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import math
 import time
@@ -174,6 +173,9 @@ class DrafterWorker:
         self.total_steps = 1
         self.upload = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
         self.group = None  # this drafter's ranks (torch.distributed), when the run has several streams
+        # the same ranks over gloo, for checkpoints alone (DCP plans its saves from a background
+        # thread: never on the group training's collectives use); None: a lone process
+        self.ckpt_group = None
         self.source = None  # the global rank of this stream's target, when features come by `handoff`
 
     def _autocast(self):
@@ -188,9 +190,10 @@ class DrafterWorker:
         import torch.distributed as dist
 
         if self.world > 1:  # a rank that never reaches a collective fails the others after the timeout
+            timeout = datetime.timedelta(seconds=self.cfg.collective_timeout_s)
             dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                    world_size=self.world,
-                                    timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
+                                    world_size=self.world, timeout=timeout)
+            self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
             self._shard(dist.group.WORLD)
 
     def join_run(self, address: str, port: int, team: int, layout) -> None:
@@ -198,8 +201,9 @@ class DrafterWorker:
         send/recv) and shard the drafter over this team's subgroup of it."""
         from dflash_ray.train import handoff
 
-        groups = handoff.join(self.place.backend, address, port, layout.drafter(team, self.rank), layout,
-                              self.cfg.collective_timeout_s)
+        groups, ckpt_groups = handoff.join(self.place.backend, address, port, layout.drafter(team, self.rank), layout,
+                                           self.cfg.collective_timeout_s)
+        self.ckpt_group = ckpt_groups[team]
         self.source = layout.target(self.rank)
         handoff.greet([self.source], False, self.place.device)
         if self.world > 1:
@@ -341,48 +345,38 @@ class DrafterWorker:
         self.generator.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
 
     def write_checkpoint_files(self, output: str, step: int) -> None:
-        """Drafter (serving format, fp32) and optimizer state, gathered whole onto rank 0, which copies
-        them to bytes now and writes them in the background (`checkpoint.Upload`): the next step
-        does not wait for the storage. Every rank calls it (the gathering is collective)."""
-        from dflash_ray.drafter.export import drafter_files
-        from dflash_ray.train import checkpoint
-        from dflash_ray.train.sharding import full_state
+        """This rank's shard of the weights and optimizer state (`shards.save`): copied to host memory
+        now, written to the checkpoint in the background, so the step waits for no storage and no
+        other rank's data; rank 0 adds the serving config. Every rank calls it (DCP plans the save
+        with the others, over a gloo group of their own)."""
+        from dflash_ray.drafter.export import CONFIG, to_hf_config
+        from dflash_ray.train import checkpoint, shards
 
-        weights, optimizer = full_state(self.drafter, self.opt, self.rank)
-        if self.rank != 0:
-            return
         self.upload_entries(wait=True)  # one upload at a time (the coordinator commits each first)
-        files = {f"drafter/{name}": data
-                 for name, data in drafter_files(self.drafter, torch.float32, weights).items()}
-        buf = io.BytesIO()
-        torch.save(optimizer, buf)
-        files["optimizer.pt"] = buf.getvalue()
-        self.upload = checkpoint.Upload(output, step, files)
+        extra = {f"drafter/{CONFIG}": json.dumps(to_hf_config(self.drafter.cfg, torch.float32), indent=2).encode()} \
+            if self.rank == 0 else {}
+        self.upload = shards.save(self.drafter, self.opt, checkpoint.step_dir(output, step), self.ckpt_group, extra)
 
     def upload_entries(self, wait: bool) -> dict[str, dict] | None:
-        """The manifest entries of the checkpoint upload in flight once its files are all written,
-        then forgotten; None while it runs (`wait=False`) or when there is none (every rank but 0)."""
+        """The manifest entries of this rank's checkpoint files once they are all written, then
+        forgotten; None while they are being written (`wait=False`); {} when there is no upload."""
         upload = self.upload
-        if upload is None or not (wait or upload.done()):
+        if upload is None:
+            return {}
+        if not (wait or upload.done()):
             return None
         self.upload = None
         return upload.result()
 
     def load_checkpoint(self, output: str, step: int) -> None:
-        """Weights, optimizer state and this rank's anchor RNG, read here (not through the
-        coordinator), every file checked against the manifest before any is applied:
-        `checkpoint.CorruptCheckpoint` leaves this worker as it was."""
-        from safetensors.torch import load
-
-        from dflash_ray.train import checkpoint
-        from dflash_ray.train.sharding import load_full_state
+        """This rank's shards of the weights and optimizer state, whatever the number of ranks that
+        wrote them (`shards.load` reads only the files its pieces lie in, each checked against the
+        manifest), and this rank's anchor RNG: `checkpoint.CorruptCheckpoint` when a file differs."""
+        from dflash_ray.train import checkpoint, shards
 
         manifest = checkpoint.read_manifest(output, step)
-        weights = load(checkpoint.read_file(output, step, "drafter/model.safetensors", manifest))
-        optimizer = torch.load(io.BytesIO(checkpoint.read_file(output, step, "optimizer.pt", manifest)),
-                               weights_only=True)
         rng = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"][self.rank]
-        load_full_state(self.drafter, self.opt, weights, optimizer)
+        shards.load(self.drafter, self.opt, checkpoint.step_dir(output, step), manifest, self.ckpt_group)
         self.set_rng_state(bytes.fromhex(rng))
 
 

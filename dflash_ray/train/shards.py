@@ -1,0 +1,188 @@
+"""Sharded training checkpoints: each drafter rank writes and reads its own piece
+(`torch.distributed.checkpoint`, the format FSDP2 and torchtitan users know).
+
+A checkpoint folder holds `shards/` (one `__R_0.distcp` file per rank of the drafter that wrote it,
+holding that rank's shard of the fp32 weights and of both AdamW moments, and DCP's `.metadata`),
+`drafter/config.json` (the serving config), `state.json` and `MANIFEST.json` (`checkpoint`).
+
+Saving: the step that takes a checkpoint copies its shard to host memory (DCP's stager) and goes on;
+a background thread plans the save with the other ranks over a gloo group of their own (never the
+group training's collectives run on, nor NCCL's), writes the shard to local scratch, then copies it
+to the checkpoint folder (`file://` or `s3://`) and hashes it. The coordinator commits the manifest
+once every rank's files are there: a writer killed before then leaves no manifest, and the previous
+checkpoint stays the newest valid one.
+
+Loading reshards to any number of ranks (DCP's planner reads the pieces each rank's shards need) and
+reads only the files those pieces lie in, each checked against the manifest (size and sha256)
+before DCP opens it. `assemble` builds the whole drafter offline, without a process group, for export.
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from dflash_ray import storage
+from dflash_ray.train import checkpoint
+
+SHARDS = "shards"
+
+
+def _state(drafter: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """DCP's state of the drafter (and its optimizer), keyed by parameter name: the same names
+    whatever the number of ranks, so a checkpoint loads on any."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if opt is None:
+        return {"model": drafter.state_dict()}
+    model, optim = get_state_dict(drafter, opt)
+    return {"model": model, "optim": optim}
+
+
+class Upload:
+    """One rank's shard of a checkpoint, written in the background: DCP's save (planned with the
+    other ranks over `group`), then the rank's files copied to the checkpoint folder; `result` gives
+    their manifest entries. `extra`: small files to write beside them (rank 0: the drafter config)."""
+
+    def __init__(self, future, scratch: str, folder: str, extra: dict[str, bytes]):
+        self._future, self._scratch, self._folder, self._extra = future, scratch, folder, extra
+        self._entries: dict[str, dict] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-shard-upload")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._future.result()  # DCP wrote this rank's files (rank 0: and the metadata) to scratch
+            entries = {}
+            for path in sorted(Path(self._scratch).iterdir()):
+                name = f"{SHARDS}/{path.name}"
+                entries[name] = checkpoint.copy_in(path, self._folder, name)
+            for name, data in self._extra.items():
+                storage.write_bytes(storage.join(self._folder, name), data)
+                entries[name] = checkpoint.file_entry(data)
+            self._entries = entries
+        except BaseException as e:  # raised again by `result`, in the caller's thread
+            self._error = e
+        finally:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> dict[str, dict]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._entries
+
+
+def save(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, group, extra: dict[str, bytes]) -> Upload:
+    """Start writing this rank's shard of the drafter and optimizer into checkpoint `folder`; returns
+    once the shard is copied to host memory. Collective over `group` (a gloo group of the drafter's
+    ranks; None: a lone process with no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    scratch = tempfile.mkdtemp(prefix="dflash-shard-")
+    writer = dcp.FileSystemWriter(scratch, thread_count=1, sync_files=False)
+    future = dcp.async_save(_state(drafter, opt), storage_writer=writer, process_group=group, no_dist=group is None)
+    return Upload(future, scratch, folder, extra)
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader over a checkpoint folder on `file://` or `s3://`: a file is checked against
+    the manifest (and fetched into `scratch` from S3) before DCP reads it, and only the files that
+    hold pieces this rank loads are touched."""
+
+    def __init__(self, folder: str, manifest: dict, scratch: str):
+        self.folder, self.manifest, self.scratch = folder, manifest, Path(scratch)
+        self.remote = storage.is_s3(folder)
+        self.checked: set[str] = set()
+        super().__init__(self.scratch if self.remote else storage.local_path(storage.join(folder, SHARDS)))
+        self.fetch(".metadata")
+
+    def fetch(self, name: str) -> None:
+        if name not in self.checked:
+            checkpoint.check_out(self.folder, f"{SHARDS}/{name}", self.manifest,
+                                 self.scratch / name if self.remote else None)
+            self.checked.add(name)
+
+    def read_data(self, plan, planner):
+        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+            self.fetch(name)
+        return super().read_data(plan, planner)
+
+
+def _corrupt_cause(error: BaseException) -> checkpoint.CorruptCheckpoint | None:
+    """The `CorruptCheckpoint` behind DCP's error (it wraps each rank's failure), if there is one."""
+    if isinstance(error, checkpoint.CorruptCheckpoint):
+        return error
+    failures = getattr(error, "failures", None) or {}
+    for failure in failures.values():
+        found = _corrupt_cause(failure[0] if isinstance(failure, tuple) else failure)
+        if found is not None:
+            return found
+    cause = error.__cause__ or error.__context__
+    return _corrupt_cause(cause) if cause is not None else None
+
+
+def _load(state: dict[str, Any], folder: str, manifest: dict, group, no_dist: bool) -> int:
+    """Load `state` in place from the checkpoint in `folder`; returns the number of files checked."""
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory(prefix="dflash-shard-") as scratch:
+        try:
+            reader = CheckedReader(folder, manifest, scratch)
+            dcp.load(state, storage_reader=reader, process_group=group, no_dist=no_dist)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            corrupt = _corrupt_cause(e)
+            if corrupt is not None:
+                raise corrupt from None
+            raise
+    return len(reader.checked)
+
+
+def load(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, manifest: dict, group) -> None:
+    """Load the checkpoint in `folder` into this rank's shards of the drafter and optimizer, whatever
+    the number of ranks that wrote it (collective over `group`, as `save`).
+    `checkpoint.CorruptCheckpoint` when a file it needs differs from the manifest."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(drafter, opt)
+    _load(state, folder, manifest, group, no_dist=group is None)
+    set_state_dict(drafter, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def is_sharded(folder: str, manifest: dict | None = None) -> bool:
+    """Whether `folder` is a checkpoint in this format."""
+    if manifest is not None:
+        return f"{SHARDS}/.metadata" in manifest.get("files", {})
+    return storage.exists(storage.join(folder, SHARDS, ".metadata"))
+
+
+def assemble(folder: str) -> tuple[nn.Module, int]:
+    """The whole drafter of a sharded checkpoint folder (any name: a copied or renamed checkpoint is
+    checked as well), built from its config and every rank's shard of the weights, without a process
+    group (the optimizer state is not read); and the number of files checked against the manifest."""
+    from dflash_ray.drafter import families
+    from dflash_ray.drafter.export import CONFIG, from_hf_config
+
+    manifest = checkpoint.read_folder_manifest(folder)
+    cfg = from_hf_config(json.loads(checkpoint.read_checked(folder, f"drafter/{CONFIG}", manifest)))
+    drafter = families.get(cfg.family).build(cfg).float()
+    state = _state(drafter, None)
+    with warnings.catch_warnings():  # DCP warns that a load without a process group is one process's: it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        checked = _load(state, folder, manifest, None, no_dist=True)
+    drafter.load_state_dict(state["model"])
+    return drafter, 1 + checked

@@ -1,0 +1,133 @@
+"""Sharded checkpoints (`train.shards`): two gloo ranks of an FSDP2 drafter each write one shard file
+(no file holds the whole optimizer state); the checkpoint loads on one process (resharded) with
+the same weights and AdamW moments bit for bit, assembles offline for export, and a file that
+differs from the manifest is refused."""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import free_port
+
+
+def _drafter(seed: int = 0):
+    from transformers import Qwen3Config
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.model import DFlashDrafter
+
+    target = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(seed)
+    return DFlashDrafter(from_target(target, mask_token_id=500, num_layers=2, target_layer_ids=[0, 1]))
+
+
+def _stepped(drafter, opt) -> None:
+    """Two AdamW steps on a fixed pseudo-gradient: the moments are no longer zero."""
+    for k in range(2):
+        for i, p in enumerate(drafter.parameters()):
+            g = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (i + 1) + k).reshape(p.shape)
+            p.grad = _like(g, p)
+        opt.step()
+        opt.zero_grad()
+
+
+def _like(whole: torch.Tensor, p):
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+    return whole
+
+
+def _whole(t):
+    from dflash_ray.train.sharding import full
+
+    return full(t.detach()).clone()
+
+
+def _write(rank: int, port: int, folder: str, results: dict) -> None:
+    from dflash_ray.drafter.export import CONFIG, to_hf_config
+    from dflash_ray.train import shards
+    from dflash_ray.train.sharding import shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    drafter = _drafter()
+    shard(drafter, "cpu", dist.group.WORLD, torch.float32)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    _stepped(drafter, opt)
+    extra = {f"drafter/{CONFIG}": __import__("json").dumps(to_hf_config(drafter.cfg, torch.float32)).encode()} \
+        if rank == 0 else {}
+    upload = shards.save(drafter, opt, folder, dist.new_group(backend="gloo"), extra)
+    entries = upload.result()
+    names = [n for n, p in drafter.named_parameters()]
+    results[rank] = {"entries": entries,
+                     "weights": {n: _whole(p) for n, p in zip(names, drafter.parameters())},
+                     "moments": {n: {k: _whole(v) for k, v in opt.state[p].items()}
+                                 for n, p in zip(names, drafter.parameters())}}
+    dist.destroy_process_group()
+
+
+def _checkpoint(tmp_path) -> tuple[str, dict]:
+    """A checkpoint written by two ranks, its manifest committed; and what rank 0 held."""
+    from dflash_ray.train import checkpoint
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    folder = checkpoint.step_dir(str(tmp_path / "run"), 4)
+    results = mp.Manager().dict()
+    mp.spawn(_write, args=(free_port(), folder, results), nprocs=2, join=True)
+    entries = {**results[0]["entries"], **results[1]["entries"]}
+    checkpoint.commit(str(tmp_path / "run"), 4, entries)
+    return folder, dict(results[0])
+
+
+def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp_path):
+    from dflash_ray.train import checkpoint, shards
+
+    folder, held = _checkpoint(tmp_path)
+    names = sorted(checkpoint.read_folder_manifest(folder)["files"])
+    assert names == ["drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
+    sizes = [os.path.getsize(os.path.join(folder, n)) for n in names if n.endswith(".distcp")]
+    whole = sum(v.numel() * 4 for m in held["moments"].values() for k, v in m.items() if k != "step") \
+        + sum(w.numel() * 4 for w in held["weights"].values())
+    assert all(0.4 * whole < s < 0.6 * whole for s in sizes), (sizes, whole)  # about half the state each
+
+    drafter = _drafter(seed=1)  # other weights: everything must come from the checkpoint
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)  # one process, no group
+    for (name, p) in drafter.named_parameters():
+        assert torch.equal(p.detach(), held["weights"][name]), name
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, held["moments"][name][k]), (name, k)
+
+    assembled, checked = shards.assemble(folder)
+    assert checked == 4
+    for name, p in assembled.named_parameters():
+        assert torch.equal(p.detach(), held["weights"][name]), name
+
+
+def test_a_shard_that_differs_from_the_manifest_is_refused_naming_it(tmp_path):
+    import pytest
+
+    from dflash_ray.train import checkpoint, shards
+
+    folder, _ = _checkpoint(tmp_path)
+    path = os.path.join(folder, "shards", "__1_0.distcp")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    open(path, "wb").write(bytes(data))
+    drafter = _drafter()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    with pytest.raises(checkpoint.CorruptCheckpoint) as e:
+        shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
+    assert "__1_0.distcp" in str(e.value) and "sha256" in str(e.value)
+    with pytest.raises(checkpoint.CorruptCheckpoint):
+        shards.assemble(folder)
+    os.remove(os.path.join(folder, checkpoint.MANIFEST))  # a checkpoint without its manifest
+    with pytest.raises(checkpoint.CorruptCheckpoint) as e:
+        shards.assemble(folder)
+    assert "no manifest" in str(e.value)
