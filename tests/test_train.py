@@ -162,6 +162,9 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
     assert first["step"] == 5
     second = run_train(target, data, sliced, cfg, progress=False)
     assert second["step"] == 8
+    # sharded: one file per rank, none holding the whole optimizer state, and no whole-model file
+    assert sorted(checkpoint.read_manifest(whole_dir, 8)["files"]) == [
+        "drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp", "state.json"]
     step_a, weights_a = _final_weights(whole_dir)
     step_b, weights_b = _final_weights(sliced)
     assert step_a == step_b == 8 and weights_a == weights_b  # bitwise
