@@ -183,6 +183,24 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
     assert _final_weights(str(tmp_path / "stored")) == (8, weights_a)  # bitwise
 
 
+def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_cluster, target, data, tmp_path):
+    """Resharding: a 2-stream run stopped at step 3 (6 of its 16 samples taken) goes on on one
+    stream: its one rank loads both ranks' shards, the first 3 steps are kept as they were, and the
+    10 samples left of the epoch take 10 more steps."""
+    import json
+
+    out = str(tmp_path / "reshard")
+    first = run_train(target, data, out, load_config(None, SETTINGS), progress=False, stop_after_step=3)
+    assert first["step"] == 3 and first["total_steps"] == 8
+    before = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
+    one = run_train(target, data, out, load_config(None, SETTINGS + ["train.num_streams=1"]), progress=False)
+    assert one["step"] == one["total_steps"] == 13 and one["restarts"] == 0
+    metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 14)) and metrics[:3] == before
+    assert sorted(checkpoint.read_manifest(out, 13)["files"]) == [
+        "drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "state.json"]
+
+
 def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_shapes_through_ray(
         ray_cluster, target, data):
     """`handoff`: the target posts the batch's tensors to its drafter and returns their shapes alone

@@ -100,7 +100,7 @@ def first_error(refs: list) -> list:
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
                "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers",
                "collective_timeout_s", "fault_step", "min_bus_bandwidth", "feature_transport",
-               "allow_slow_target"}
+               "allow_slow_target", "num_streams"}  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
 
 
 @dataclass
@@ -158,8 +158,15 @@ class Coordinator:
         samples = dataset_samples(self.data)
         prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
         self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
-        self.schedule = Schedule(train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed)
-        total = tcfg.epochs * self.schedule.steps_per_epoch
+        self.train_samples = train_samples
+        self._schedule_from((0, 0, 0))
+
+    def _schedule_from(self, origin: tuple[int, int, int]) -> None:
+        """The schedule (and the run's length) from `origin` (`Schedule`): the start, or where a
+        checkpoint made on another number of streams stood."""
+        tcfg = self.cfg.train
+        self.schedule = Schedule(self.train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed, origin)
+        total = self.schedule.total_steps(tcfg.epochs)
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
 
     # -- actors -----------------------------------------------------------------------------
@@ -283,6 +290,9 @@ class Coordinator:
                 logging.getLogger(__name__).warning("resuming from step %d; newer checkpoints do not verify: %s",
                                                     step, "; ".join(rejected))
             self.step = step
+            # the data goes on from where it stood, whatever the number of streams that took it there
+            self._schedule_from((step, *state["position"]))
+            ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
             for team, team_state in zip(self.teams, states):  # row k: the k-th step, done
                 team.metrics = [m for m in team_state.get("metrics", []) if m["step"] <= self.step]
             return
@@ -307,6 +317,7 @@ class Coordinator:
         n = self.cfg.train.num_streams
         self.uploading = (self.step, [
             {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
+             "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
              "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": list(team.metrics),
              "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
             for i, team in enumerate(self.teams)])

@@ -11,25 +11,49 @@ from dflash_ray.errors import DFlashError
 
 
 class Schedule:
-    """Which samples each stream trains on at each step: a seeded permutation per epoch."""
+    """Which samples each stream trains on at each step: a seeded permutation per epoch.
 
-    def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int):
+    `origin` (step, epoch, offset): at `step` the run stands `offset` samples into `epoch`'s order;
+    a run resumed on another number of streams goes on from where the checkpoint stood, every
+    sample of the epoch still taken once. (0, 0, 0): a run's own start."""
+
+    def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int,
+                 origin: tuple[int, int, int] = (0, 0, 0)):
         self.samples, self.streams, self.batch, self.seed = samples, num_streams, batch_size, seed
-        self.steps_per_epoch = len(samples) // (num_streams * batch_size)
+        self.per_step = num_streams * batch_size
+        self.steps_per_epoch = len(samples) // self.per_step
         if self.steps_per_epoch == 0:
             raise DFlashError(f"{len(samples)} samples are fewer than one step of {num_streams} streams "
                               f"x {batch_size} sequences")
+        self.origin = origin
+        self._first = max(0, (len(samples) - origin[2]) // self.per_step)  # steps left in the origin's epoch
         self._epoch, self._order = -1, None
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, offset into its order) at which `step` starts."""
+        o_step, o_epoch, o_offset = self.origin
+        k = step - o_step
+        if k < self._first:
+            return o_epoch, o_offset + k * self.per_step
+        k -= self._first
+        return o_epoch + 1 + k // self.steps_per_epoch, (k % self.steps_per_epoch) * self.per_step
+
+    def total_steps(self, epochs: int) -> int:
+        """The step at which `epochs` epochs are done."""
+        o_step, o_epoch, _ = self.origin
+        if o_epoch >= epochs:
+            return o_step
+        return o_step + self._first + (epochs - o_epoch - 1) * self.steps_per_epoch
 
     def batch_for(self, step: int, stream: int) -> list[tuple[str, int]]:
         import torch
 
-        epoch, i = divmod(step, self.steps_per_epoch)
+        epoch, offset = self.position(step)
         if epoch != self._epoch:
             self._order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(
                 self.seed * 7919 + epoch)).tolist()
             self._epoch = epoch
-        start = (i * self.streams + stream) * self.batch
+        start = offset + stream * self.batch
         return [self.samples[j] for j in self._order[start:start + self.batch]]
 
 

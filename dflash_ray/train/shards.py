@@ -158,6 +158,9 @@ def load(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, manifest: 
     `checkpoint.CorruptCheckpoint` when a file it needs differs from the manifest."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    if not is_sharded(folder, manifest):
+        raise checkpoint.CorruptCheckpoint(f"{folder}: a whole-file checkpoint of an earlier version (no {SHARDS}/): "
+                                           "export it with that version, or train into another --output")
     state = _state(drafter, opt)
     _load(state, folder, manifest, group, no_dist=group is None)
     set_state_dict(drafter, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -375,9 +375,10 @@ class DrafterWorker:
         from dflash_ray.train import checkpoint, shards
 
         manifest = checkpoint.read_manifest(output, step)
-        rng = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"][self.rank]
+        rngs = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"]
         shards.load(self.drafter, self.opt, checkpoint.step_dir(output, step), manifest, self.ckpt_group)
-        self.set_rng_state(bytes.fromhex(rng))
+        if self.rank < len(rngs):  # a rank a resharded resume adds keeps its seeded generator
+            self.set_rng_state(bytes.fromhex(rngs[self.rank]))
 
 
 class ColocatedWorker(DrafterWorker):
