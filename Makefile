@@ -39,6 +39,7 @@ bench: setup
 	$(BIN)/python -m bench.engine_start --json
 	$(BIN)/python -m bench.stream --json
 	$(BIN)/python -m bench.handoff --json
+	$(BIN)/python -m bench.checkpoint --json
 	$(BIN)/python -m bench.drafters --json
 	$(BIN)/python -m bench.families --json
 
