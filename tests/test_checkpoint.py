@@ -129,7 +129,7 @@ def test_a_background_upload_returns_at_once_and_the_checkpoint_exists_only_once
         return checkpoint.write_file(*args)
 
     checkpoint.begin(output, 8)
-    upload = checkpoint.Upload(output, 8, files, write=held)
+    upload = checkpoint.Upload(lambda: {name: held(output, 8, name, data) for name, data in files.items()})
     assert not upload.done()  # the caller is free while the storage is shut
     assert checkpoint.complete_steps(output) == [4] and checkpoint.load_latest(output)[0] == 4
     gate.set()
@@ -142,7 +142,7 @@ def test_a_background_upload_returns_at_once_and_the_checkpoint_exists_only_once
     def broken(output, step, name, data):
         raise OSError(f"storage refused {name}")
 
-    failed = checkpoint.Upload(output, 12, files, write=broken)
+    failed = checkpoint.Upload(lambda: {name: broken(output, 12, name, data) for name, data in files.items()})
     with pytest.raises(OSError, match="storage refused"):
         failed.result()
     assert checkpoint.complete_steps(output) == [4, 8]

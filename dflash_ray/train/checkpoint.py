@@ -12,7 +12,7 @@ what it reads, so whoever loads a file (each drafter its weights and optimizer s
 Rotation deletes only checkpoints older than the newest one that verifies.
 
 Writing a checkpoint of tens of GB to S3 takes minutes; its files are written from a thread on
-every rank while training goes on (`shards.Upload`; `Upload` here for whole files), and the
+every rank while training goes on (`Upload`, `shards.save`), and the
 manifest is committed once they are all written. A run that fails before then resumes from the
 checkpoint before: an unfinished upload has no manifest.
 """
@@ -52,20 +52,18 @@ def write_file(output: str, step: int, name: str, data: bytes) -> dict:
 
 
 class Upload:
-    """The files of one checkpoint written by a background thread (`write`: `write_file`'s
-    signature), so the caller goes on at once; `result` gives their manifest entries."""
+    """A checkpoint's files written by a background thread (`write()` writes them and returns their
+    manifest entries), so the caller goes on at once; `result` gives the entries."""
 
-    def __init__(self, output: str, step: int, files: dict[str, bytes], write: Callable[..., dict] = write_file):
-        self.step = step
+    def __init__(self, write: Callable[[], dict[str, dict]], name: str = "checkpoint-upload"):
         self._entries: dict[str, dict] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(output, files, write), daemon=True,
-                                        name=f"checkpoint-upload-{step}")
+        self._thread = threading.Thread(target=self._run, args=(write,), daemon=True, name=name)
         self._thread.start()
 
-    def _run(self, output: str, files: dict[str, bytes], write: Callable[..., dict]) -> None:
+    def _run(self, write: Callable[[], dict[str, dict]]) -> None:
         try:
-            self._entries = {name: write(output, self.step, name, data) for name, data in files.items()}
+            self._entries = write()
         except BaseException as e:  # raised again by `result`, in the caller's thread
             self._error = e
 

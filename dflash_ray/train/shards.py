@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -49,45 +48,23 @@ def _state(drafter: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, A
     return {"model": model, "optim": optim}
 
 
-class Upload:
-    """One rank's shard of a checkpoint, written in the background: DCP's save (planned with the
-    other ranks over `group`), then the rank's files copied to the checkpoint folder; `result` gives
-    their manifest entries. `extra`: small files to write beside them (rank 0: the drafter config)."""
-
-    def __init__(self, future, scratch: str, folder: str, extra: dict[str, bytes]):
-        self._future, self._scratch, self._folder, self._extra = future, scratch, folder, extra
-        self._entries: dict[str, dict] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-shard-upload")
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._future.result()  # DCP wrote this rank's files (rank 0: and the metadata) to scratch
-            entries = {}
-            for path in sorted(Path(self._scratch).iterdir()):
-                name = f"{SHARDS}/{path.name}"
-                entries[name] = checkpoint.copy_in(path, self._folder, name)
-            for name, data in self._extra.items():
-                storage.write_bytes(storage.join(self._folder, name), data)
-                entries[name] = checkpoint.file_entry(data)
-            self._entries = entries
-        except BaseException as e:  # raised again by `result`, in the caller's thread
-            self._error = e
-        finally:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self) -> dict[str, dict]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._entries
+def _write_shard(future, scratch: str, folder: str, extra: dict[str, bytes]) -> dict[str, dict]:
+    """Once DCP has written this rank's files to `scratch` (rank 0: and the metadata), copy them and
+    `extra` into the checkpoint `folder`; their manifest entries."""
+    try:
+        future.result()
+        entries = {f"{SHARDS}/{path.name}": checkpoint.copy_in(path, folder, f"{SHARDS}/{path.name}")
+                   for path in sorted(Path(scratch).iterdir())}
+        for name, data in extra.items():
+            storage.write_bytes(storage.join(folder, name), data)
+            entries[name] = checkpoint.file_entry(data)
+        return entries
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def save(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, group, extra: dict[str, bytes]) -> Upload:
+def save(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, group,
+         extra: dict[str, bytes]) -> checkpoint.Upload:
     """Start writing this rank's shard of the drafter and optimizer into checkpoint `folder`; returns
     once the shard is copied to host memory. Collective over `group` (a gloo group of the drafter's
     ranks; None: a lone process with no process group)."""
@@ -96,7 +73,7 @@ def save(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, group, ext
     scratch = tempfile.mkdtemp(prefix="dflash-shard-")
     writer = dcp.FileSystemWriter(scratch, thread_count=1, sync_files=False)
     future = dcp.async_save(_state(drafter, opt), storage_writer=writer, process_group=group, no_dist=group is None)
-    return Upload(future, scratch, folder, extra)
+    return checkpoint.Upload(lambda: _write_shard(future, scratch, folder, extra), "checkpoint-shard-upload")
 
 
 class CheckedReader(FileSystemReader):
