@@ -50,7 +50,7 @@ def parse(cfg: ChaosConfig) -> list[tuple[str, float]]:
             seconds = float(window) if window else cfg.within_s
         except ValueError:
             seconds = -1.0
-        if kind not in KINDS or seconds < 0:
+        if kind not in KINDS or not 0 <= seconds < float("inf"):  # nan and inf too: a fault that never fires
             raise DFlashError(f"{entry!r}: allowed: KIND or KIND@SECONDS, KIND one of {list(KINDS)}",
                               field=f"chaos.faults[{i}]")
         faults.append((kind, seconds))

@@ -162,6 +162,22 @@ class UsageError(Exception):
     """A command line argparse refuses, raised instead of its exit so `--json` still ends with a summary."""
 
 
+DRILLED = {"pipeline", "demo"}  # the commands `chaos.faults` acts in
+
+
+def _at_least(low: int):
+    """An argparse type: a whole number of at least `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.print_usage(sys.stderr)
@@ -239,7 +255,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
     p.add_argument("--output", required=True, metavar="URI", help="checkpoints, metrics.jsonl and metrics.png")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--stop-after-step", type=int, metavar="N", help="end (with a checkpoint) after step N")
+    p.add_argument("--stop-after-step", type=_at_least(1), metavar="N", help="end (with a checkpoint) after step N")
     p.set_defaults(run=_cmd_train)
 
     p = sub.add_parser("export", parents=[common], help="write a drafter in the format vLLM and SGLang load")
@@ -325,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             cfg = load_config(args.config, args.overrides)
+            if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
+                raise DFlashError(f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` would "
+                                  "run without a fault; drop the setting, or drill the pipeline", field="chaos.faults")
             summary = run(args, cfg)
         except FileNotFoundError as e:
             raise DFlashError("no such file or object", file=e.filename or str(e)) from None

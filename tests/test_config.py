@@ -102,6 +102,8 @@ def test_config_is_frozen():
     ("validate.gate.max_mode_share=1.5", "validate.gate.max_mode_share", "[0, 1]"),
     ("chaos.faults=[drafter, gpu]", "chaos.faults[1]", "KIND or KIND@SECONDS"),
     ("chaos.faults=[node@soon]", "chaos.faults[0]", "'node'"),
+    ("chaos.faults=[generator@nan]", "chaos.faults[0]", "KIND@SECONDS"),  # a fault that never fires
+    ("chaos.faults=[generator@inf]", "chaos.faults[0]", "KIND@SECONDS"),
     ("chaos.within_s=-1", "chaos.within_s", ">= 0"),
     ("train.min_bus_bandwidth=-1", "train.min_bus_bandwidth", ">= 0"),
 ])
@@ -235,3 +237,20 @@ def test_a_command_line_argparse_refuses_still_ends_with_a_json_summary(capsys):
     assert main(["export", "CKPT", "--output", "x", "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["error"] == "dflash-ray: error: unrecognized arguments: --output"
     assert main(["validate"]) == 2 and capsys.readouterr().out == ""  # without --json stdout stays empty
+
+
+def test_settings_a_command_would_ignore_are_refused(tmp_path, capsys):
+    """A fault drill asked of a command that runs none, and a step to stop after that no run
+    reaches, are refused before anything runs, naming the setting."""
+    import json
+
+    from dflash_ray.cli import main
+
+    train = ["train", "--data", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--output", str(tmp_path / "o"),
+             "--json"]
+    assert main(train + ["--set", "chaos.faults=[target]"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert "chaos.faults" in error and "pipeline" in error
+    assert main(train + ["--stop-after-step", "-1"]) == 2
+    assert "--stop-after-step" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
