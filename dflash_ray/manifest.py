@@ -87,7 +87,7 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), 
     if not storage.is_s3(uri) and not storage.local_path(uri).exists():
         raise DFlashError("no such file or folder", file=uri)
     if storage.is_s3(uri) or not storage.local_path(uri).is_dir():
-        if str(uri).endswith(suffixes) and storage.exists(uri):
+        if str(uri).lower().endswith(tuple(s.lower() for s in suffixes)) and storage.exists(uri):
             return [str(uri)]
     manifest = read_manifest(uri)
     if manifest is None:

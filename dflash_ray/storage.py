@@ -274,11 +274,19 @@ def _head(uri: str) -> dict:
 
 
 def list_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
-    """Files directly under the folder `prefix` whose names end with `suffix`, sorted.
+    """Files directly under the folder `prefix` whose names end with `suffix` (in any case: `D.JSONL`
+    too), sorted. Names starting with `.` or `_` (temporaries, manifests) are left out."""
+    taken, _ = _listing(prefix, suffix)
+    return taken
 
-    Names starting with `.` or `_` (temporaries, manifests) are left out.
-    """
-    suffixes = (suffix,) if isinstance(suffix, str) else suffix
+
+def skipped_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
+    """The files directly under the folder `prefix` that `list_files` leaves out."""
+    return _listing(prefix, suffix)[1]
+
+
+def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    suffixes = tuple(s.lower() for s in ((suffix,) if isinstance(suffix, str) else suffix))
     names: list[str] = []
     if is_s3(prefix):
         bucket, key = split_s3(prefix)
@@ -292,8 +300,10 @@ def list_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
         if not folder.is_dir():
             return []
         names = [p.name for p in folder.iterdir() if p.is_file()]
-    keep = [n for n in names if n and not n.startswith((".", "_")) and n.endswith(suffixes)]
-    return [join(prefix, n) for n in sorted(keep)]
+    names = sorted(n for n in names if n)
+    keep = [n for n in names if not n.startswith((".", "_")) and n.lower().endswith(suffixes)]
+    taken = set(keep)
+    return [join(prefix, n) for n in keep], [join(prefix, n) for n in names if n not in taken]
 
 
 def list_dirs(prefix: str) -> list[str]:

@@ -156,3 +156,17 @@ def test_an_output_that_overlaps_an_input_is_refused_and_the_users_files_survive
             run_prompts(inputs, out, cfg, progress=False)
         assert "overlap" in str(e.value) and str(mine) in str(e.value)
     assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+
+
+def test_input_files_are_found_in_any_case_and_every_skipped_one_is_named(tmp_path):
+    """`a.jsonl`, `D.JSONL` and `f.Jsonl` are JSON lines all three; `_b.jsonl` (a leading underscore
+    marks a temporary) and `notes.txt` are not read, and the summary names them."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i, name in enumerate(("a.jsonl", "D.JSONL", "f.Jsonl", "_b.jsonl")):
+        (folder / name).write_text(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
+    (folder / "notes.txt").write_text("not data")
+    summary = run_prompts([str(folder)], str(tmp_path / "out"), load_config(None, []), progress=False)
+    assert summary["input_files"] == 3 and summary["prompts"] == 3
+    assert sorted(p.rsplit("/", 1)[-1] for p in summary["skipped_files"]) == ["_b.jsonl", "notes.txt"]
+    assert any("_b.jsonl" in w for w in summary["warnings"])

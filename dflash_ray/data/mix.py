@@ -45,7 +45,7 @@ class Source:
         if self.dataset is not None:
             return self.dataset.name
         name = storage.basename(item.file)
-        if name.endswith(COMPRESSIONS):  # chat.jsonl.gz -> chat
+        if name.lower().endswith(COMPRESSIONS):  # chat.jsonl.gz -> chat
             name = name.rsplit(".", 1)[0]
         return name.rsplit(".", 1)[0]
 
@@ -61,6 +61,13 @@ class Source:
                 rng.shuffle(files)
             items = (item for uri in files for item in iter_records(uri))
         return items if rng is None else shuffled(items, rng, buffer_size)
+
+    def skipped(self) -> list[str]:
+        """The files of a folder source without a manifest (the user's own) that are not read, so
+        that none is passed over without a word."""
+        if self.dataset is not None or self.files == [self.uri] or manifest.read_manifest(self.uri) is not None:
+            return []
+        return storage.skipped_files(self.uri, SUFFIXES)
 
     def entry(self) -> dict[str, Any]:
         """What the manifest records of it, before the figures of the run."""

@@ -48,12 +48,13 @@ class RawRecord:
 
 
 def iter_records(uri: str) -> Iterator[RawRecord]:
-    if uri.endswith(".parquet"):
+    low = uri.lower()  # `D.JSONL` is a JSON-lines file too
+    if low.endswith(".parquet"):
         yield from _parquet(uri)
         return
-    data, name = storage.read_bytes(uri), uri
-    if uri.endswith(COMPRESSIONS):
-        name = uri.rsplit(".", 1)[0]
+    data, name = storage.read_bytes(uri), low
+    if low.endswith(COMPRESSIONS):
+        name = low.rsplit(".", 1)[0]
         try:
             data = _decompress(uri, data)
         except Exception as e:  # corrupt, truncated, or a codec this install lacks: one entry
@@ -67,6 +68,7 @@ def iter_records(uri: str) -> Iterator[RawRecord]:
 
 
 def _decompress(uri: str, data: bytes) -> bytes:
+    uri = uri.lower()
     if uri.endswith(".gz"):
         import gzip
 

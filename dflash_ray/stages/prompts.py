@@ -162,8 +162,13 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
             print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     bar.close()
     inputs_read = sum(len(s.files) if s.dataset is None else 1 for s in sources)
+    skipped = [f for s in sources for f in s.skipped()]
+    if skipped:  # never without a word: `_b.jsonl`, `notes.txt` and the like are named
+        warnings.append(f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
+                        f"or named with a leading . or _): {', '.join(skipped[:10])}")
+        print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     summary = {
-        "stage": stage, "output": output, "input_files": inputs_read,
+        "stage": stage, "output": output, "input_files": inputs_read, "skipped_files": skipped,
         # every record read is quarantined or makes prompts: records = records_ok + quarantined
         "records": counts["records"], "records_ok": counts["records_ok"], "prompts": len(seen),
         "duplicates": counts["duplicates"], "quarantined": len(quarantine),
