@@ -80,6 +80,19 @@ def test_export_checks_a_checkpoint_against_its_manifest(tmp_path, capsys):
     assert main(["export", step4, str(tmp_path / "good"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verified_files"] == 2
 
+    # a checkpoint copied under another name (a user's `best`) is checked all the same
+    import shutil
+
+    best = tmp_path / "best"
+    shutil.copytree(step4, best)
+    copied = best / "drafter" / "model.safetensors"
+    body = bytearray(copied.read_bytes())
+    body[len(body) // 2] ^= 0xFF
+    copied.write_bytes(bytes(body))
+    assert main(["export", str(best), str(tmp_path / "from-best"), "--json"]) == 2
+    assert "sha256" in json.loads(capsys.readouterr().out)["error"]
+    assert not (tmp_path / "from-best").exists()
+
     # an output inside the checkpoint (or the checkpoint inside the output) would overwrite what it
     # reads: refused with the checkpoint untouched, which still exports
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}

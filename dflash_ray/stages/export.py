@@ -27,9 +27,10 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
                           file=out_dir)
     if not storage.is_s3(out_dir) and storage.local_path(out_dir).exists() and not storage.local_path(out_dir).is_dir():
         raise DFlashError("is a file, not a folder: nothing was exported; choose a folder", file=out_dir)
-    if not shards.is_sharded(checkpoint):
-        return {**export_checkpoint(checkpoint, out_dir, dtype=dtype), "verified_files": 0}
     try:
+        if not shards.is_sharded(checkpoint):  # a drafter folder, or a whole-file checkpoint of an earlier version
+            verified = _verify_whole_files(checkpoint)
+            return {**export_checkpoint(checkpoint, out_dir, dtype=dtype), "verified_files": verified}
         drafter, verified = shards.assemble(checkpoint)
     except ckpt.CorruptCheckpoint as e:
         folder = checkpoint.rstrip("/")
@@ -39,3 +40,17 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
             else "resume the training run to write a new checkpoint"
         raise DFlashError(f"{e}; nothing was exported: {hint}") from None
     return {**export_drafter(drafter, out_dir, dtype), "checkpoint": checkpoint, "verified_files": verified}
+
+
+def _verify_whole_files(folder: str) -> int:
+    """The drafter files of a folder with a checkpoint manifest, checked against it (whatever the
+    folder is called); 0 for a plain drafter folder."""
+    from dflash_ray.train import checkpoint as ckpt
+
+    if not storage.exists(storage.join(folder, ckpt.MANIFEST)):
+        return 0
+    manifest = ckpt.read_folder_manifest(folder)
+    names = [n for n in manifest["files"] if n.startswith("drafter/")]
+    for name in names:
+        ckpt.read_checked(folder, name, manifest)
+    return len(names)
