@@ -170,3 +170,17 @@ def test_input_files_are_found_in_any_case_and_every_skipped_one_is_named(tmp_pa
     assert summary["input_files"] == 3 and summary["prompts"] == 3
     assert sorted(p.rsplit("/", 1)[-1] for p in summary["skipped_files"]) == ["_b.jsonl", "notes.txt"]
     assert any("_b.jsonl" in w for w in summary["warnings"])
+
+
+def test_a_lone_surrogate_is_quarantined_with_its_file_and_line_and_the_run_goes_on(tmp_path):
+    """JSON's `\\ud800` escape decodes to a string with no UTF-8 form: one record, not the run."""
+    src = tmp_path / "chat.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "fine"}]}\n'
+                   '{"messages": [{"role": "user", "content": "bad \\ud800 here"}]}\n'
+                   '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}\n')
+    out = tmp_path / "out"
+    summary = run_prompts([str(src)], str(out), load_config(None, []), progress=False)
+    assert summary["prompts"] == 1 and summary["quarantined"] == 2
+    quarantine = [json.loads(x) for x in (out / "quarantine.jsonl").read_text().splitlines()]
+    assert [(q["line"], q["kind"]) for q in quarantine] == [(2, "bad_unicode"), (3, "bad_unicode")]
+    assert "messages[0].content" in quarantine[0]["reason"] and "surrogate" in quarantine[0]["reason"]

@@ -67,17 +67,28 @@ def _text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _utf8(content, where)
     if isinstance(content, list):  # OpenAI content parts
         parts = []
         for i, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+                parts.append(_utf8(part["text"], f"{where}[{i}].text"))
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise BadRecord(f"{where}[{i}]: unsupported content part '{kind}' (text only)")
         return "\n".join(parts)
     raise BadRecord(f"{where}: content must be a string, got {type(content).__name__}")
+
+
+def _utf8(text: str, where: str) -> str:
+    """`text`, if it has a UTF-8 form: JSON's `\\ud800` escape (a lone surrogate) decodes to a string
+    that has none, and would abort the whole run where the shard is written."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord(f"{where}: {text[e.start]!r} at character {e.start} is a lone surrogate, not text "
+                        "(no UTF-8 form)", "bad_unicode") from None
+    return text
 
 
 def _tools(raw: Any) -> str | None:
