@@ -387,6 +387,10 @@ def test_the_gate_refuses_ids_past_the_vocabulary_a_wrong_seq_len_and_no_tokeniz
     code, summary, _ = _cli(capsys, "validate", "--input", past, "--tokenizer", "smollm2-135m-instruct")
     assert code == 2 and "token id 49152 is outside the tokenizer's vocabulary of 49152" in summary["error"]
     assert "record 2" in summary["error"] and "input_ids" in summary["error"]
+    for name, row in (("null-id", {**ok, "input_ids": [1, None, 3, 4]}), ("null-row", {**ok, "loss_mask": None})):
+        code, summary, _ = _cli(capsys, "validate", "--input", dataset(name, [ok, ok, row]),
+                                "--tokenizer", "smollm2-135m-instruct")  # nulls slipped past as NaN before
+        assert code == 2 and "null" in summary["error"] and "record 3" in summary["error"], summary
     lying = dataset("lying", [ok, {**ok, "seq_len": 9}])
     code, summary, _ = _cli(capsys, "validate", "--input", lying, "--tokenizer", "smollm2-135m-instruct")
     assert code == 2 and "seq_len is 9 but input_ids has 4 tokens" in summary["error"]

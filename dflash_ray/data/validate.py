@@ -45,6 +45,20 @@ def _offsets_values(column: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray,
     return offsets - offsets[0], values[offsets[0]: offsets[-1]]
 
 
+def _first_null(column: pa.ChunkedArray | pa.ListArray) -> int | None:
+    """The row of the first missing list, or of the first list holding a missing value; None if none."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    rows = []
+    if array.null_count:
+        rows.append(int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0]))
+    values = array.values
+    if values.null_count:
+        offsets = array.offsets.to_numpy().astype(np.int64)
+        k = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        rows.append(int(np.searchsorted(offsets, k, "right")) - 1)
+    return min(rows) if rows else None
+
+
 def _empty_thinking(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, think: int,
                     think_end: int, blank: set[int]) -> int:
     """Samples whose response opens with a thinking block holding only whitespace."""
@@ -82,6 +96,11 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
     for uri in tqdm(data.files, desc="validate", unit=" files"):
         rows = 0
         for batch in iter_batches(uri, columns):
+            for name in ("input_ids", "loss_mask"):  # a null passes every range check as NaN
+                row = _first_null(batch.column(name))
+                if row is not None:
+                    raise DFlashError("holds a missing (null) value: every token id and mask value must be set",
+                                      file=uri, record=rows + row + 1, field=name)
             moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
             ioffsets, ivalues = _offsets_values(batch.column("input_ids"))
             if not np.array_equal(moffsets, ioffsets):
