@@ -18,6 +18,7 @@ def connect(cfg: RayConfig, *, existing: bool = False) -> None:
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
+        check_reachable(address, "ray.address" if cfg.address else "the environment's RAY_ADDRESS")
         ray.init(address=address, log_to_driver=True)
         return
     if existing:
@@ -29,6 +30,35 @@ def connect(cfg: RayConfig, *, existing: bool = False) -> None:
         return
     start_local(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
                 include_dashboard=cfg.include_dashboard)
+
+
+def check_reachable(address: str, setting: str, within_s: float = 20.0) -> None:
+    """Refuse an address nothing answers at, within `within_s`, naming where it came from: Ray's own
+    connection retries the GCS for minutes before it says anything."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    if address in ("auto", "local"):
+        return
+    parts = urlsplit(address if "://" in address else f"gcs://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        raise DFlashError(f"{address!r} (from {setting}) is not an address: allowed: HOST:PORT, ray://HOST:PORT, "
+                          "or auto")
+    deadline, error = time.monotonic() + within_s, None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, within_s)):
+                return
+        except OSError as e:
+            error = e
+            time.sleep(1.0)  # a head that is still starting: a few more tries
+    raise DFlashError(f"no Ray cluster answers at {address} (from {setting}) after {within_s:g} s: {error}; "
+                      "start the head, fix the address, or unset it to start a local cluster")
 
 
 def on_node(resource: str) -> dict[str, float]:

@@ -254,3 +254,28 @@ def test_settings_a_command_would_ignore_are_refused(tmp_path, capsys):
     assert main(train + ["--stop-after-step", "-1"]) == 2
     assert "--stop-after-step" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_unreachable_ray_address_fails_fast_naming_where_it_came_from():
+    """Ray's own connection retries the GCS for minutes; the address is tried first, briefly."""
+    import socket
+    import time
+
+    import pytest
+
+    from dflash_ray.cluster import check_reachable
+    from dflash_ray.errors import DFlashError
+
+    with socket.socket() as s:  # a port bound and not listening: nothing answers there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(DFlashError) as e:
+            check_reachable(f"127.0.0.1:{port}", "the environment's RAY_ADDRESS", within_s=2)
+    assert time.monotonic() - start < 10 and "RAY_ADDRESS" in str(e.value) and str(port) in str(e.value)
+    with pytest.raises(DFlashError, match="not an address"):
+        check_reachable("no-port-here", "ray.address")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}", "ray.address")  # answers: fine
