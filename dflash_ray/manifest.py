@@ -137,6 +137,22 @@ def report_uri(folder: str, name: str) -> str:
     return storage.join(folder, name if read_manifest(folder) is None else f"_failed-{name}")
 
 
+def require_columns(uri: str, columns: list[str], what: str) -> None:
+    """Refuse, before any work, a dataset whose first file lacks `columns` (only its schema is read),
+    naming the file, what it holds and what `what` (the flag or setting that named it) expects."""
+    import pyarrow.parquet as pq
+
+    first = dataset_files(uri, (".parquet",), verify=False)[0]
+    fs, path = storage.arrow_filesystem(first)
+    names = pq.read_schema(path, filesystem=fs).names
+    missing = [c for c in columns if c not in names]
+    if missing:
+        kind = (read_manifest(uri) or {}).get("kind") if not str(uri).endswith(".parquet") else None
+        held = f"a {kind} dataset" if kind else f"columns {names}"
+        raise DFlashError(f"{what} expects the column(s) {missing}, which this file lacks (it holds {held}): "
+                          "nothing was run", file=first)
+
+
 def read_rows(uri: str, columns: list[str] | None, limit: int) -> list[dict[str, Any]]:
     """The first `limit` rows of a Parquet dataset, with only `columns` read (None: all); each file
     read is checked against its manifest entry, and the files past `limit` are not read."""

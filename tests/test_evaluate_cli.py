@@ -123,3 +123,27 @@ def _tiny_target_config():
 
     return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def test_a_dataset_of_the_wrong_kind_is_refused_before_any_model_or_engine_starts(tmp_path, capsys):
+    """`evaluate --heldout` given prompts and `generate --prompts` given tokenized rows: each refused at
+    once, naming the file and the missing columns (before, a 98 s decode or two engine starts came first)."""
+    import time
+
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.stages.generate import run_generate
+
+    prompts, tokenized = tmp_path / "prompts", tmp_path / "tokenized"
+    for folder, row in ((prompts, {"id": "p", "messages": [{"role": "user", "content": "hi"}]}),
+                        (tokenized, {"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1], "seq_len": 2})):
+        folder.mkdir()
+        pq.write_table(pa.Table.from_pylist([row]), folder / "part-0.parquet")
+    start = time.monotonic()
+    code = main(["evaluate", "--drafter", str(tmp_path / "no-drafter"), "--target", str(tmp_path / "no-target"),
+                 "--prompts", str(prompts), "--heldout", str(prompts), "--json"])
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and "--heldout" in error and "input_ids" in error and "part-0.parquet" in error
+    with pytest.raises(DFlashError) as e:
+        run_generate(str(tokenized), str(tmp_path / "out"), str(tmp_path / "no-model"), load_config(None, []))
+    assert "--prompts" in str(e.value) and "messages" in str(e.value)
+    assert time.monotonic() - start < 30 and not (tmp_path / "out").exists()

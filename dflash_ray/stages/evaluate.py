@@ -102,6 +102,9 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target.capture import load_embed_and_head
 
+    manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")  # before any model loads
+    if heldout_uri:
+        manifest.require_columns(heldout_uri, ["input_ids", "loss_mask"], "--heldout (a tokenized dataset)")
     ecfg = cfg.evaluate
     dtype = getattr(torch, ecfg.dtype)
     device = evaluation_device(ecfg.device, torch.cuda.is_available())

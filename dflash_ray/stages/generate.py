@@ -231,6 +231,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     if length_warning:
         log.warning(length_warning)
     started = time.time()
+    manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")  # before any engine starts
     units = plan_units(manifest.dataset_files(prompts_uri, (".parquet",)), gcfg.shard_size)
     model = pin(model)  # a Hub id: the commit every generator reads, recorded in the manifest
     plan = _plan_id(units, model, gcfg)
