@@ -61,6 +61,19 @@ def read_manifest(folder: str) -> dict[str, Any] | None:
         raise DFlashError(f"corrupt manifest: {e}", file=uri) from None
 
 
+def fingerprint(uri: str) -> str:
+    """What a dataset holds, in a few hex digits: its manifest's files with their checksums, or for
+    a folder without one (the user's own) each file's name and size. Same path, new data: a new print."""
+    folder = storage.is_s3(uri) and not str(uri).endswith((".parquet", ".arrow")) or \
+        not storage.is_s3(uri) and storage.local_path(uri).is_dir()
+    found = read_manifest(uri) if folder else None
+    if found is not None:
+        items = sorted((e["name"], e.get("bytes"), e.get("sha256")) for e in found.get("files", []))
+    else:
+        items = sorted((storage.basename(f), storage.size(f)) for f in (storage.list_files(uri) if folder else [uri]))
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
 def _damaged(path: str, kind: Any, what: str) -> DFlashError:
     rerun = WRITTEN_BY.get(str(kind), "the stage that wrote it")
     return DFlashError(f"{what}: the file changed after the run that wrote this {kind} dataset (corrupt, "

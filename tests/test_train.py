@@ -498,6 +498,23 @@ def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_
     assert json.loads(capsys.readouterr().out)["step"] == last + 1
 
 
+def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, target, tmp_path):
+    """Resume matches the data's content, not its path: new data under the old name (a pipeline rerun
+    on a replaced input) would otherwise go on training, or export, the old run's drafter."""
+    from dflash_ray.errors import DFlashError
+
+    g = torch.Generator().manual_seed(5)
+    folder = str(tmp_path / "data")
+    _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
+    out = str(tmp_path / "run")
+    cfg = load_config(None, SETTINGS)
+    assert run_train(target, folder, out, cfg, progress=False, stop_after_step=3)["step"] == 3
+    _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
+    with pytest.raises(DFlashError, match="the data's content"):
+        run_train(target, folder, out, cfg, progress=False)
+    assert checkpoint.complete_steps(out) == [3]
+
+
 def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, target, data, tmp_path):
     from dflash_ray.errors import DFlashError
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_ray import storage
+from dflash_ray import manifest, storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.families import mask_and_layer_ids
@@ -156,6 +156,7 @@ class Coordinator:
         a bad dataset or setting reaches the driver as its own error, not as a dead actor."""
         tcfg = self.cfg.train
         samples = dataset_samples(self.data)
+        self.data_print = manifest.fingerprint(self.data)  # a resume continues on the same data, not the same path
         prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
         self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
         self.train_samples = train_samples
@@ -276,6 +277,9 @@ class Coordinator:
             changed = [f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k) != now[k]]
             changed += [f"{name} (checkpoint: {state.get(name)}, now: {value})"
                         for name, value in (("data", self.data), ("target", self.target)) if state.get(name) != value]
+            if state.get("data_print", self.data_print) != self.data_print:
+                changed.append(f"the data's content at {self.data} (checkpoint: {state['data_print']}, now: "
+                               f"{self.data_print}): it was rewritten since")
             if changed:
                 raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed)} differ): "
                                   "resuming would not continue the same run", file=self.output)
@@ -319,7 +323,7 @@ class Coordinator:
             {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
              "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
              "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": list(team.metrics),
-             "config": self.cfg.to_dict(), "target": self.target, "data": self.data}
+             "config": self.cfg.to_dict(), "target": self.target, "data": self.data, "data_print": self.data_print}
             for i, team in enumerate(self.teams)])
 
     def _commit(self, wait: bool) -> None:
