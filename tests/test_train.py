@@ -84,28 +84,6 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
     assert end > 1.4 and end > start + 0.3, (start, end, [m.get("heldout_tau") for m in metrics])
 
 
-def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(ray_cluster, target, data, tmp_path):
-    """Under NCCL's rules a target's batch for step t+1 stays unmatched until its drafter's next
-    step, so an evaluation at step t that made the target wait on its device would hang (on GPUs
-    until the watchdog; here it raises after the timeout, and no restart is allowed). Evaluations at
-    steps 2, 4, 6 and checkpoints at 3, 6 with 0, 1 and 2 batches ahead all run, and train the same
-    weights bit for bit (an evaluation changes nothing in training)."""
-    import json
-
-    weights = []
-    for ahead in (0, 1, 2):
-        out = str(tmp_path / f"ahead{ahead}")
-        cfg = load_config(None, SETTINGS + ["train.heldout=4", "train.eval_every=2", f"train.max_in_flight={ahead}",
-                                            "train.collective_timeout_s=20", "train.max_restarts=0"])
-        summary = run_train(target, data, out, cfg, progress=False)
-        assert summary["restarts"] == 0 and summary["step"] == 6, summary
-        metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
-        assert [m["step"] for m in metrics if m.get("heldout_tau") is not None] == [2, 4, 6]
-        assert checkpoint.complete_steps(out)[-1] == 6
-        weights.append(_final_weights(out))
-    assert weights[0] == weights[1] == weights[2]
-
-
 def _final_weights(output):
     return checkpoint_weights(output)
 
@@ -181,24 +159,6 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
                        load_config(None, SETTINGS + ["train.feature_transport=object_store"]), progress=False)
     assert stored["step"] == 8
     assert _final_weights(str(tmp_path / "stored")) == (8, weights_a)  # bitwise
-
-
-def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_cluster, target, data, tmp_path):
-    """Resharding: a 2-stream run stopped at step 3 (6 of its 16 samples taken) goes on on one
-    stream: its one rank loads both ranks' shards, the first 3 steps are kept as they were, and the
-    10 samples left of the epoch take 10 more steps."""
-    import json
-
-    out = str(tmp_path / "reshard")
-    first = run_train(target, data, out, load_config(None, SETTINGS), progress=False, stop_after_step=3)
-    assert first["step"] == 3 and first["total_steps"] == 8
-    before = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
-    one = run_train(target, data, out, load_config(None, SETTINGS + ["train.num_streams=1"]), progress=False)
-    assert one["step"] == one["total_steps"] == 13 and one["restarts"] == 0
-    metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 14)) and metrics[:3] == before
-    assert sorted(checkpoint.read_manifest(out, 13)["files"]) == [
-        "drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "state.json"]
 
 
 def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_shapes_through_ray(
@@ -498,23 +458,6 @@ def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_
     assert json.loads(capsys.readouterr().out)["step"] == last + 1
 
 
-def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, target, tmp_path):
-    """Resume matches the data's content, not its path: new data under the old name (a pipeline rerun
-    on a replaced input) would otherwise go on training, or export, the old run's drafter."""
-    from dflash_ray.errors import DFlashError
-
-    g = torch.Generator().manual_seed(5)
-    folder = str(tmp_path / "data")
-    _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
-    out = str(tmp_path / "run")
-    cfg = load_config(None, SETTINGS)
-    assert run_train(target, folder, out, cfg, progress=False, stop_after_step=3)["step"] == 3
-    _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
-    with pytest.raises(DFlashError, match="the data's content"):
-        run_train(target, folder, out, cfg, progress=False)
-    assert checkpoint.complete_steps(out) == [3]
-
-
 def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, target, data, tmp_path):
     from dflash_ray.errors import DFlashError
 
@@ -614,24 +557,3 @@ def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(tar
         drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
                                                              "train.num_layers=2"]))
     assert "layer_types" in str(e.value) and "train" in str(e.value)
-
-
-def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(ray_cluster, target, data, tmp_path,
-                                                                                capsys):
-    """A rate that sends the weights to infinity: the first non-finite loss stops the run at that
-    step (no restart: it would diverge the same way), named, exit 2, with a summary that is JSON."""
-    import json
-
-    from dflash_ray.cli import main
-
-    def no_constants(name):
-        raise AssertionError(f"--json printed {name}")
-
-    out = str(tmp_path / "nan")
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
-            *[x for s in SETTINGS + ["train.lr=1e30", "train.warmup_ratio=0"] for x in ("--set", s)]]
-    assert main(args) == 2
-    summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)
-    assert not summary["ok"] and "not finite" in summary["error"] and "train.lr" in summary["error"]
-    assert "step 2:" in summary["error"], summary["error"]  # step 1's update made the weights infinite
-    assert checkpoint.complete_steps(out) == []  # nothing non-finite was ever committed
