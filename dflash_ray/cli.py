@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             raise DFlashError("no such file or object", file=e.filename or str(e)) from None
         except PermissionError as e:
             raise DFlashError("permission denied", file=e.filename or str(e)) from None
+        except OSError as e:  # a folder where a file was expected, a file in the way, a full disk: the user's to fix
+            if e.filename is None:
+                raise
+            raise DFlashError(f"{e.strerror or type(e).__name__}", file=e.filename) from None
         except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
             raise Interrupted("interrupted: this run committed nothing; the same command starts it again "
                               "(generation and training resume where they were)") from None

@@ -279,3 +279,19 @@ def test_an_unreachable_ray_address_fails_fast_naming_where_it_came_from():
         server.bind(("127.0.0.1", 0))
         server.listen()
         check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}", "ray.address")  # answers: fine
+
+
+def test_a_file_where_a_folder_is_expected_is_one_line_naming_it(tmp_path, capsys):
+    """Any OSError about a path (here a file given as the output folder: FileExistsError) reaches the
+    user as one line naming the path, exit 2, not a traceback; the file is left as it was."""
+    import json
+
+    from dflash_ray.cli import main
+
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    code = main(["prompts", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "a-file"), "--json"])
+    captured = capsys.readouterr()
+    assert code == 2 and "Traceback" not in captured.err
+    assert "a-file" in json.loads(captured.out)["error"]
+    assert (tmp_path / "a-file").read_text() == "x"
