@@ -310,15 +310,16 @@ def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
 
 def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_cluster, target, data, tmp_path,
                                                                            alone):
-    """Drafter rank 1 raises at step 5 (as an out-of-memory error would) while rank 0 waits for it in
-    the all-reduce: every stream restarts from the step-3 checkpoint, each step is taken once, and
-    the weights are an undisturbed run's, bit for bit."""
+    """Drafter rank 1 raises at step 4 (as an out-of-memory error would) while rank 0 waits for it in
+    the all-reduce, right after the step-3 checkpoint was taken (its files may still be uploading:
+    they are committed before the restart, not lost): every stream restarts from step 3, each step
+    is taken once, and the weights are an undisturbed run's, bit for bit."""
     import json
 
     faulty = run_train(target, data, str(tmp_path / "faulty"), load_config(
-        None, SETTINGS + ["train.fault_step=5", "train.collective_timeout_s=120"]), progress=False)
-    assert faulty["step"] == 8 and faulty["restarts"] == 1
-    assert "injected fault at step 5 on drafter rank 1" in faulty["failures"][0], faulty["failures"]
+        None, SETTINGS + ["train.fault_step=4", "train.collective_timeout_s=120"]), progress=False)
+    assert faulty["step"] == 8 and faulty["restarts"] == 1 and faulty["resumed_from"] == [3]
+    assert "injected fault at step 4 on drafter rank 1" in faulty["failures"][0], faulty["failures"]
     rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "faulty" / "metrics.jsonl")).splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert _final_weights(str(tmp_path / "faulty")) == _final_weights(alone[0])

@@ -84,6 +84,14 @@ def place_stream(tcfg, stream: int, bundles: list[dict], what: str):
     return pg
 
 
+def drafter_actor(cls):
+    """A drafter role as an actor that answers for its checkpoint files on a thread of its own
+    (`Coordinator._salvage`), its training calls still one at a time."""
+    import ray
+
+    return ray.remote(concurrency_groups={CHECKPOINT_THREAD: 1})(cls)
+
+
 def first_error(refs: list) -> list:
     """The results of one step's calls on every stream; a rank's error is raised as soon as it is
     known, while the other ranks may still wait for it in a collective."""
@@ -95,6 +103,8 @@ def first_error(refs: list) -> list:
         ray.get(ready)
     return ray.get(refs)
 
+
+CHECKPOINT_THREAD = "checkpoint"  # a drafter actor's concurrency group for its checkpoint files
 
 # settings that change how a run executes, not what it trains: free to differ on resume
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
@@ -131,6 +141,7 @@ class Coordinator:
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
         self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
         self.failures: list[str] = []  # what each restart recovered from
+        self.resumed_from: list[int] = []  # the checkpoint step each restart went on from (0: the start)
         self.teams = [Team(name, team_cfg, json.dumps(drafter_cfg), init,
                            storage.join(output, name) if name else output, mask_and_layer_ids(drafter_cfg)[1])
                       for name, team_cfg, drafter_cfg, init in drafters]
@@ -193,7 +204,7 @@ class Coordinator:
 
             if tcfg.colocate:  # the stream's one actor is its target and its drafter
                 team = self.teams[0]
-                team.drafters.append(ray.remote(ColocatedWorker).options(**at(0, "stream")).remote(
+                team.drafters.append(drafter_actor(ColocatedWorker).options(**at(0, "stream")).remote(
                     self.target, self.layer_ids, team.drafter_cfg_json, team.init, team.cfg.train, s,
                     tcfg.num_streams))
                 continue
@@ -201,7 +212,7 @@ class Coordinator:
                 self.target, self.layer_ids, tcfg))
             for i, team in enumerate(self.teams):
                 role = f"drafter-{team.name}" if team.name else "drafter"
-                team.drafters.append(ray.remote(DrafterWorker).options(**at(1 + i, role)).remote(
+                team.drafters.append(drafter_actor(DrafterWorker).options(**at(1 + i, role)).remote(
                     self.target, team.drafter_cfg_json, team.init, team.cfg.train, s, tcfg.num_streams, team.pick))
         self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.all_drafters]))
         # a hybrid target on its GPU without its fast kernels: refused now, not found slow in hour five
@@ -261,6 +272,8 @@ class Coordinator:
         import ray
 
         self.step, rejected = 0, []
+        for team in self.teams:  # a restart with no checkpoint yet starts over: its rows go with it
+            team.metrics = []
         now = self.cfg.to_dict()["train"]
         steps = set.intersection(*(set(checkpoint.complete_steps(t.output)) for t in self.teams))
         for step in sorted(steps, reverse=True):
@@ -331,10 +344,14 @@ class Coordinator:
         with `wait`): the run state, then the manifest, last; then rotate."""
         if self.uploading is None:
             return
-        n = self.cfg.train.num_streams  # every rank of every drafter writes its own shard
         written = first_error([d.upload_entries.remote(wait) for d in self.all_drafters])
         if any(entries is None for entries in written):
             return
+        self._commit_entries(written)
+
+    def _commit_entries(self, written: list[dict[str, dict]]) -> None:
+        """Commit the checkpoint in flight with every drafter rank's manifest entries."""
+        n = self.cfg.train.num_streams  # every rank of every drafter writes its own shard
         step, states = self.uploading
         for i, (team, state) in enumerate(zip(self.teams, states)):
             entries = {name: entry for ranks in written[i * n:(i + 1) * n] for name, entry in ranks.items()}
@@ -345,6 +362,26 @@ class Coordinator:
                                "".join(json.dumps(m) + "\n" for m in state["metrics"]))
         self.uploading = None
         self.trackers.sync()
+
+    def _salvage(self) -> None:
+        """After a failure, commit the checkpoint in flight if every drafter rank still finishes
+        writing its files: a failure moments after a checkpoint (whose upload can take minutes at
+        scale) must not cost the steps before it. Each rank answers on its checkpoint thread, since
+        its training thread may wait in a collective the failed rank left; a dead rank's files are
+        lost, and that checkpoint with them."""
+        import ray
+
+        if self.uploading is None:
+            return
+        refs = [d.upload_entries.options(concurrency_group=CHECKPOINT_THREAD).remote(True) for d in self.all_drafters]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.train.collective_timeout_s)
+        if len(ready) < len(refs):
+            return
+        try:
+            written = ray.get(refs)
+        except ray.exceptions.RayError:
+            return
+        self._commit_entries(written)
 
     def _evaluate(self) -> list[float | None]:
         """Simulated tau of each drafter on the held-out samples, their batches spread over every
@@ -498,6 +535,8 @@ class Coordinator:
                 try:
                     self._start_actors()
                     self._resume()
+                    if self.restarts:
+                        self.resumed_from.append(self.step)
                     self._regained()
                     self._train(stop_after_step)
                     break
@@ -510,6 +549,7 @@ class Coordinator:
                     # collective; every stream actor is stopped and the run goes on from its checkpoint
                     self.restarts += 1
                     self.failures.append(f"step {self.step + 1}: {failure_cause(e)}")
+                    self._salvage()
                     if self.lost_since is None:  # a failure while redoing steps: still the first one's loss
                         self.lost_since = (self.step, time.perf_counter())
                     if self.restarts > self.cfg.train.max_restarts:
@@ -522,7 +562,8 @@ class Coordinator:
             self.trackers.finish()
         summaries = [self._summary(team) for team in self.teams]
         run = {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
-               "restarts": self.restarts, "failures": self.failures, "slow_target_kernels": self.slow_kernels, "seconds_lost": round(self.seconds_lost, 1),
+               "restarts": self.restarts, "failures": self.failures, "resumed_from": self.resumed_from,
+               "slow_target_kernels": self.slow_kernels, "seconds_lost": round(self.seconds_lost, 1),
                "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
                "seconds": round(time.perf_counter() - started, 1), "trackers": tracked}
         if self.cfg.train.drafters:  # each drafter's figures under its name
