@@ -11,16 +11,14 @@ from dflash_ray.config import RunConfig, check_lengths
 from dflash_ray.errors import DFlashError
 
 
-def compiled_shapes(cfg: RunConfig) -> int:
-    """Graphs the drafter's compiled attention meets over a run of one drafter's settings: one per
-    padded context length (`tokenize.max_seq_len / train.length_bucket`), per attention mask kind of
-    its layers (sliding and full masks are different functions), per grad mode (training, and
-    evaluation without gradients when `train.eval_every` is set)."""
+def compiled_shapes(cfg: RunConfig) -> tuple[int, int]:
+    """Graphs the drafter's compiled attention meets over a run of one drafter's settings, as (padded
+    context lengths, graphs per length): one per length (`tokenize.max_seq_len / train.length_bucket`),
+    per attention mask kind of its layers (sliding and full masks are different functions), per grad
+    mode (training, and evaluation without gradients when `train.eval_every` is set)."""
     tr = cfg.train
     lengths = math.ceil(cfg.tokenize.max_seq_len / tr.length_bucket)
-    masks = len(set(tr.layer_types or ["full_attention"]))
-    modes = 2 if tr.eval_every else 1
-    return lengths * masks * modes
+    return lengths, len(set(tr.layer_types or ["full_attention"])) * (2 if tr.eval_every else 1)
 
 
 def check_compiled_shapes(cfg: RunConfig) -> None:
@@ -32,16 +30,15 @@ def check_compiled_shapes(cfg: RunConfig) -> None:
 
     if planned_placement(cfg).attention != "flex":
         return
+    keep = cfg.tokenize.max_seq_len
     for name, team in drafters.expand(cfg):
-        shapes = compiled_shapes(team)
-        if shapes > MAX_SHAPES:
-            tr = team.train
-            lengths = math.ceil(cfg.tokenize.max_seq_len / tr.length_bucket)
-            least = math.ceil(cfg.tokenize.max_seq_len / max(1, MAX_SHAPES // max(1, shapes // lengths)))
+        lengths, per_length = compiled_shapes(team)
+        if lengths * per_length > MAX_SHAPES:
+            least = math.ceil(keep / max(1, MAX_SHAPES // per_length))
             who = f"drafter {name!r}: " if name else ""
             raise DFlashError(
-                f"{who}tokenize.max_seq_len={cfg.tokenize.max_seq_len} / train.length_bucket={tr.length_bucket} gives "
-                f"{lengths} padded lengths, x {shapes // lengths} (mask kinds x grad modes) = {shapes} compiled "
+                f"{who}tokenize.max_seq_len={keep} / train.length_bucket={team.train.length_bucket} gives "
+                f"{lengths} padded lengths, x {per_length} (mask kinds x grad modes) = {lengths * per_length} compiled "
                 f"attention graphs, above the limit of {MAX_SHAPES}: the run would fail at a new length mid-run; "
                 f"allowed: train.length_bucket >= {least}, or a lower tokenize.max_seq_len", field="train.length_bucket")
 

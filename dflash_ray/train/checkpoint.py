@@ -148,14 +148,6 @@ def read_checked(folder: str, name: str, manifest: dict) -> bytes:
     return data
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def check_out(folder: str, name: str, manifest: dict, dest: Path | None) -> None:
     """Check one (possibly large) file of the checkpoint in `folder` against `manifest`, reading it in
     chunks; with `dest`, first fetch it there (a checkpoint on S3)."""
@@ -167,7 +159,7 @@ def check_out(folder: str, name: str, manifest: dict, dest: Path | None) -> None
         size = path.stat().st_size
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{uri}: listed in the manifest but missing") from None
-    _check(uri, entry, size, lambda: _sha256_file(path))
+    _check(uri, entry, size, lambda: storage.sha256(str(path)))
 
 
 def copy_in(path: Path, folder: str, name: str) -> dict:
@@ -181,7 +173,7 @@ def copy_in(path: Path, folder: str, name: str) -> dict:
         tmp = target.with_name(f".{target.name}.tmp")
         shutil.copyfile(path, tmp)
         os.replace(tmp, target)
-    return {"bytes": path.stat().st_size, "sha256": _sha256_file(path)}
+    return {"bytes": path.stat().st_size, "sha256": storage.sha256(str(path))}
 
 
 def read_folder_manifest(folder: str) -> dict:
