@@ -358,14 +358,14 @@ class DrafterWorker:
         self.upload = shards.save(self.drafter, self.opt, checkpoint.step_dir(output, step), self.ckpt_group, extra)
 
     def upload_entries(self, wait: bool) -> dict[str, dict] | None:
-        """The manifest entries of this rank's checkpoint files once they are all written, then
-        forgotten; None while they are being written (`wait=False`); {} when there is no upload."""
+        """The manifest entries of this rank's newest checkpoint files once they are all written; None
+        while they are being written (`wait=False`); {} when there is none. Kept until the next
+        checkpoint: the coordinator may ask again, when another rank was not done the first time."""
         upload = self.upload
         if upload is None:
             return {}
         if not (wait or upload.done()):
             return None
-        self.upload = None
         return upload.result()
 
     def load_checkpoint(self, output: str, step: int) -> None:
