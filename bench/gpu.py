@@ -11,8 +11,9 @@ One JSON line per check, each with "ok":
   then sequences of many lengths padded to `length_bucket` multiples: the graphs compiled (one per
   bucket, shared by both layer types) and graph breaks (none: nothing runs eagerly).
 - train_step: one colocated stream (`ColocatedWorker`: target and drafter on one device, the code the
-  Ray actor runs): tokens/s, step split (target / drafter / optimizer), peak memory, model FLOP
-  utilisation by the project's FLOP model (`plan.train_flops_per_token`); steps over sequences of
+  Ray actor runs): tokens/s, step split (target / drafter / optimizer), peak memory and step time
+  beside the plan's simulation of the same step (`bench.simulate`), model FLOP utilisation by the
+  FLOPs the simulation counts; steps over sequences of
   many lengths: the attention shapes met and the graphs compiled (flex attention and its block mask
   on the GPU; none on the CPU, which runs the dense mask); and what the paired
   path's trip of one batch's features through host memory (device → host → device) costs against it;
@@ -297,7 +298,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     from dflash_ray.drafter.blocks import bucket_length
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.export import to_hf_config
-    from dflash_ray.stages.plan import train_flops_per_token
+    from bench.simulate import simulate_check
     from dflash_ray.tiny_models import tiny_qwen3
     from dflash_ray.train.workers import ColocatedWorker
 
@@ -373,8 +374,12 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     target_params = sum(p.numel() for layer in layers[: max(sz.layer_ids) + 1] for p in layer.parameters())
     drafter_params = sum(p.numel() for p in worker.drafter.parameters())
     head_params = worker.head.numel()
-    kept = min(sz.anchors, sz.seq_len * 3 // 4 - 1)
-    flops = train_flops_per_token(target_params, drafter_params, head_params, kept * sz.block / sz.seq_len) * sz.seq_len
+    # the plan's simulation of this very step (fake tensors, the same code), beside what was measured
+    sim = simulate_check(hidden=sz.hidden, intermediate=sz.intermediate, heads=sz.heads, kv_heads=sz.kv_heads,
+                         head_dim=sz.head_dim, vocab=sz.vocab, target_layers=sz.target_layers, layer_ids=sz.layer_ids,
+                         drafter_layers=sz.drafter_layers, sliding_window=sz.sliding_window, anchors=sz.anchors,
+                         seq_len=sz.seq_len, length_bucket=sz.length_bucket)
+    flops = sim["tflops_per_step"] * 1e12
     losses = [s["loss"] for s in stats]
     finite = all(map(torch.isfinite, torch.tensor(losses + [s["loss"] for s in distilled])))
     return {"check": "train_step", "ok": finite and timed[-1]["grad_norm"] > 0 and shapes_ok, **shape_stats,
@@ -385,6 +390,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
             "target_seconds": mean("target_seconds"), "drafter_seconds": mean("drafter_seconds") - mean("optimizer_seconds"),
             "optimizer_seconds": mean("optimizer_seconds"), "first_step_seconds": walls[0],
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "simulated_peak_bytes": sim["peak_gb"] * 1e9, "simulated_step_seconds": sim["step_seconds"],
             "model_tflops_per_step": flops / 1e12,
             "mfu": flops / wall / (peak_tflops * 1e12) if cuda else None, "peak_tflops": peak_tflops,
             "losses": [round(x, 4) for x in losses], "target_build_seconds": built,

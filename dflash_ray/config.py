@@ -275,14 +275,14 @@ class PlanConfig:
     train_tokens: float = 1.87e9  # prompt + response tokens of one epoch
     epochs: int = 6
     generation_tokens_per_s_per_gpu: float = 400.0  # measured: the seed's engines (target + MTP head)
-    training_tokens_per_s_per_gpu: float = 0.0  # measured (bench.train on your GPUs); 0: FLOP model below
-    target_params: float = 27e9
-    drafter_params: float = 1.73e9
-    head_params: float = 1.27e9  # the frozen LM head the loss runs through (vocab 248,320 x hidden 5120)
-    anchors: int = 512
-    block_size: int = 16
-    gpu_tflops: float = 989.0  # bf16 dense peak of one GPU (H100/H200)
-    mfu: float = 0.35  # share of that peak a training step reaches
+    training_tokens_per_s_per_gpu: float = 0.0  # measured (bench.train on your GPUs); 0: the simulated step
+    gpu: str = "H200"  # the training and generation nodes' GPU: H100, H200 or B200 (its memory and peaks)
+    target_config: str = ""  # the target's config.json (or folder, or a bundled name); "": the run's target
+    memory_headroom: float = 0.9  # share of the GPU's memory a role's simulated peak may take (the rest:
+    # the CUDA context, the allocator's fragmentation, kernels' workspaces the simulation does not see)
+
+
+PLAN_GPUS = ("H100", "H200", "B200")  # `simulate.GPUS`: their memory and peaks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -374,8 +374,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
     "plan.generation_tokens_per_s_per_gpu": _above(0), "plan.training_tokens_per_s_per_gpu": _at_least(0),
-    "plan.anchors": _at_least(1), "plan.block_size": _at_least(2), "plan.gpu_tflops": _above(0),
-    "plan.mfu": _within(0, 1, low_open=True),
+    "plan.memory_headroom": _within(0, 1, low_open=True),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -400,6 +399,8 @@ def check(cfg: RunConfig) -> None:
     if ev.ngram_min > ev.ngram_max:
         raise DFlashError(f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
                           field="evaluate.ngram_min")
+    if cfg.plan.gpu not in PLAN_GPUS:
+        raise DFlashError(f"{cfg.plan.gpu!r} is not one of {list(PLAN_GPUS)}", field="plan.gpu")
     from dflash_ray.drafter.families import FAMILIES
 
     if tr.drafter not in FAMILIES:

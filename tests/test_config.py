@@ -54,7 +54,7 @@ def test_config_is_frozen():
     ("train.lr=0", "train.lr", "> 0"),
     ("train.lr=inf", "train.lr", "finite"),  # inf passed every range check and trained to NaN
     ("train.lr=nan", "train.lr", "finite"),
-    ("plan.mfu=-inf", "plan.mfu", "finite"),
+    ("plan.memory_headroom=-inf", "plan.memory_headroom", "finite"),
     ("train.collective_timeout_s=.inf", "train.collective_timeout_s", "finite"),
     ("train.lr=-1e-3", "train.lr", "> 0"),
     ("train.warmup_ratio=1", "train.warmup_ratio", "[0, 1)"),

@@ -23,7 +23,7 @@ def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys):
     # 1.64B tokens at 400 tok/s per GPU: 1,139 GPU-hours, over 64 GPUs
     assert abs(out["generation"]["gpu_hours"] - 1.64e9 / 400 / 3600) < 0.1
     assert abs(out["generation"]["wall_hours"] - out["generation"]["gpu_hours"] / 64) < 0.01
-    assert out["training"]["rate_source"].startswith("FLOP model")
+    assert out["training"]["rate_source"].startswith("simulated step")
     # 1.87B tokens x 5 layers x 5120 x 2 bytes
     assert out["offline_storage_avoided_tb"] == round(1.87e9 * 5 * 5120 * 2 / 1e12, 1)
 
@@ -33,6 +33,80 @@ def test_a_measured_training_rate_replaces_the_flop_model(capsys):
     assert out["training"]["rate_source"].startswith("measured")
     assert abs(out["training"]["gpu_hours"] - 1.87e9 * 6 / 5000 / 3600) < 0.1
     assert out["training"]["gpus"] == 8
+
+
+PRESET = ["--config", str(ROOT / "configs" / "qwen3.6-27b.yaml")]
+
+
+def test_plan_simulates_each_gpu_role_of_the_preset_at_its_real_shape(capsys):
+    """Per role: memory by category with a total, FLOPs counted, a step time and whether it fits an
+    H200; the target's bf16 27B weights, the drafter's FSDP2 shard beside the frozen head and its
+    activations at 12,288 tokens and 512 anchors."""
+    out = _plan(capsys, *PRESET)
+    roles = out["roles"]
+    assert set(roles) == {"target", "drafter", "generator"} and out["gpu"]["name"] == "H200"
+    target, drafter = roles["target"], roles["drafter"]
+    assert target["memory_gb"]["parameters"] >= 50 and target["memory_gb"]["gradients"] == 0
+    assert drafter["parameters"] > 1.5e9  # the reference drafter, 1.73B
+    # an eighth of the fp32 weights, and the bf16 layer gathered at the peak: well under the whole
+    assert drafter["memory_gb"]["parameters"] < drafter["parameters"] * 4 / 1e9 / 2
+    assert drafter["memory_gb"]["frozen_embedding_and_head"] > 5 and drafter["memory_gb"]["activations"] > 1
+    for role in (target, drafter):
+        total = role["memory_gb"]["total"]
+        assert abs(total - sum(v for k, v in role["memory_gb"].items() if k != "total")) < 0.05
+        assert role["flops_per_step"] > 1e13 and role["step_seconds"] > 0 and role["fits"]
+    # the longest sequence costs more than the mean one; DFlash's 512 x 16 block positions cost nearly the same
+    assert target["flops_per_step"] > 4 * target["flops_per_step_at_mean"]
+    assert drafter["flops_per_step"] < 1.3 * drafter["flops_per_step_at_mean"]
+    assert out["shapes"]["longest"]["seq_len"] == 12288 and out["training"]["rate_source"].startswith("simulated")
+    assert roles["generator"]["sequences_at_max_model_len"] >= 1 and "estimator" in out
+
+
+def test_plan_refuses_a_role_above_the_gpus_memory(capsys):
+    error = _refused(capsys, *PRESET, "--set", "train.num_anchors=8192")
+    assert "drafter role" in error and "H200" in error and "train.num_anchors" in error
+    assert "GB" in error and "tokenize.max_seq_len" in error
+
+
+def test_dspark_and_dflash2_presets_count_what_their_losses_add(capsys):
+    """DSpark's target also runs its head for the top-k it sends; DFlash2's drafter walks the head's
+    full-vocabulary top-K: the simulation counts them from their code."""
+    dflash = _plan(capsys, *PRESET)["roles"]
+    for preset in ("qwen3.6-27b-dspark.yaml", "qwen3.6-27b-dflash2.yaml"):
+        roles = _plan(capsys, "--config", str(ROOT / "configs" / preset))["roles"]
+        assert all(r["fits"] for r in roles.values())
+        if "dspark" in preset:
+            assert roles["target"]["flops_per_step"] > dflash["target"]["flops_per_step"]
+        else:
+            assert roles["drafter"]["parameters"] > dflash["drafter"]["parameters"]  # its convolutions and selector
+
+
+def test_the_simulated_gpu_check_is_within_a_quarter_of_the_h200_measurement():
+    """bench.simulate: the GPU check's colocated step (54.5 GB peak measured on an H200) simulated at
+    its exact shapes by the plan's own code."""
+    from bench.simulate import MEASURED, simulate_check
+
+    sim = simulate_check()
+    assert 0.75 <= sim["peak_gb"] / MEASURED["peak_gb"] <= 1.25
+    assert 0.75 <= sim["step_seconds"] / MEASURED["step_seconds"] <= 1.25
+
+
+def test_train_refuses_a_gpu_run_whose_drafter_would_not_fit_before_any_actor(tmp_path):
+    import shutil
+
+    import pytest
+
+    from dflash_ray.config import load_config
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.stages.train import run_train
+
+    target = tmp_path / "target"
+    target.mkdir()
+    shutil.copy(ROOT / "dflash_ray" / "assets" / "targets" / "qwen3.6-27b.json", target / "config.json")
+    cfg = load_config(str(ROOT / "configs" / "qwen3.6-27b.yaml"), ["train.num_anchors=8192"])
+    with pytest.raises(DFlashError) as e:  # no weights, no cluster: refused at the desk
+        run_train(str(target), str(tmp_path / "data"), str(tmp_path / "out"), cfg, progress=False)
+    assert e.value.field == "train.num_anchors" and "drafter role" in str(e.value)
 
 
 def test_a_cluster_file_without_stage_node_types_is_refused(tmp_path, capsys):

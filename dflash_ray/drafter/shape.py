@@ -24,13 +24,16 @@ def drafter_config(target: str, cfg: RunConfig) -> dict:
     """The drafter's whole shape, in the serving format's config: sizes, vocabulary, RoPE and norms
     from the target; depth, heads, layer types, block and captured layers from `train`; the dtype
     the stream actors will compute in (their planned placement, checked here too)."""
+    return drafter_config_of(target_config(target), cfg)
+
+
+def drafter_config_of(target_cfg, cfg: RunConfig) -> dict:
+    """`drafter_config` from the target's config itself (`plan` simulates targets it cannot load)."""
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.export import to_hf_config
     from dflash_ray.train.devices import planned_placement
 
     tcfg = cfg.train
-
-    target_cfg = target_config(target)
     text = getattr(target_cfg, "text_config", None) or target_cfg
     special = tuple(t for t in (getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None),
                                 getattr(text, "pad_token_id", None)) if isinstance(t, int))

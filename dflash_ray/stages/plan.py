@@ -1,16 +1,21 @@
-"""`dflash-ray plan`: GPU-hours and wall time of generation and training for a workload (the seed's
-by default: 902K prompts, 1.64B output tokens, 6 epochs) on the cluster in the config, and the
-offline hidden-state storage that online training avoids.
+"""`dflash-ray plan`: will the run fit, how fast will it go and what will it cost, from the run's own
+config and code.
 
-Generation runs at a measured rate per GPU (the seed's engines by default). Training uses a
-measured rate when given (`plan.training_tokens_per_s_per_gpu`, e.g. from `bench.train` on the
-target GPUs); otherwise a FLOP model, said so in the output: per sequence token the target's forward
-(2·P_target) plus the drafter's forward and backward (6·P_drafter) over anchors × block_size block
-tokens per sequence, at `mfu` of the GPU's peak.
+Each GPU role (the target; each drafter of `train.drafters`; or the colocated pair) runs its real step
+code once under fake tensors (`dflash_ray.simulate`) at the longest sequence the config allows: peak
+memory by category against the GPU of the training nodes (`plan.gpu`), FLOPs counted. A role that
+does not fit is refused here and by `train`'s preflight, naming the fields that would bring it
+under. The same steps at the workload's mean length give the step time (counted FLOPs at the
+utilisation calibrated on the H200 measurement), the throughput and the GPU-hours of the workload
+(the seed's by default: 902K prompts, 1.64B output tokens, 6 epochs). Generation runs at a measured
+rate per GPU; its memory is the target's weights and the KV cache vLLM fills the rest with.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 from typing import Any
 
 import yaml
@@ -19,11 +24,18 @@ from dflash_ray import storage
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 
-
-def train_flops_per_token(target_params: float, drafter_params: float, head_params: float,
-                          block_tokens_per_token: float) -> float:
-    """Model FLOPs of one training step per sequence token (attention scores left out)."""
-    return 2 * target_params + (6 * drafter_params + 4 * head_params) * block_tokens_per_token
+# Calibrated on the one H200 run of the GPU check (bench/RESULTS.md, 2026-11-30): the colocated step's
+# FLOPs counted at its shapes (138.2 TFLOP) over its measured target and drafter seconds (0.328 s) on
+# a 989 TFLOP/s peak; its AdamW (the multi-tensor path, 7 passes over 6.9 GB of fp32 weights) over its
+# 0.041 s on 4.8 TB/s.
+COMPUTE_EFFICIENCY = 0.426
+OPTIMIZER_BANDWIDTH_EFFICIENCY = 0.25
+OPTIMIZER_PASSES = 7  # AdamW reads the weight, gradient and both moments and writes three of them
+ESTIMATOR = (f"counted FLOPs at {COMPUTE_EFFICIENCY:.1%} of the GPU's dense bf16 peak, plus AdamW's "
+             f"{OPTIMIZER_PASSES} passes over the rank's fp32 shard at {OPTIMIZER_BANDWIDTH_EFFICIENCY:.0%} of its "
+             "memory bandwidth; both shares calibrated on the H200 GPU check of 2026-11-30 (bench/RESULTS.md)")
+BUNDLED_TARGETS = ("qwen3.6-27b",)  # targets a plan needs no copy of: their config.json ships here
+DEFAULT_TARGET = "qwen3.6-27b"  # the seed workload's target
 
 
 def cluster_gpus(uri: str) -> tuple[int, int]:
@@ -46,35 +58,251 @@ def cluster_gpus(uri: str) -> tuple[int, int]:
     return gen, train
 
 
-def run_plan(cfg: RunConfig) -> dict[str, Any]:
+@functools.cache
+def _config_from_json(text: str, where: str):
+    from transformers import AutoConfig
+
+    try:
+        data = json.loads(text)
+        return AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"not a model config.json: {e}", file=where) from None
+
+
+def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
+    """The target's config and where it came from: the run's own `target` when given, else
+    `plan.target_config` (a bundled name, a config.json or a model folder), else `pipeline.target`,
+    else the seed's."""
+    source = target or cfg.plan.target_config or cfg.pipeline.target or DEFAULT_TARGET
+    if source in BUNDLED_TARGETS:
+        from importlib import resources
+
+        path = resources.files("dflash_ray.assets").joinpath("targets", f"{source}.json")
+        return _config_from_json(path.read_text(), source), f"{source} (bundled config.json)"
+    if source.endswith(".json"):
+        return _config_from_json(storage.read_bytes(source).decode(), source), source
+    from dflash_ray.drafter.shape import target_config as resolved
+
+    return resolved(source), source
+
+
+def gpu_of(cfg: RunConfig):
+    from dflash_ray.simulate import GPUS
+
+    return GPUS[cfg.plan.gpu]
+
+
+# -- the simulated roles -------------------------------------------------------------------------
+
+def samples(cfg: RunConfig):
+    """(longest, mean) sequences a stream steps on: the longest the config keeps (its prompt what the
+    longest answer leaves room for), and the workload's mean with its prompt share."""
+    from dflash_ray.simulate import Sample
+
+    longest = cfg.tokenize.max_seq_len
+    prompt = max(1, min(longest - cfg.generate.max_tokens, cfg.prompts.max_prompt_tokens, longest // 2))
+    p = cfg.plan
+    mean = max(2, round(p.train_tokens / p.prompts))
+    mean_prompt = max(1, round(mean * (1 - p.output_tokens / p.train_tokens)))
+    batch = cfg.train.batch_size
+    return Sample(longest, prompt, batch), Sample(mean, mean_prompt, batch)
+
+
+def _team_drafters(cfg: RunConfig, hf) -> list[tuple[str, RunConfig, Any]]:
+    from dflash_ray.drafter.export import from_hf_config
+    from dflash_ray.drafter.shape import drafter_config_of
+    from dflash_ray.train import drafters
+
+    return [(name, team, from_hf_config(drafter_config_of(hf, team))) for name, team in drafters.expand(cfg)]
+
+
+@functools.lru_cache(maxsize=32)
+def _target_step(hf_json: str, layers: tuple, seq: int, prompt: int, batch: int, top_k: int) -> dict:
+    from transformers import AutoConfig
+
+    from dflash_ray.simulate import Sample, target_forward
+
+    hf = AutoConfig.for_model(**json.loads(hf_json))
+    return target_forward(hf, list(layers), Sample(seq, prompt, batch), top_k)
+
+
+@functools.lru_cache(maxsize=64)
+def _drafter_step(dcfg_json: str, seq: int, prompt: int, batch: int, anchors: int, world: int, tied: bool,
+                  top_k: int, distill: float, gamma: float, bucket: int) -> dict:
+    from dflash_ray.drafter.export import from_hf_config
+    from dflash_ray.simulate import Sample, drafter_step
+
+    dcfg = from_hf_config(json.loads(dcfg_json))
+    return drafter_step(dcfg, dcfg.family, Sample(seq, prompt, batch), num_anchors=anchors, world=world,
+                        tied_head=tied, teacher_k=top_k, distill=distill, gamma=gamma, length_bucket=bucket)
+
+
+def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
+    """Each GPU role's step at `sample`: memory by category per GPU, FLOPs, and seconds on `plan.gpu`."""
+    import torch
+
+    from dflash_ray.drafter import families
+    from dflash_ray.drafter.export import to_hf_config
+    from dflash_ray.train.devices import target_gpus
+    from dflash_ray.train.drafters import union_layers
+
+    tr, gpu = cfg.train, gpu_of(cfg)
+    teams = _team_drafters(cfg, hf)
+    layers, _ = union_layers([list(d.target_layer_ids) for _, _, d in teams])
+    wants = [t.train.distill > 0 or families.get(d.family).wants_target_distribution for _, t, d in teams]
+    top_k = tr.distill_top_k if any(wants) else 0
+    hf_json = json.dumps(hf.to_dict(), sort_keys=True, default=str)
+    target = dict(_target_step(hf_json, tuple(layers), sample.seq_len, sample.prompt_len, sample.batch, top_k))
+    spread = max(1, int(target_gpus(tr) or 1))
+    target_memory = {k: round(v / spread, 2) for k, v in target["memory_gb"].items()}
+    roles = {"target": {"gpus": spread, "memory_gb": target_memory, "flops_per_step": target["flops_per_step"],
+                        "step_seconds": _seconds(target["flops_per_step"], 0, gpu) / spread,
+                        "simulated_in_s": target["simulated_in_s"]}}
+    tied = bool(getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False))
+    for (name, team, dcfg), wanted in zip(teams, wants):
+        t = team.train
+        gamma = t.loss_decay if t.loss_decay is not None else 7 * dcfg.block_size / 16
+        step = _drafter_step(json.dumps(to_hf_config(dcfg, torch.float32), sort_keys=True), sample.seq_len,
+                             sample.prompt_len, sample.batch, t.num_anchors, t.num_streams, tied,
+                             top_k if wanted else 0, t.distill, gamma, t.length_bucket)
+        shard_gb = step["parameters"] * 4 / t.num_streams / 1e9
+        role = {"gpus": 1, "memory_gb": dict(step["memory_gb"]), "flops_per_step": step["flops_per_step"],
+                "step_seconds": _seconds(step["flops_per_step"], shard_gb, gpu),
+                "parameters": step["parameters"], "simulated_in_s": step["simulated_in_s"]}
+        if t.num_streams > 1:  # FSDP2: bf16 weights gathered forward and backward, fp32 gradients reduce-scattered
+            moved = step["parameters"] * (2 + 2 + 4) * (t.num_streams - 1) / t.num_streams / 1e9
+            role["collective_gb_per_step"] = round(moved, 2)
+            if t.min_bus_bandwidth > 0:
+                role["collective_seconds_at_min_bus_bandwidth"] = round(moved / t.min_bus_bandwidth, 3)
+        roles[f"drafter:{name}" if name else "drafter"] = role
+    if tr.colocate:  # one GPU holds both: the drafter's step runs after the target's forward
+        drafter = roles.pop("drafter")
+        target = roles.pop("target")
+        memory = {k: round(drafter["memory_gb"].get(k, 0) + (target["memory_gb"].get(k, 0) if k != "activations"
+                                                               else 0), 2) for k in drafter["memory_gb"]}
+        memory["total"] = round(sum(v for k, v in memory.items() if k != "total"), 2)
+        roles["stream"] = {**drafter, "memory_gb": memory, "flops_per_step": drafter["flops_per_step"]
+                           + target["flops_per_step"], "step_seconds": drafter["step_seconds"] + target["step_seconds"]}
+    return roles
+
+
+def _seconds(flops: float, optimizer_shard_gb: float, gpu) -> float:
+    compute = flops / (gpu.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY)
+    optimizer = optimizer_shard_gb * OPTIMIZER_PASSES / (gpu.bandwidth_tbs * 1e3 * OPTIMIZER_BANDWIDTH_EFFICIENCY)
+    return round(compute + optimizer, 4)
+
+
+def generator_role(cfg: RunConfig, hf, weights_gb: float) -> dict:
+    """A generator GPU: the target's bf16 weights over its tensor-parallel GPUs, and the KV cache (and
+    a hybrid's recurrent state) vLLM fills the rest of `generate.memory_utilization` with."""
+    text = getattr(hf, "text_config", hf)
+    g, gpu = cfg.generate, gpu_of(cfg)
+    usable = gpu.memory_gb * (g.memory_utilization or 0.9)
+    weights = weights_gb / g.tensor_parallel_size
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_per_token = kinds.count("full_attention") * 2 * text.num_key_value_heads * head_dim * 2
+    state = kinds.count("linear_attention") * (getattr(text, "linear_num_value_heads", 0)
+                                               * getattr(text, "linear_key_head_dim", 0)
+                                               * getattr(text, "linear_value_head_dim", 0) * 2)
+    per_sequence = (kv_per_token * g.max_model_len + state) / g.tensor_parallel_size / 1e9
+    cache = max(0.0, usable - weights)
+    return {"gpus": g.tensor_parallel_size, "memory_gb": {"parameters": round(weights, 2), "kv_cache": round(cache, 2),
+                                                        "total": round(usable, 2)},
+            "sequences_at_max_model_len": math.floor(cache / per_sequence) if per_sequence else None,
+            "engine_batch": g.batch_size, "fits": cache >= per_sequence,
+            "note": "vLLM sizes its own cache: the figures are its weights and what is left of "
+                    "generate.memory_utilization for the cache"}
+
+
+def fitting(cfg: RunConfig, roles: dict[str, dict]) -> None:
+    """Mark each role `fits`; refuse the first that does not, naming what would bring it under."""
+    gpu = gpu_of(cfg)
+    room = gpu.memory_gb * cfg.plan.memory_headroom
+    for name, role in roles.items():
+        if "fits" in role:
+            continue
+        role["fits"] = role["memory_gb"]["total"] <= room
+    for name, role in roles.items():
+        if role["fits"]:
+            continue
+        top = sorted(((v, k) for k, v in role["memory_gb"].items() if k != "total"), reverse=True)[:3]
+        parts = ", ".join(f"{k} {v:.1f}" for v, k in top)
+        tr = cfg.train
+        if name == "generator":
+            fields, field = "generate.tensor_parallel_size or a lower generate.max_model_len", \
+                "generate.tensor_parallel_size"
+        elif name == "target":
+            fields, field = (f"train.target_gpus above {tr.target_gpus or tr.actor_gpus or 1:g} (its layers spread), "
+                             f"a lower tokenize.max_seq_len ({cfg.tokenize.max_seq_len})"), "train.target_gpus"
+        else:
+            fields, field = (f"a lower train.num_anchors ({tr.num_anchors}) or tokenize.max_seq_len "
+                             f"({cfg.tokenize.max_seq_len}), more train.num_streams ({tr.num_streams}: a smaller "
+                             "shard), or a smaller drafter (train.num_layers, train.intermediate_size)"), "train.num_anchors"
+        raise DFlashError(f"the {name} role needs {role['memory_gb']['total']:.1f} GB per GPU at its peak ({parts} GB) "
+                          f"at the longest sequence ({cfg.tokenize.max_seq_len} tokens), above the "
+                          f"{cfg.plan.memory_headroom:.0%} of a {gpu.name}'s {gpu.memory_gb:.1f} GB the plan "
+                          f"allows ({room:.1f} GB); bring it under with {fields}", field=field)
+
+
+def check_memory(cfg: RunConfig, target: str) -> dict[str, dict]:
+    """`train`'s preflight on GPUs: every role's simulated peak at the longest sequence, refused when
+    above the GPU's memory (`fitting`)."""
+    hf, _ = target_config(cfg, target)
+    longest, _ = samples(cfg)
+    roles = simulate_roles(cfg, hf, longest)
+    fitting(cfg, roles)
+    return roles
+
+
+def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray.preflight import preflight
+    from dflash_ray.train.devices import target_gpus
 
     warnings = preflight(cfg)  # every check a run of this config makes before it starts
-    p = cfg.plan
+    p, tr, gpu = cfg.plan, cfg.train, gpu_of(cfg)
     gen_gpus, train_gpus = cluster_gpus(p.cluster) if p.cluster else (p.generation_gpus, p.training_gpus)
     if gen_gpus < 1 or train_gpus < 1:
         raise DFlashError("needs at least one GPU for each stage", field="plan.generation_gpus")
-    gen_gpu_h = p.output_tokens / p.generation_tokens_per_s_per_gpu / 3600
+    hf, source = target_config(cfg, target)
+    longest, mean = samples(cfg)
+    peak = simulate_roles(cfg, hf, longest)
+    peak["generator"] = generator_role(cfg, hf, peak.get("target", peak.get("stream"))["memory_gb"]["parameters"]
+                                       * (max(1, int(target_gpus(tr) or 1)) if "target" in peak else 1))
+    fitting(cfg, peak)
+    at_mean = simulate_roles(cfg, hf, mean)
 
-    seq_len = p.train_tokens / p.prompts
+    # a stream's step: the target's forward overlaps its drafters' steps when batches are sent ahead
+    drafter_s = max(r["step_seconds"] for k, r in at_mean.items() if k.startswith("drafter") or k == "stream")
+    step_s = drafter_s if tr.colocate else (max(drafter_s, at_mean["target"]["step_seconds"]) if tr.max_in_flight
+                                            else drafter_s + at_mean["target"]["step_seconds"])
+    per_stream = sum(r["gpus"] for r in at_mean.values())
     if p.training_tokens_per_s_per_gpu > 0:
-        train_rate, source = p.training_tokens_per_s_per_gpu, "measured (plan.training_tokens_per_s_per_gpu)"
+        train_rate, rate_source = p.training_tokens_per_s_per_gpu, "measured (plan.training_tokens_per_s_per_gpu)"
     else:
-        block_tokens_per_token = min(p.anchors, seq_len) * p.block_size / seq_len
-        flops = train_flops_per_token(p.target_params, p.drafter_params, p.head_params, block_tokens_per_token)
-        train_rate = p.gpu_tflops * 1e12 * p.mfu / flops
-        source = f"FLOP model: {flops / 1e9:.0f} GFLOP per token at {p.mfu:.0%} of {p.gpu_tflops:.0f} TFLOP/s"
+        train_rate = mean.seq_len * mean.batch / step_s / per_stream
+        rate_source = f"simulated step at the mean length ({mean.seq_len} tokens): {step_s:.3f} s on {per_stream} GPUs"
+    gen_gpu_h = p.output_tokens / p.generation_tokens_per_s_per_gpu / 3600
     train_gpu_h = p.train_tokens * p.epochs / train_rate / 3600
     v = cfg.validate
     offline = p.train_tokens * v.num_feature_layers * v.hidden_size * 2  # bf16 features of every token
+    roles = {name: {**role, "step_seconds_at_mean": at_mean.get(name, {}).get("step_seconds"),
+                    "flops_per_step_at_mean": at_mean.get(name, {}).get("flops_per_step")}
+             for name, role in peak.items()}
     return {
-        "stage": "plan", "cluster": p.cluster or None,
+        "stage": "plan", "cluster": p.cluster or None, "target_config": source,
+        "gpu": {"name": gpu.name, "memory_gb": gpu.memory_gb, "usable_gb": round(gpu.memory_gb * p.memory_headroom, 1),
+                "bf16_tflops": gpu.bf16_tflops, "bandwidth_tbs": gpu.bandwidth_tbs},
+        "estimator": ESTIMATOR,
+        "shapes": {"longest": vars(longest), "mean": vars(mean)},
+        "roles": roles,
         "workload": {"prompts": p.prompts, "output_tokens": p.output_tokens, "train_tokens": p.train_tokens,
                      "epochs": p.epochs},
         "generation": {"gpus": gen_gpus, "tokens_per_s_per_gpu": p.generation_tokens_per_s_per_gpu,
                        "gpu_hours": round(gen_gpu_h, 1), "wall_hours": round(gen_gpu_h / gen_gpus, 2)},
-        "training": {"gpus": train_gpus, "tokens_per_s_per_gpu": round(train_rate, 1), "rate_source": source,
-                     "gpu_hours": round(train_gpu_h, 1), "wall_hours": round(train_gpu_h / train_gpus, 2)},
+        "training": {"gpus": train_gpus, "gpus_per_stream": per_stream, "tokens_per_s_per_gpu": round(train_rate, 1),
+                     "rate_source": rate_source, "gpu_hours": round(train_gpu_h, 1),
+                     "wall_hours": round(train_gpu_h / train_gpus, 2)},
         "offline_storage_avoided_tb": round(offline / 1e12, 1),
         "offline_storage_note": f"{v.num_feature_layers} layers x hidden {v.hidden_size} x 2 bytes per token, "
                                 "written once and read every epoch",

@@ -67,6 +67,10 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
     check_installed(cfg.train.trackers)
     preflight(cfg, generating=False)
     target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
+    if cfg.train.actor_gpus > 0:  # every GPU role's simulated peak against the GPU's memory (`plan`)
+        from dflash_ray.stages.plan import check_memory
+
+        check_memory(cfg, target)
     teams = []
     for name, team_cfg in drafters.expand(cfg):  # bad settings fail here, naming the drafter
         try:

@@ -17,12 +17,12 @@ from torch import nn
 
 def shard(drafter: nn.Module, device_type: str, group, dtype: torch.dtype) -> None:
     """Shard `drafter` in place over the ranks of process `group` (the drafter's own ranks, which may
-    be a subgroup of the run's). Gradients are summed, not averaged: the caller scales each rank's
-    loss by its share of the union's weight."""
+    be a subgroup of the run's), or over a `DeviceMesh` made beforehand. Gradients are summed, not
+    averaged: the caller scales each rank's loss by its share of the union's weight."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(group, device_type)
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for module in [*drafter.layers, drafter]:
         fully_shard(module, mesh=mesh, mp_policy=policy)

@@ -1,0 +1,313 @@
+"""A role's own step code run at the real shape under fake tensors: peak memory by category, FLOPs
+counted, a step time estimated, all without a GPU and without allocating a byte.
+
+`FakeTensorMode` gives every tensor its shape, dtype and size but no data; `MemTracker` (or
+`FSDPMemTracker` for a sharded drafter, over a fake process group) records what the step holds at
+its peak; `FlopCounterMode` counts its FLOPs. What fake tensors cannot run is stood in for, each
+with the memory and FLOPs of the GPU kernel it stands for:
+
+- compiled flex attention (a kernel that never materializes the scores): saves q, k, v, the output
+  and the log-sum-exp for the backward; its FLOPs are counted from the attention rule (each block
+  query sees its anchor's context, or the window of it, and its own block);
+- the fused cross-entropy runs its chunked PyTorch path (the Triton kernel rewrites the same chunk
+  of logits in place);
+- data-dependent index ops (`nonzero`, boolean masks) see every entry true: every position a
+  response position, an upper bound;
+- AdamW takes its multi-tensor path over a whole drafter, the GPU's default (its temporaries a copy
+  of the weights' size), and the per-tensor path over a sharded one: on fake tensors the sharded
+  multi-tensor path counts full-size temporaries that the real one (checked on real tensors over a
+  fake group) never holds, while its one shard-sized temporary falls after the backward's peak.
+
+Not seen here: allocator fragmentation and the CUDA context (`plan.memory_headroom` leaves room for
+them), the kernels' own efficiency (the step time is counted FLOPs at a utilisation calibrated on
+the one H200 measurement, `bench/RESULTS.md`). No Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gb: float  # what the device reports (nvidia-smi), in 1e9 bytes
+    bf16_tflops: float  # dense bf16 peak
+    bandwidth_tbs: float  # HBM
+
+
+# the peaks from the vendors' datasheets; memory as the driver reports it
+GPUS = {"H100": Gpu("H100", 85.5, 989.0, 3.35), "H200": Gpu("H200", 150.7, 989.0, 4.8),
+        "B200": Gpu("B200", 192.3, 2250.0, 8.0)}
+
+aten = torch.ops.aten
+
+
+def _all_indices(x: torch.Tensor) -> torch.Tensor:
+    """What `nonzero` returns for a tensor whose every entry is true: [numel, ndim]."""
+    grids = torch.meshgrid(*[torch.arange(n, device=x.device) for n in x.shape], indexing="ij")
+    return torch.stack([g.reshape(-1) for g in grids], -1)
+
+
+class _EveryEntryTrue(torch.utils._python_dispatch.TorchDispatchMode):
+    """Data-dependent index ops on fake tensors, as if every mask entry were true."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.nonzero.default:
+            return _all_indices(args[0])
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                i is not None and i.dtype == torch.bool for i in args[1]):
+            indices = []
+            for i in args[1]:
+                indices.extend(_all_indices(i).unbind(-1) if i is not None and i.dtype == torch.bool else [i])
+            args = (args[0], indices, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _FlexKernel(torch.autograd.Function):
+    """Compiled flex attention's memory: q, k, v, out and the log-sum-exp kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q, dtype=v.dtype)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _out, lse = ctx.saved_tensors
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del lse  # the backward's row sums (`delta`) are of its size, held while it runs
+        return grads
+
+
+class _Counted:
+    """FLOPs of stood-in kernels the flop counter does not see."""
+    flops = 0.0
+
+
+def _gated_delta_rule(query, key, value, g=None, beta=None, initial_state=None, output_final_state=False, **_):
+    """The chunked Gated-DeltaNet kernel (flash-linear-attention's on a GPU): its output, its final
+    state when asked, and its FLOPs (per token and head: the state read twice and updated, 3 x 2·dk·dv,
+    and the 64-token chunk's own attention, 2·64·(dk + dv))."""
+    B, S, h, dk = key.shape
+    dv = value.shape[-1]
+    _Counted.flops += B * S * h * (6 * dk * dv + 2 * 64 * (dk + dv))
+    state = value.new_empty(B, h, dk, dv, dtype=torch.float32) if output_final_state else None
+    return torch.empty_like(value), state
+
+
+@contextlib.contextmanager
+def fake_run() -> Iterator[Any]:
+    """A fake tensor mode with the stand-ins above in place; yields the mode."""
+    import importlib
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dflash_ray.drafter import model
+    from dflash_ray.kernels import fused_ce
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _Counted.flops = 0.0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(model, "flex_attention", lambda q, k, v, mask: _FlexKernel.apply(q, k, v)))
+        stack.enter_context(mock.patch.object(fused_ce, "_use_triton", lambda t: False))
+        for hybrid in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # transformers' Gated-DeltaNet targets
+            try:
+                modeling = importlib.import_module(f"transformers.models.{hybrid}.modeling_{hybrid}")
+            except ImportError:
+                continue
+            if hasattr(modeling, "torch_chunk_gated_delta_rule"):
+                stack.enter_context(mock.patch.object(modeling, "torch_chunk_gated_delta_rule", _gated_delta_rule))
+        stack.enter_context(mode)
+        stack.enter_context(_EveryEntryTrue())
+        yield mode
+
+
+def fake_module(build, mode, dtype: torch.dtype | None = None) -> nn.Module:
+    """`build()` on the meta device, then every parameter and buffer made a fake CPU tensor (a fake
+    tensor has a size the trackers count; a meta one does not)."""
+    with torch.device("meta"):
+        module = build()
+    convert = mode.fake_tensor_converter
+    made: dict[int, nn.Parameter] = {}  # tied weights stay one tensor
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    t = convert.from_meta_and_device(mode, p.data.to(dtype or p.dtype), torch.device("cpu"))
+                    made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                m._parameters[name] = made[id(p)]
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = convert.from_meta_and_device(mode, b, torch.device("cpu"))
+    return module
+
+
+def _categories(snapshot: dict) -> dict[str, float]:
+    """A tracker's peak snapshot as GB by category, summed over devices; the FSDP tracker's finer
+    kinds folded into the five a reader compares."""
+    fold = {"Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+            "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
+            "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
+            "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
+            "Reduce Scatter": "temporaries", "Inputs": "inputs", "Other": "temporaries"}
+    out = dict.fromkeys(["parameters", "gradients", "optimizer", "activations", "temporaries", "inputs"], 0.0)
+    for per_device in snapshot.values():
+        for kind, nbytes in per_device.items():
+            name = getattr(kind, "value", kind)
+            if name != "Total":
+                out[fold.get(name, "temporaries")] += nbytes / 1e9
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def tensor_gb(*tensors: torch.Tensor) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 1e9
+
+
+# -- the attention FLOPs the flex stand-in does not count ----------------------------------------
+
+def attention_pairs(seq_len: int, prompt_len: int, num_anchors: int, block_size: int, layer_type: str,
+                    sliding_window: int) -> float:
+    """Expected (query, key) pairs a block-attention layer computes for one sequence: anchors drawn
+    uniformly over the response, each block's K queries seeing the anchor's context (its window of
+    it in a sliding layer) and their own block."""
+    candidates = range(prompt_len, seq_len - 1)
+    n = max(1, len(candidates))
+    window = sliding_window if layer_type == "sliding_attention" else seq_len
+    mean_context = sum(min(a, window) for a in candidates) / n
+    anchors = min(num_anchors, n)
+    return anchors * block_size * (mean_context + block_size)
+
+
+def attention_flops(drafter_cfg, seq_len: int, prompt_len: int, num_anchors: int, backward: bool) -> float:
+    """FLOPs of the drafter's block attention over its layers: 2 matmuls forward (4·pairs·heads·dim),
+    twice that in the backward (the flop counter's own rule for attention)."""
+    total = 0.0
+    for layer_type in drafter_cfg.layer_types:
+        pairs = attention_pairs(seq_len, prompt_len, num_anchors, drafter_cfg.block_size, layer_type,
+                                drafter_cfg.sliding_window)
+        total += 4 * pairs * drafter_cfg.num_heads * drafter_cfg.head_dim * (3 if backward else 1)
+    return total
+
+
+# -- the roles ---------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    """The batch a role steps on: `batch` sequences of `seq_len` tokens, the first `prompt_len` of
+    each the prompt (the rest trained on)."""
+    seq_len: int
+    prompt_len: int
+    batch: int = 1
+
+
+def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: int, world: int,
+                 tied_head: bool, teacher_k: int, distill: float, gamma: float, length_bucket: int,
+                 extra_gb: float = 0.0) -> dict[str, Any]:
+    """One training step of a drafter rank: its family's own forward and loss, the backward, the
+    clipped gradients and AdamW, sharded with FSDP2 over `world` ranks (a fake process group) as a
+    run shards it. Returns memory by category (GB), FLOPs and the simulator's own seconds."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash_ray.drafter import families
+
+    family = families.get(family_name)
+    started = time.perf_counter()
+    H, V, S, B = drafter_cfg.hidden_size, drafter_cfg.vocab_size, sample.seq_len, sample.batch
+    with _fake_group(world) as group, fake_run() as mode:
+        drafter = fake_module(lambda: family.build(drafter_cfg), mode, torch.float32)
+        parameters = sum(p.numel() for p in drafter.parameters())
+        embed = torch.empty(V, H, dtype=torch.bfloat16)
+        head = embed if tied_head else torch.empty(V, H, dtype=torch.bfloat16)
+        features = torch.empty(B, S, len(drafter_cfg.target_layer_ids) * H, dtype=torch.bfloat16)
+        ids = torch.zeros(B, S, dtype=torch.long)
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[:, :sample.prompt_len] = 0
+        teacher = (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) \
+            if teacher_k else None
+        if group is not None:
+            from dflash_ray.train.sharding import shard
+
+            shard(drafter, "cpu", group, torch.bfloat16)
+        opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, foreach=group is None)  # see the module's note
+        tracker = FSDPMemTracker(drafter, opt) if group is not None else MemTracker()
+        if group is None:
+            tracker.track_external(drafter, opt)
+        flops = FlopCounterMode(display=False)
+        with tracker, flops:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = family.forward_loss(drafter, embed, head, features, ids, mask, num_anchors=num_anchors,
+                                          generator=torch.Generator().manual_seed(0), attention="flex", gamma=gamma,
+                                          teacher=teacher, distill=distill, length_bucket=length_bucket)
+            out.loss.loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+        memory = _categories(tracker.get_tracker_snapshot("peak"))
+        frozen = tensor_gb(embed) + (0 if tied_head else tensor_gb(head))
+    memory["frozen_embedding_and_head"] = round(frozen, 2)
+    memory["inputs"] = round(memory["inputs"] + tensor_gb(features) + extra_gb, 2)
+    memory["total"] = round(sum(memory.values()), 2)
+    counted = flops.get_total_flops()  # one rank's own batch
+    counted += attention_flops(drafter_cfg, S, sample.prompt_len, num_anchors, backward=True) * B
+    return {"memory_gb": memory, "flops_per_step": counted, "parameters": parameters,
+            "simulated_in_s": round(time.perf_counter() - started, 1)}
+
+
+@contextlib.contextmanager
+def _fake_group(world: int):
+    """A fake process group of `world` ranks (this process rank 0) for FSDP2 to shard over; None for
+    one rank. Its collectives move nothing."""
+    if world <= 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the simulation needs a process without a process group")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield DeviceMesh.from_group(dist.group.WORLD, "cpu")  # made outside the fake mode
+    finally:
+        dist.destroy_process_group()
+
+
+def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: int) -> dict[str, Any]:
+    """The target's forward with the capture hooks (`capture.target_outputs`, the worker's own call)
+    over the sample, in bf16, built from its config.json alone (transformers' own class)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray.target.capture import target_outputs
+
+    started = time.perf_counter()
+    with fake_run() as mode:
+        model = fake_module(lambda: AutoModelForCausalLM.from_config(target_config), mode, torch.bfloat16).eval()
+        B, S = sample.batch, sample.seq_len
+        ids = torch.zeros(B, S, dtype=torch.long)
+        attn = torch.ones(B, S, dtype=torch.long)
+        want = torch.ones(B, S, dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        flops = FlopCounterMode(display=False)
+        with tracker, flops, torch.no_grad():
+            target_outputs(model, ids, layer_ids, attention_mask=attn, top_k=top_k, want_BS=want)
+        memory = _categories(tracker.get_tracker_snapshot("peak"))
+    memory["total"] = round(sum(memory.values()), 2)
+    return {"memory_gb": memory, "flops_per_step": flops.get_total_flops() + _Counted.flops,
+            "simulated_in_s": round(time.perf_counter() - started, 1)}
