@@ -284,6 +284,13 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         rate_source = f"simulated step at the mean length ({mean.seq_len} tokens): {step_s:.3f} s on {per_stream} GPUs"
     gen_gpu_h = p.output_tokens / p.generation_tokens_per_s_per_gpu / 3600
     train_gpu_h = p.train_tokens * p.epochs / train_rate / 3600
+    for name, role in at_mean.items():
+        comm = role.get("collective_seconds_at_min_bus_bandwidth")
+        if comm and comm > role["step_seconds"]:
+            warnings.append(f"the {name} role's FSDP2 traffic ({role['collective_gb_per_step']} GB a step) takes "
+                            f"{comm:.2f} s at train.min_bus_bandwidth={tr.min_bus_bandwidth:g} GB/s, more than its "
+                            f"{role['step_seconds']:.2f} s of compute: it cannot hide behind it; the step needs "
+                            f"{role['collective_gb_per_step'] / role['step_seconds']:.0f} GB/s of bus bandwidth")
     v = cfg.validate
     offline = p.train_tokens * v.num_feature_layers * v.hidden_size * 2  # bf16 features of every token
     roles = {name: {**role, "step_seconds_at_mean": at_mean.get(name, {}).get("step_seconds"),
