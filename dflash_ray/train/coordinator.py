@@ -177,7 +177,8 @@ class Coordinator:
         """The schedule (and the run's length) from `origin` (`Schedule`): the start, or where a
         checkpoint made on another number of streams stood."""
         tcfg = self.cfg.train
-        self.schedule = Schedule(self.train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed, origin)
+        self.schedule = Schedule(self.train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed, origin,
+                                 tcfg.shard_window)
         total = self.schedule.total_steps(tcfg.epochs)
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
 
@@ -423,6 +424,7 @@ class Coordinator:
                "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
                "target_seconds": max(s["target_seconds"] for s in stats),
                "handoff_seconds": max(s["handoff_seconds"] for s in stats),
+               "read_bytes": sum(s["read_bytes"] for s in stats),  # tokenized data the targets read
                "drafter_seconds": max(s["drafter_seconds"] for s in stats),
                "optimizer_seconds": max(s["optimizer_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}

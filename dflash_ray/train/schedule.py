@@ -1,6 +1,11 @@
 """Which samples a run trains on and in what order: the dataset's samples, the held-out split (whole
-prompts), and a seeded permutation per epoch split over the streams. A step's batch follows from
-the step and the seed alone, so a resume replays exactly what an uninterrupted run does."""
+prompts), and a seeded order per epoch split over the streams. A step's batch follows from the step
+and the seed alone, so a resume replays exactly what an uninterrupted run does.
+
+The order shuffles within windows of files (`train.shard_window`): the files in a seeded order, taken
+`window` at a time, each window's samples permuted together. A target actor keeps the files of the
+window it is in (`reads.ShardReader`), so it reads each file once per epoch, where a permutation
+of the whole dataset would have it read a whole file for almost every sample."""
 
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ class Schedule:
     sample of the epoch still taken once. (0, 0, 0): a run's own start."""
 
     def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int,
-                 origin: tuple[int, int, int] = (0, 0, 0)):
+                 origin: tuple[int, int, int] = (0, 0, 0), window: int = 0):
+        """`window`: files whose samples shuffle together (0: the whole dataset at once)."""
         self.samples, self.streams, self.batch, self.seed = samples, num_streams, batch_size, seed
+        self.window = window
         self.per_step = num_streams * batch_size
         self.steps_per_epoch = len(samples) // self.per_step
         if self.steps_per_epoch == 0:
@@ -46,15 +53,31 @@ class Schedule:
         return o_step + self._first + (epochs - o_epoch - 1) * self.steps_per_epoch
 
     def batch_for(self, step: int, stream: int) -> list[tuple[str, int]]:
-        import torch
-
         epoch, offset = self.position(step)
         if epoch != self._epoch:
-            self._order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(
-                self.seed * 7919 + epoch)).tolist()
+            self._order = self.order(epoch)
             self._epoch = epoch
         start = offset + stream * self.batch
         return [self.samples[j] for j in self._order[start:start + self.batch]]
+
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's order of the samples (indices into `samples`)."""
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        if not self.window:
+            return torch.randperm(len(self.samples), generator=generator).tolist()
+        by_file: dict[str, list[int]] = {}
+        for i, (uri, _) in enumerate(self.samples):
+            by_file.setdefault(uri, []).append(i)
+        files = list(by_file)
+        files = [files[j] for j in torch.randperm(len(files), generator=generator).tolist()]
+        order = []
+        for start in range(0, len(files), self.window):
+            members = [i for uri in files[start:start + self.window] for i in by_file[uri]]
+            order += [members[j] for j in torch.randperm(len(members), generator=generator).tolist()]
+        return order
 
 
 def dataset_samples(data: str) -> list[tuple[str, int]]:

@@ -53,7 +53,10 @@ class TargetWorker:
         self.model = AutoModelForCausalLM.from_pretrained(resolve(target), dtype=self.place.dtype, **spread).eval()
         if not spread:
             self.model.to(self.place.device)
-        self._file, self._table = None, None
+        from dflash_ray.train.reads import ShardReader
+
+        # the files of the schedule's window, and of the next while a step straddles the two
+        self.reader = ShardReader(2 * cfg.shard_window)
         self._staging: dict[str, torch.Tensor] = {}
         self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
 
@@ -80,18 +83,10 @@ class TargetWorker:
 
         self._sent = [s for s in self._sent if not s.done()]
         batch = self.features(samples, to_host=False)
-        seconds = batch.pop("seconds")
+        seconds, read = batch.pop("seconds"), batch.pop("read_bytes")
         sent = handoff.send(batch, dsts)
         self._sent.append(sent)
-        return {"meta": sent.meta, "seconds": seconds, "bytes": handoff.nbytes(sent.meta)}
-
-    def _row(self, uri: str, row: int) -> dict[str, list[int]]:
-        if uri != self._file:
-            from dflash_ray.data.tokenized import read_table
-
-            self._table = read_table(uri, ["input_ids", "loss_mask"])  # Parquet or Arrow
-            self._file = uri
-        return {k: self._table[k][row].as_py() for k in ("input_ids", "loss_mask")}
+        return {"meta": sent.meta, "seconds": seconds, "read_bytes": read, "bytes": handoff.nbytes(sent.meta)}
 
     def features(self, samples: list[Sample], to_host: bool = True) -> dict[str, Any]:
         """The batch and its features (and with `train.distill`, the target's top-k next-token
@@ -100,7 +95,7 @@ class TargetWorker:
         from dflash_ray.target.capture import target_outputs
 
         start = time.perf_counter()
-        ids, mask, attn = pad_batch([self._row(uri, row) for uri, row in samples])
+        ids, mask, attn = pad_batch([self.reader.row(uri, row) for uri, row in samples])
         device = self.place.device
         # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`)
         wanted = any(d.get("distill", self.cfg.distill) > 0 or families.get(d.get("drafter", self.cfg.drafter))
@@ -119,7 +114,7 @@ class TargetWorker:
         # the compute stream alone: a device-wide synchronization would wait for this target's own
         # sends still unmatched (NCCL's stream), which its drafter takes only at its next step
         wait_compute(device)
-        return {**batch, "seconds": time.perf_counter() - start}
+        return {**batch, "seconds": time.perf_counter() - start, "read_bytes": self.reader.take_bytes()}
 
     def _staged(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """A GPU tensor copied to the host through a page-locked buffer kept per key (several times
@@ -229,7 +224,8 @@ class DrafterWorker:
 
         start = time.perf_counter()
         received = handoff.receive(batch["meta"], self.source, self.place.device)
-        return {**received, "seconds": batch["seconds"], "handoff_seconds": time.perf_counter() - start}
+        return {**received, "seconds": batch["seconds"], "read_bytes": batch["read_bytes"],
+                "handoff_seconds": time.perf_counter() - start}
 
     def _features(self, batch: dict[str, Any]) -> torch.Tensor:
         """This drafter's target layers [B, S, L·H], on its device in its compute dtype: all the
@@ -332,6 +328,7 @@ class DrafterWorker:
         done = time.perf_counter()
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
                 "target_seconds": batch["seconds"], "handoff_seconds": batch.get("handoff_seconds", 0.0),
+                "read_bytes": batch.get("read_bytes", 0),
                 "tokens": int(batch["loss_mask"].numel()),
                 "positions": positions}
 
