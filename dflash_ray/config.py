@@ -174,6 +174,8 @@ class TrainConfig:
     num_streams: int = 2  # data-parallel target+drafter pairs
     batch_size: int = 1  # sequences per stream per step
     shard_window: int = 4  # tokenized files whose samples shuffle together: a target reads each once an epoch
+    length_group: int | None = None  # samples of about one length that run together (balanced steps); None:
+    # num_streams x batch_size (kept on a resume with other streams); 0: no balancing
     epochs: int = 1
     max_steps: int = 0  # 0: until the epochs are done
     num_anchors: int = 64
@@ -367,6 +369,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.distill": SHARE, "train.distill_top_k": _at_least(1),
     "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0),
     "train.min_bus_bandwidth": _at_least(0), "train.shard_window": _at_least(1),
+    "train.length_group": _at_least(0),
     "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
     "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1), "train.markov_rank": _at_least(1),
     "train.conv_kernel_size": _at_least(1), "train.conv_group_size": _at_least(1),

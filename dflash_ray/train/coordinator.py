@@ -40,7 +40,7 @@ from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.handoff import Layout
-from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
+from dflash_ray.train.schedule import Schedule, dataset_samples, sample_lengths, sample_prompts, split_heldout
 from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
@@ -171,6 +171,9 @@ class Coordinator:
         prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
         self.heldout, train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
         self.train_samples = train_samples
+        self.lengths = sample_lengths(train_samples) if tcfg.length_group != 0 else None
+        # the balancing's run length, kept by resumes on another number of streams (the same order)
+        self.length_group = tcfg.length_group if tcfg.length_group is not None else tcfg.num_streams * tcfg.batch_size
         self._schedule_from((0, 0, 0))
 
     def _schedule_from(self, origin: tuple[int, int, int]) -> None:
@@ -178,7 +181,7 @@ class Coordinator:
         checkpoint made on another number of streams stood."""
         tcfg = self.cfg.train
         self.schedule = Schedule(self.train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed, origin,
-                                 tcfg.shard_window)
+                                 tcfg.shard_window, self.lengths, self.length_group)
         total = self.schedule.total_steps(tcfg.epochs)
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
 
@@ -309,6 +312,7 @@ class Coordinator:
                                                     step, "; ".join(rejected))
             self.step = step
             # the data goes on from where it stood, whatever the number of streams that took it there
+            self.length_group = state.get("length_group", self.length_group)
             self._schedule_from((step, *state["position"]))
             ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
             for team, team_state in zip(self.teams, states):  # row k: the k-th step, done
@@ -336,6 +340,7 @@ class Coordinator:
         self.uploading = (self.step, [
             {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
              "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
+             "length_group": self.length_group,
              "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": list(team.metrics),
              "config": self.cfg.to_dict(), "target": self.target, "data": self.data, "data_print": self.data_print}
             for i, team in enumerate(self.teams)])
@@ -425,6 +430,8 @@ class Coordinator:
                "target_seconds": max(s["target_seconds"] for s in stats),
                "handoff_seconds": max(s["handoff_seconds"] for s in stats),
                "read_bytes": sum(s["read_bytes"] for s in stats),  # tokenized data the targets read
+               # the longest stream's target tokens over the mean (the step waits for the longest)
+               "straggler_ratio": max(s["tokens"] for s in stats) / max(1e-9, tokens / len(stats)),
                "drafter_seconds": max(s["drafter_seconds"] for s in stats),
                "optimizer_seconds": max(s["optimizer_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
@@ -575,7 +582,10 @@ class Coordinator:
     def _summary(self, team: Team) -> dict[str, Any]:
         last = team.metrics[-1] if team.metrics else {}
         heldout = [m for m in team.metrics if m.get("heldout_tau") is not None]
+        ratios = [m["straggler_ratio"] for m in team.metrics if "straggler_ratio" in m]
         return {"output": team.output, "loss": last.get("loss"), "tau": last.get("tau"),
+                "straggler_ratio": round(sum(ratios) / len(ratios), 3) if ratios else None,
+                "read_bytes": sum(m.get("read_bytes", 0) for m in team.metrics),
                 "rendezvous": f"{team.rendezvous[0]}:{team.rendezvous[1]}" if team.rendezvous else None,
                 "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
                 "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
