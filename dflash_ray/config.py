@@ -281,6 +281,7 @@ class PlanConfig:
     training_tokens_per_s_per_gpu: float = 0.0  # measured (bench.train on your GPUs); 0: the simulated step
     gpu: str = "H200"  # the training and generation nodes' GPU: H100, H200 or B200 (its memory and peaks)
     target_config: str = ""  # the target's config.json (or folder, or a bundled name); "": the run's target
+    dataset: str = ""  # a tokenized dataset: its lengths give the steps' straggler ratio
     memory_headroom: float = 0.9  # share of the GPU's memory a role's simulated peak may take (the rest:
     # the CUDA context, the allocator's fragmentation, kernels' workspaces the simulation does not see)
 

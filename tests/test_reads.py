@@ -16,6 +16,7 @@ FILES, ROWS, STREAMS, EPOCHS = 8, 24, 2, 2
 
 
 def _dataset(folder) -> str:
+    folder.mkdir(exist_ok=True)
     for f in range(FILES):
         rows = [{"input_ids": [f, r] + [7] * (r % 5), "loss_mask": [0, 1] + [1] * (r % 5)} for r in range(ROWS)]
         pq.write_table(pa.Table.from_pylist(rows), folder / f"part-{f:05d}.parquet")
@@ -81,3 +82,21 @@ def test_balanced_steps_give_the_streams_samples_of_one_length(tmp_path):
     assert balanced.straggler_ratio(steps) <= 1.15
     taken = [s for step in steps for k in range(8) for s in balanced.batch_for(step, k)]
     assert sorted(taken) == sorted(samples)
+
+
+def test_plan_reports_the_straggler_ratio_of_a_dataset(tmp_path, capsys):
+    import json
+
+    from dflash_ray.cli import main
+
+    from transformers import Qwen3Config
+
+    data = _dataset(tmp_path / "data")
+    target = tmp_path / "config.json"  # a small target: the ratio is the schedule's, not the model's
+    target.write_text(json.dumps(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2).to_dict()))
+    assert main(["plan", "--json", "--set", f"plan.dataset={data}", "--set", f"plan.target_config={target}",
+                 "--set", "train.num_streams=2", "--set", "tokenize.max_seq_len=256",
+                 "--set", "generate.max_tokens=192", "--set", "train.length_bucket=32"]) == 0
+    ratio = json.loads(capsys.readouterr().out)["training"]["straggler_ratio"]
+    assert 1.0 <= ratio["balanced"] < ratio["unbalanced"]

@@ -189,7 +189,7 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
 def _seconds(flops: float, optimizer_shard_gb: float, gpu) -> float:
     compute = flops / (gpu.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY)
     optimizer = optimizer_shard_gb * OPTIMIZER_PASSES / (gpu.bandwidth_tbs * 1e3 * OPTIMIZER_BANDWIDTH_EFFICIENCY)
-    return round(compute + optimizer, 4)
+    return round(compute + optimizer, 6)
 
 
 def generator_role(cfg: RunConfig, hf, weights_gb: float) -> dict:
@@ -255,6 +255,23 @@ def check_memory(cfg: RunConfig, target: str) -> dict[str, dict]:
     return roles
 
 
+def straggler_ratios(cfg: RunConfig) -> dict[str, float]:
+    """The steps' straggler ratio (mean over an epoch of the longest stream's tokens over the mean's)
+    on `plan.dataset` with the run's schedule, without and with length balancing."""
+    from dflash_ray.train.schedule import Schedule, dataset_samples, sample_lengths
+
+    tr = cfg.train
+    samples = dataset_samples(cfg.plan.dataset)
+    lengths = sample_lengths(samples)
+    group = tr.length_group if tr.length_group is not None else tr.num_streams * tr.batch_size
+    out = {}
+    for name, g in (("unbalanced", 0), ("balanced", group)):
+        schedule = Schedule(samples, tr.num_streams, tr.batch_size, tr.seed, window=tr.shard_window, lengths=lengths,
+                            group=g)
+        out[name] = round(schedule.straggler_ratio(range(schedule.steps_per_epoch)), 3)
+    return out
+
+
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray.preflight import preflight
     from dflash_ray.train.devices import target_gpus
@@ -276,11 +293,15 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     drafter_s = max(r["step_seconds"] for k, r in at_mean.items() if k.startswith("drafter") or k == "stream")
     step_s = drafter_s if tr.colocate else (max(drafter_s, at_mean["target"]["step_seconds"]) if tr.max_in_flight
                                             else drafter_s + at_mean["target"]["step_seconds"])
+    stragglers = straggler_ratios(cfg) if p.dataset else None
+    if stragglers and not tr.colocate:  # the step waits for the stream with the longest sample
+        step_s = max(drafter_s, at_mean["target"]["step_seconds"] * stragglers["balanced"]) if tr.max_in_flight \
+            else drafter_s + at_mean["target"]["step_seconds"] * stragglers["balanced"]
     per_stream = sum(r["gpus"] for r in at_mean.values())
     if p.training_tokens_per_s_per_gpu > 0:
         train_rate, rate_source = p.training_tokens_per_s_per_gpu, "measured (plan.training_tokens_per_s_per_gpu)"
     else:
-        train_rate = mean.seq_len * mean.batch / step_s / per_stream
+        train_rate = mean.seq_len * mean.batch / max(step_s, 1e-9) / per_stream
         rate_source = f"simulated step at the mean length ({mean.seq_len} tokens): {step_s:.3f} s on {per_stream} GPUs"
     gen_gpu_h = p.output_tokens / p.generation_tokens_per_s_per_gpu / 3600
     train_gpu_h = p.train_tokens * p.epochs / train_rate / 3600
@@ -308,6 +329,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         "generation": {"gpus": gen_gpus, "tokens_per_s_per_gpu": p.generation_tokens_per_s_per_gpu,
                        "gpu_hours": round(gen_gpu_h, 1), "wall_hours": round(gen_gpu_h / gen_gpus, 2)},
         "training": {"gpus": train_gpus, "gpus_per_stream": per_stream, "tokens_per_s_per_gpu": round(train_rate, 1),
+                     "straggler_ratio": stragglers or "no plan.dataset: the step assumes streams of equal lengths",
                      "rate_source": rate_source, "gpu_hours": round(train_gpu_h, 1),
                      "wall_hours": round(train_gpu_h / train_gpus, 2)},
         "offline_storage_avoided_tb": round(offline / 1e12, 1),
