@@ -37,6 +37,8 @@ bench: setup
 	$(BIN)/python -m bench.speculative --json
 	$(BIN)/python -m bench.generate --json
 	$(BIN)/python -m bench.engine_start --json
+	$(BIN)/python -m bench.simulate --json
+	$(BIN)/python -m bench.balance --json
 	$(BIN)/python -m bench.stream --json
 	$(BIN)/python -m bench.handoff --json
 	$(BIN)/python -m bench.checkpoint --json
