@@ -42,7 +42,7 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
     embed, head = load_embed_and_head(path)
     seqs = motif_sequences(40, 96, num_motifs=12, motif_len=5, seed=seed)
     layer_ids = [0, 1, 2]
-    feats, _, _ = target_outputs(target, seqs, layer_ids)
+    feats = target_outputs(target, seqs, layer_ids)[0]
     mask = torch.ones_like(seqs)
     held = slice(32, 40)  # rows 0..31 train
     variants = {"dflash": ("dflash", {}), "drop": ("dflash2", {"rule": "drop", "detach_selector": True}),

@@ -212,8 +212,7 @@ class Sample:
 
 
 def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: int, world: int,
-                 tied_head: bool, teacher_k: int, distill: float, gamma: float, length_bucket: int,
-                 extra_gb: float = 0.0) -> dict[str, Any]:
+                 tied_head: bool, teacher_k: int, distill: float, gamma: float, length_bucket: int) -> dict[str, Any]:
     """One training step of a drafter rank: its family's own forward and loss, the backward, the
     clipped gradients and AdamW, sharded with FSDP2 over `world` ranks (a fake process group) as a
     run shards it. Returns memory by category (GB), FLOPs and the simulator's own seconds."""
@@ -235,8 +234,11 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
         ids = torch.zeros(B, S, dtype=torch.long)
         mask = torch.ones(B, S, dtype=torch.long)
         mask[:, :sample.prompt_len] = 0
-        teacher = (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) \
-            if teacher_k else None
+        if family.wants_target_distribution:  # the target's last hidden states
+            teacher = torch.empty(B, S, H, dtype=torch.bfloat16)
+        else:
+            teacher = (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) \
+                if teacher_k else None
         if group is not None:
             from dflash_ray.train.sharding import shard
 
@@ -257,7 +259,8 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
         memory = _categories(tracker.get_tracker_snapshot("peak"))
         frozen = tensor_gb(embed) + (0 if tied_head else tensor_gb(head))
     memory["frozen_embedding_and_head"] = round(frozen, 2)
-    memory["inputs"] = round(memory["inputs"] + tensor_gb(features) + extra_gb, 2)
+    sent = tensor_gb(teacher) if isinstance(teacher, torch.Tensor) else tensor_gb(*teacher) if teacher else 0.0
+    memory["inputs"] = round(memory["inputs"] + tensor_gb(features) + sent, 2)
     memory["total"] = round(sum(memory.values()), 2)
     counted = flops.get_total_flops()  # one rank's own batch
     counted += attention_flops(drafter_cfg, S, sample.prompt_len, num_anchors, backward=True) * B
@@ -286,9 +289,10 @@ def _fake_group(world: int):
         dist.destroy_process_group()
 
 
-def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: int) -> dict[str, Any]:
+def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: int, last: bool = False) -> dict[str, Any]:
     """The target's forward with the capture hooks (`capture.target_outputs`, the worker's own call)
-    over the sample, in bf16, built from its config.json alone (transformers' own class)."""
+    over the sample, in bf16, built from its config.json alone (transformers' own class); `top_k`:
+    distillation's top-k, `last`: the last hidden states a DSpark drafter turns into the distribution."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
@@ -306,7 +310,7 @@ def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: i
         tracker.track_external(model)
         flops = FlopCounterMode(display=False)
         with tracker, flops, torch.no_grad():
-            target_outputs(model, ids, layer_ids, attention_mask=attn, top_k=top_k, want_BS=want)
+            target_outputs(model, ids, layer_ids, attention_mask=attn, top_k=top_k, want_BS=want, last_hidden=last)
         memory = _categories(tracker.get_tracker_snapshot("peak"))
     memory["total"] = round(sum(memory.values()), 2)
     return {"memory_gb": memory, "flops_per_step": flops.get_total_flops() + _Counted.flops,

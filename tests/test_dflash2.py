@@ -261,7 +261,7 @@ def _trained_dflash2(tmp_path, steps=150):
     seqs = torch.tensor([p + r.token_ids for p, r in zip(prompts, refs)])
     mask = torch.zeros_like(seqs)
     mask[:, 8:] = 1
-    feats, _, _ = target_outputs(target, seqs, cfg.target_layer_ids)
+    feats = target_outputs(target, seqs, cfg.target_layer_ids)[0]
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     drafter.train()
     for _ in range(steps):

@@ -233,7 +233,8 @@ def test_target_outputs_give_the_targets_own_next_token_distribution(tmp_path):
     ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(0))
     want = torch.zeros(2, 20, dtype=torch.long)
     want[:, 5:19] = 1
-    feats, top_ids, top_probs = target_outputs(model, ids, [0, 2], top_k=8, want_BS=want, max_chunk_bytes=4 * 512 * 3)
+    feats, top_ids, top_probs, _ = target_outputs(model, ids, [0, 2], top_k=8, want_BS=want,
+                                                  max_chunk_bytes=4 * 512 * 3)
     torch.testing.assert_close(feats, target_features(model, ids, [0, 2]), rtol=0, atol=0)
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=ids).logits.float(), -1)

@@ -34,8 +34,8 @@ def _batch(B=2, S=32, seed=0):
     mask[:, :6] = 0
     feats = torch.randn(B, S, 2 * H, generator=g)
     embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2
-    probs = torch.softmax(torch.randn(B, S, V, generator=g) * 2, -1).topk(8)
-    return embed, head, feats, ids, mask, (probs.indices, probs.values)
+    target_hidden = torch.randn(B, S, H, generator=g) * 6  # the target's last hidden states (a peaked p)
+    return embed, head, feats, ids, mask, target_hidden
 
 
 def test_family_registry_and_config_choice():
@@ -100,6 +100,32 @@ def test_markov_head_reads_the_previous_token():
         assert not torch.allclose(wrong, logits)
 
 
+def test_tv_and_confidence_label_are_against_the_targets_whole_distribution():
+    """The TV term and the confidence label are computed against softmax(target hidden @ head) over
+    the whole vocabulary (no top-k truncation): recomputed here by hand, term by term."""
+    from dflash_ray.drafter.dspark import BCE_WEIGHT, CE_WEIGHT, TV_WEIGHT
+
+    drafter = _drafter()
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.1)
+    embed, head, feats, ids, mask, target_hidden = _batch()
+    out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=torch.Generator().manual_seed(2),
+                       teacher=target_hidden)
+    blk = out.blocks
+    with torch.no_grad():
+        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa"))
+        pos = blk.positions.clamp(max=31)
+        prev = torch.gather(ids, 1, pos).reshape(-1)
+        q = torch.softmax(drafter.logits(h.reshape(-1, H), head, prev), -1)
+        p = torch.softmax(torch.gather(target_hidden, 1, pos[..., None].expand(-1, -1, H)).reshape(-1, H) @ head.t(), -1)
+        tv = 0.5 * (q - p).abs().sum(-1)
+        conf = drafter.confidence_head(h.reshape(-1, H), drafter.markov_head.embed(prev))
+        ce = F.cross_entropy(drafter.logits(h.reshape(-1, H), head, prev), blk.labels.reshape(-1), reduction="none")
+        per = CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * F.binary_cross_entropy_with_logits(conf, 1 - tv,
+                                                                                                reduction="none")
+        w = blk.weights.reshape(-1)
+        torch.testing.assert_close(out.loss.loss.detach(), (per * w).sum() / w.sum(), rtol=1e-4, atol=1e-5)
+
+
 def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
     drafter = _drafter()
     embed, head, feats, ids, mask, teacher = _batch()
@@ -135,8 +161,8 @@ def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
 
 
 def test_loss_terms_and_chunking():
-    """The TV term is exact for a sparse target (½ L1, the draft's mass outside the top-k in full), and
-    a loss computed in many small chunks equals the loss in one, gradients included."""
+    """The TV term is ½ L1 against the target's whole distribution (its last hidden states through the
+    head), and a loss computed in many small chunks equals the loss in one, gradients included."""
     from dflash_ray.drafter import dspark
 
     drafter = _drafter()
@@ -146,15 +172,14 @@ def test_loss_terms_and_chunking():
     hidden, head = torch.randn(2, 6, H, generator=g, requires_grad=True), torch.randn(V, H, generator=g) * 0.2
     prev, labels = torch.randint(0, V, (2, 6), generator=g), torch.randint(0, V, (2, 6), generator=g)
     weights = torch.rand(2, 6, generator=g)
-    top = torch.softmax(torch.randn(2, 6, V, generator=g), -1).topk(5)
-    out = dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, top.indices, top.values)
+    target = torch.randn(2, 6, H, generator=g) * 3
+    out = dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, target)
     grad = torch.autograd.grad(out.loss, hidden)[0]
 
     h, p, y = hidden.reshape(-1, H), prev.reshape(-1), labels.reshape(-1)
     logits = drafter.logits(h, head, p)
     pd = torch.softmax(logits, -1)
-    pt = torch.zeros_like(pd).scatter_(1, top.indices.reshape(-1, 5), top.values.reshape(-1, 5))
-    pt = pt / pt.sum(-1, keepdim=True)
+    pt = torch.softmax(target.reshape(-1, H) @ head.t(), -1)
     tv = 0.5 * (pd - pt).abs().sum(-1)
     conf = drafter.confidence_head(h, drafter.markov_head.embed(p))
     per = 0.1 * F.cross_entropy(logits, y, reduction="none") + 0.9 * tv + \
@@ -166,7 +191,7 @@ def test_loss_terms_and_chunking():
     old = dspark.MAX_CHUNK_LOGITS
     dspark.MAX_CHUNK_LOGITS = 2 * V  # chunks of two rows
     try:
-        chunked = dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, top.indices, top.values)
+        chunked = dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, target)
         torch.testing.assert_close(torch.autograd.grad(chunked.loss, hidden)[0], grad)
     finally:
         dspark.MAX_CHUNK_LOGITS = old
@@ -216,11 +241,11 @@ def _trained_dspark(tmp_path, steps=150):
     mask[:, 8:] = 1
     want = torch.zeros_like(mask)
     want[:, :-1] = mask[:, 1:]
-    feats, t_ids, t_probs = target_outputs(target, seqs, cfg.target_layer_ids, top_k=16, want_BS=want)
+    feats, _, _, last = target_outputs(target, seqs, cfg.target_layer_ids, want_BS=want, last_hidden=True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     drafter.train()
     for _ in range(steps):
-        out = forward_loss(drafter, embed, head, feats, seqs, mask, num_anchors=24, generator=g, teacher=(t_ids, t_probs))
+        out = forward_loss(drafter, embed, head, feats, seqs, mask, num_anchors=24, generator=g, teacher=last)
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
@@ -304,7 +329,7 @@ def _tiny_run_inputs(tmp_path, num_rows=4):
 
 def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     """`train.drafter=dspark` through the training roles (as plain classes): the drafter config is
-    DSpark's, the target sends its top-k distribution without `train.distill`, and steps learn."""
+    DSpark's, the target sends its last hidden states without `train.distill`, and steps learn."""
     from dflash_ray.config import load_config
     from dflash_ray.drafter.shape import drafter_config
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
@@ -316,7 +341,8 @@ def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     drafter_json = drafter_config(target, cfg)
     assert drafter_json["architectures"] == ["DSparkDraftModel"] and drafter_json["markov_rank"] == 16
     batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
-    assert batch["teacher_ids"].shape == (1, 48, 8)  # the TV term's target distribution, distill being 0
+    # the TV term's target distribution: the target's last hidden states (its head is the drafter's), no top-k
+    assert batch["target_hidden"].shape == (1, 48, 64) and "teacher_ids" not in batch
     worker = DrafterWorker(target, json.dumps(drafter_json), "random", cfg.train, 0, 1)
     assert isinstance(worker.drafter, DSparkDrafter)
     worker.set_total_steps(25)

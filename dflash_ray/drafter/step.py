@@ -36,12 +36,15 @@ def pad_positions(length: int, *tensors_BS: torch.Tensor) -> list[torch.Tensor]:
 
 
 def pad_to_bucket(length_bucket: int, features_BSF: torch.Tensor, input_ids_BS: torch.Tensor,
-                  loss_mask_BS: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor] | None):
+                  loss_mask_BS: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None):
     """A batch's positions padded up to a multiple of `length_bucket` (loss_mask 0 there)."""
     padded = bucket_length(input_ids_BS.shape[1], length_bucket)
     if padded > input_ids_BS.shape[1]:
         features_BSF, input_ids_BS, loss_mask_BS = pad_positions(padded, features_BSF, input_ids_BS, loss_mask_BS)
-        teacher = tuple(pad_positions(padded, *teacher)) if teacher is not None else None
+        if isinstance(teacher, torch.Tensor):  # a target's last hidden states
+            teacher = pad_positions(padded, teacher)[0]
+        elif teacher is not None:
+            teacher = tuple(pad_positions(padded, *teacher))
     return features_BSF, input_ids_BS, loss_mask_BS, teacher
 
 

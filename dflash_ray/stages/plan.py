@@ -117,13 +117,13 @@ def _team_drafters(cfg: RunConfig, hf) -> list[tuple[str, RunConfig, Any]]:
 
 
 @functools.lru_cache(maxsize=32)
-def _target_step(hf_json: str, layers: tuple, seq: int, prompt: int, batch: int, top_k: int) -> dict:
+def _target_step(hf_json: str, layers: tuple, seq: int, prompt: int, batch: int, top_k: int, last: bool) -> dict:
     from transformers import AutoConfig
 
     from dflash_ray.simulate import Sample, target_forward
 
     hf = AutoConfig.for_model(**json.loads(hf_json))
-    return target_forward(hf, list(layers), Sample(seq, prompt, batch), top_k)
+    return target_forward(hf, list(layers), Sample(seq, prompt, batch), top_k, last)
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,17 +149,18 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
     tr, gpu = cfg.train, gpu_of(cfg)
     teams = _team_drafters(cfg, hf)
     layers, _ = union_layers([list(d.target_layer_ids) for _, _, d in teams])
-    wants = [t.train.distill > 0 or families.get(d.family).wants_target_distribution for _, t, d in teams]
-    top_k = tr.distill_top_k if any(wants) else 0
+    distilled = [t.train.distill > 0 and not families.get(d.family).wants_target_distribution for _, t, d in teams]
+    last = any(families.get(d.family).wants_target_distribution for _, _, d in teams)
+    top_k = tr.distill_top_k if any(t.train.distill > 0 for _, t, _ in teams) else 0
     hf_json = json.dumps(hf.to_dict(), sort_keys=True, default=str)
-    target = dict(_target_step(hf_json, tuple(layers), sample.seq_len, sample.prompt_len, sample.batch, top_k))
+    target = dict(_target_step(hf_json, tuple(layers), sample.seq_len, sample.prompt_len, sample.batch, top_k, last))
     spread = max(1, int(target_gpus(tr) or 1))
     target_memory = {k: round(v / spread, 2) for k, v in target["memory_gb"].items()}
     roles = {"target": {"gpus": spread, "memory_gb": target_memory, "flops_per_step": target["flops_per_step"],
                         "step_seconds": _seconds(target["flops_per_step"], 0, gpu) / spread,
                         "simulated_in_s": target["simulated_in_s"]}}
     tied = bool(getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False))
-    for (name, team, dcfg), wanted in zip(teams, wants):
+    for (name, team, dcfg), wanted in zip(teams, distilled):
         t = team.train
         gamma = t.loss_decay if t.loss_decay is not None else 7 * dcfg.block_size / 16
         step = _drafter_step(json.dumps(to_hf_config(dcfg, torch.float32), sort_keys=True), sample.seq_len,

@@ -70,14 +70,18 @@ def target_features(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[i
 @torch.no_grad()
 def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int],
                    attention_mask: torch.Tensor | None = None, *, top_k: int = 0,
-                   want_BS: torch.Tensor | None = None, max_chunk_bytes: int = 256 * 1024**2):
+                   want_BS: torch.Tensor | None = None, max_chunk_bytes: int = 256 * 1024**2,
+                   last_hidden: bool = False):
     """The features, and with `top_k > 0` the target's own next-token distribution as its top-k:
     ids [B, S, k] and probabilities [B, S, k] (float32; softmax over the whole vocabulary, so a row
     sums to at most 1) at the positions `want_BS` marks (zeros elsewhere). Position p holds the
     distribution of token p + 1. The full forward runs only when the distribution is asked for, and
-    the head walks the wanted positions in chunks, so [S, V] logits never exist at once."""
+    the head walks the wanted positions in chunks, so [S, V] logits never exist at once.
+    `last_hidden`: also the final-normed last hidden states [B, S, H], from which the frozen head
+    gives the whole distribution (a fourth value, else None)."""
     base = getattr(model, "model", model)  # the decoder stack: no LM head over the sequence
-    with capture(model, layer_ids, stop_after_last=top_k == 0) as captured:
+    whole = top_k > 0 or last_hidden
+    with capture(model, layer_ids, stop_after_last=not whole) as captured:
         try:
             out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
@@ -87,9 +91,9 @@ def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[in
         raise RuntimeError(f"layers {missing} were not reached by the forward")
     # a target spread over several GPUs leaves its layers' outputs on theirs: gathered where the ids are
     features = torch.cat([captured[i].to(input_ids.device) for i in layer_ids], dim=-1)
+    hidden = out.last_hidden_state.to(input_ids.device) if whole else None  # final-normed
     if top_k == 0:
-        return features, None, None
-    hidden = out.last_hidden_state  # final-normed
+        return features, None, None, hidden
     head = model.get_output_embeddings().weight
     B, S, _ = hidden.shape
     ids = torch.zeros(B, S, top_k, dtype=torch.long, device=hidden.device)
@@ -101,7 +105,7 @@ def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[in
         logp = torch.log_softmax((hidden[b, s].to(head.dtype) @ head.t()).float(), dim=-1)
         top = logp.topk(top_k, dim=-1)
         ids[b, s], probs[b, s] = top.indices, top.values.exp()
-    return features, ids, probs
+    return features, ids, probs, hidden if last_hidden else None
 
 
 def _weight_map(target_dir: Path) -> dict[str, str]:

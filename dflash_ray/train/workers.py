@@ -97,18 +97,21 @@ class TargetWorker:
         start = time.perf_counter()
         ids, mask, attn = pad_batch([self.reader.row(uri, row) for uri, row in samples])
         device = self.place.device
-        # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`)
-        wanted = any(d.get("distill", self.cfg.distill) > 0 or families.get(d.get("drafter", self.cfg.drafter))
-                     .wants_target_distribution for d in self.cfg.drafters or [{}])
-        top_k = self.cfg.distill_top_k if wanted else 0
+        # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`):
+        # distillation's top-k, and the last hidden states a family's loss turns into the whole distribution
+        entries = self.cfg.drafters or [{}]
+        top_k = self.cfg.distill_top_k if any(d.get("distill", self.cfg.distill) > 0 for d in entries) else 0
+        last = any(families.get(d.get("drafter", self.cfg.drafter)).wants_target_distribution for d in entries)
         want = torch.zeros_like(mask)
         want[:, :-1] = mask[:, 1:]  # position p holds the distribution of token p + 1
-        feats, teacher_ids, teacher_probs = target_outputs(self.model, ids.to(device), self.layer_ids,
-                                                           attention_mask=attn.to(device), top_k=top_k,
-                                                           want_BS=want.to(device))
+        feats, teacher_ids, teacher_probs, hidden = target_outputs(
+            self.model, ids.to(device), self.layer_ids, attention_mask=attn.to(device), top_k=top_k,
+            want_BS=want.to(device), last_hidden=last)
         batch = {"input_ids": ids, "loss_mask": mask, "features": feats}
         if top_k:
             batch.update(teacher_ids=teacher_ids.int(), teacher_probs=teacher_probs.half())
+        if last:
+            batch["target_hidden"] = hidden.to(feats.dtype)
         for key, value in batch.items():
             batch[key] = self._staged(key, value) if to_host else value.to(device)
         # the compute stream alone: a device-wide synchronization would wait for this target's own
@@ -244,9 +247,11 @@ class DrafterWorker:
         import torch.distributed as dist
 
         device = self.place.device
-        wanted = self.cfg.distill > 0 or self.family.wants_target_distribution  # sent for another drafter?
-        teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device)) \
-            if "teacher_ids" in batch and wanted else None
+        teacher = None  # what the batch carries may be another drafter's of the run
+        if self.family.wants_target_distribution:  # the target's whole distribution, from its last hidden states
+            teacher = batch["target_hidden"].to(device, self.dtype)
+        elif self.cfg.distill > 0 and "teacher_ids" in batch:  # distillation's top-k
+            teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
         forward_loss = self.family.forward_loss
         with self._autocast():
             out = forward_loss(self.drafter, self.embed, self.head, self._features(batch),
