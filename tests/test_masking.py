@@ -98,3 +98,42 @@ def test_batch_reports_rejects_with_reason():
     ])
     assert cols["id"] == ["ok"] and cols["seq_len"] == [2]
     assert [(r["id"], r["kind"]) for r in rejects] == [("long", "overlong"), ("empty", "missing_field")]
+
+
+def test_agentic_answers_keep_their_tool_calls_through_storage_and_the_template(qwen3_tokenizer):
+    """An OpenAI chat with an assistant tool call (content null), its tool result, and a final answer
+    that is itself a tool call: nothing is quarantined as empty, the history keeps the call and the
+    result's call id through the completions schema, and the answer's call is what is trained on."""
+    import pyarrow as pa
+
+    from dflash_ray.data import schema
+    from dflash_ray.data.formats import normalize_answered
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    again = {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}
+    record = {"messages": [{"role": "user", "content": "Weather in Paris, then Lyon?"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                           {"role": "assistant", "content": None, "tool_calls": [again]}]}
+    answered = normalize_answered(record)
+    assert answered.text == "" and json.loads(answered.tool_calls) == [again]
+    assert answered.prompt.messages[1]["tool_calls"] and answered.prompt.messages[2]["tool_call_id"] == "c1"
+    row = pa.Table.from_pylist([answered.row("agent")], schema=schema.COMPLETIONS).to_pylist()[0]  # as stored
+    sample = render(qwen3_tokenizer, row, enable_thinking=False)
+    prompt = qwen3_tokenizer.decode(sample.input_ids[sample.loss_mask == 0].tolist())
+    response = qwen3_tokenizer.decode(sample.input_ids[sample.loss_mask == 1].tolist())
+    assert '"Paris"' in prompt and "<tool_response>\nsunny\n</tool_response>" in prompt
+    assert response.startswith("<tool_call>") and '"Lyon"' in response and response.endswith("</tool_call><|im_end|>")
+    # a conversation without tools keeps its id: no tool fields are added to its messages
+    plain = normalize_answered({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+    assert plain.prompt.messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_tool_call_without_a_function_name_is_a_bad_record():
+    import pytest
+
+    from dflash_ray.data.formats import BadRecord, normalize_answered
+
+    with pytest.raises(BadRecord, match=r"messages\[1\].tool_calls\[0\].function.name"):
+        normalize_answered({"messages": [{"role": "user", "content": "Hi"},
+                                         {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]})

@@ -104,8 +104,28 @@ def _tools(raw: Any) -> str | None:
     return json.dumps(raw, ensure_ascii=False, sort_keys=True)
 
 
-def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str]], Any]:
-    """(role, content) turns in the record's order, and its raw tools."""
+def _tool_calls(raw: Any, where: str) -> str | None:
+    """An assistant turn's OpenAI `tool_calls` as canonical JSON, each call's function named."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise BadRecord(f"{where}: must be a list of tool calls, got {type(raw).__name__}", "bad_field")
+    for i, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRecord(f"{where}[{i}].function.name: a tool call needs the function's name", "bad_field")
+    return json.dumps(raw, ensure_ascii=False, sort_keys=True)
+
+
+def _message(role: str, content: str, extra: dict[str, str]) -> dict[str, str]:
+    """A stored message: role and content, and a tool call's fields only where the turn has them
+    (so a conversation without tools keeps the id it always had)."""
+    return {"role": role, "content": content, **extra}
+
+
+def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]], Any]:
+    """(role, content, tool fields) turns in the record's order, and its raw tools. The tool fields:
+    an assistant turn's `tool_calls` (JSON), a tool result's `tool_call_id`."""
     for list_key, role_key, content_key, roles in CHAT_FORMATS:
         if list_key not in record:
             continue
@@ -113,31 +133,37 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str]], Any]:
         if not isinstance(items, list):
             raise BadRecord(f"{list_key}: must be a list")
         system = record.get("system")  # ShareGPT variants carry it at the top level
-        turns = [("system", system)] if isinstance(system, str) and system.strip() else []
+        turns = [("system", system, {})] if isinstance(system, str) and system.strip() else []
         for i, msg in enumerate(items):
             if not isinstance(msg, dict) or role_key not in msg:
                 raise BadRecord(f"{list_key}[{i}]: needs '{role_key}' and '{content_key}'")
             role = roles.get(str(msg[role_key]).lower())
             if role is None:
                 raise BadRecord(f"{list_key}[{i}].{role_key}: unknown role '{msg[role_key]}'")
-            turns.append((role, _text(msg.get(content_key), f"{list_key}[{i}].{content_key}")))
+            extra = {}
+            calls = _tool_calls(msg.get("tool_calls"), f"{list_key}[{i}].tool_calls") if role == "assistant" else None
+            if calls:
+                extra["tool_calls"] = calls
+            if role == "tool" and isinstance(msg.get("tool_call_id"), str) and msg["tool_call_id"]:
+                extra["tool_call_id"] = msg["tool_call_id"]
+            turns.append((role, _text(msg.get(content_key), f"{list_key}[{i}].{content_key}"), extra))
         return turns, record.get("tools")
     if "instruction" in record:
         instruction = _text(record["instruction"], "instruction")
         extra = _text(record.get("input"), "input")
         content = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         system = record.get("system")
-        turns = [("system", system)] if isinstance(system, str) and system.strip() else []
-        return turns + [("user", content)], None
+        turns = [("system", system, {})] if isinstance(system, str) and system.strip() else []
+        return turns + [("user", content, {})], None
     raise BadRecord(f"unknown schema: keys {sorted(record)[:8]} match no known format "
                     "(ShareGPT 'conversations', OpenAI 'messages', Alpaca 'instruction')",
                     "unknown_schema")
 
 
-def _check_order(turns: list[tuple[str, str]]) -> None:
+def _check_order(turns: list[tuple[str, str, dict]]) -> None:
     seen_other = False
     prev = None
-    for i, (role, content) in enumerate(turns):
+    for i, (role, content, _) in enumerate(turns):
         if role == "system":
             if seen_other:
                 raise BadRecord(f"turn {i}: system message after the conversation started", "role_order")
@@ -152,7 +178,7 @@ def _check_order(turns: list[tuple[str, str]]) -> None:
         if role != "system":
             seen_other = True
         prev = role
-    if not any(role == "user" for role, _ in turns):
+    if not any(role == "user" for role, _, _ in turns):
         raise BadRecord("no user turn", "role_order")
 
 
@@ -169,8 +195,8 @@ def normalize(record: Any, multi_turn: MultiTurn = "regenerate") -> list[Prompt]
     turns, raw_tools = _turns(record)
     _check_order(turns)
     tools = _tools(raw_tools)
-    system = [{"role": "system", "content": c} for r, c in turns if r == "system"]
-    users = [{"role": "user", "content": c} for r, c in turns if r == "user"]
+    system = [{"role": "system", "content": c} for r, c, _ in turns if r == "system"]
+    users = [{"role": "user", "content": c} for r, c, _ in turns if r == "user"]
     if multi_turn == "per_turn":
         groups = [system + users[: i + 1] for i in range(len(users))]
     else:
@@ -185,10 +211,11 @@ class Answered:
     prompt: Prompt
     text: str
     reasoning: str | None  # the answer's leading <think> block, when it has one
+    tool_calls: str | None = None  # the answer's tool calls (OpenAI JSON), when it makes any
 
     def row(self, source: str) -> dict[str, Any]:
         return {**self.prompt.row(source), "text": self.text, "reasoning": self.reasoning,
-                "finish_reason": "stop", "model": "data"}
+                "tool_calls": self.tool_calls, "finish_reason": "stop", "model": "data"}
 
 
 _THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)
@@ -203,17 +230,18 @@ def normalize_answered(record: Any) -> Answered:
     turns, raw_tools = _turns(record)
     if "instruction" in record and not any(key in record for key, *_ in CHAT_FORMATS) \
             and record.get("output") is not None:
-        turns.append(("assistant", _text(record["output"], "output")))
+        turns.append(("assistant", _text(record["output"], "output"), {}))
     _check_order(turns)
     if turns[-1][0] != "assistant":
         raise BadRecord(f"the last turn is the {turns[-1][0]}'s, not an assistant answer to train on",
                         "no_response")
-    *history, (_, answer) = turns
-    if not answer.strip():
+    *history, (_, answer, answer_extra) = turns
+    calls = answer_extra.get("tool_calls")
+    if not answer.strip() and not calls:
         raise BadRecord("the answer is empty", "empty_response")
     tools = _tools(raw_tools)
-    messages = [{"role": role, "content": content} for role, content in history]
+    messages = [_message(role, content, extra) for role, content, extra in history]
     think = _THINK.match(answer)
     text, reasoning = (answer[think.end():], think.group(1).strip()) if think else (answer, None)
-    ident = prompt_id(messages + [{"role": "assistant", "content": answer}], tools)
-    return Answered(Prompt(ident, messages, tools, 0), text, reasoning)
+    ident = prompt_id(messages + [_message("assistant", answer, answer_extra)], tools)
+    return Answered(Prompt(ident, messages, tools, 0), text, reasoning, calls)

@@ -128,8 +128,28 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
         content = m.get("content")
         if content is not None and not isinstance(content, str):
             raise BadRecord(f"messages[{i}].content: must be a string, got {type(content).__name__}", "bad_field")
-        out.append({"role": m["role"], "content": content or ""})
+        message = {"role": m["role"], "content": content or ""}
+        calls = _json_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+        if calls:
+            message["tool_calls"] = calls
+        if m.get("tool_call_id"):
+            message["tool_call_id"] = str(m["tool_call_id"])
+        out.append(message)
     return out
+
+
+def _json_calls(raw: Any, field: str) -> list | None:
+    """Tool calls as the chat template takes them (a list), from the JSON a record stores."""
+    if not raw:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise BadRecord(f"{field}: not valid JSON ({e.msg} at column {e.colno})", "bad_field") from None
+    if not isinstance(raw, list):
+        raise BadRecord(f"{field}: must be a JSON list of tool calls, got {type(raw).__name__}", "bad_field")
+    return raw
 
 
 def _tools(record: dict[str, Any]) -> list | None:
@@ -158,6 +178,9 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     tools = _tools(record)
     kwargs = {"tools": tools, "tokenize": False, "enable_thinking": enable_thinking}
     reply = {"role": "assistant", "content": text}
+    calls = _json_calls(record.get("tool_calls"), "tool_calls")
+    if calls:  # an answer that calls tools: the template renders the calls, trained on like any answer
+        reply["tool_calls"] = calls
     if reasoning is not None:
         reply["reasoning_content"] = reasoning
     try:
@@ -165,7 +188,8 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
         full = tokenizer.apply_chat_template(messages + [reply], **kwargs)
         if reasoning and reasoning.strip() and reasoning.strip() not in full[len(prompt):]:
             # A template that ignores `reasoning_content`: put the block in the content itself.
-            reply = {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"}
+            reply = {**reply, "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"}
+            reply.pop("reasoning_content")
             full = tokenizer.apply_chat_template(messages + [reply], **kwargs)
     except Exception as e:  # jinja errors carry no common base class
         raise BadRecord(f"chat template error: {e}", "template_error") from None

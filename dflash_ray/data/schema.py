@@ -12,13 +12,15 @@ prompts   (written by `dflash-ray prompts`, read by generation)
 
 completions  (written by `dflash-ray generate` as `COMPLETIONS`, read by `dflash-ray tokenize`;
               other writers may leave out the optional fields)
-    the prompt fields, plus (for a `regenerate` conversation, `messages` holds every turn before
-    the last answer, the target's earlier answers included, and the fields below are the last turn's;
-    tokenization trains on every assistant turn)
+    the prompt fields (a message may also hold `tool_calls` and `tool_call_id`), plus (for a
+    `regenerate` conversation, `messages` holds every turn before the last answer, the target's
+    earlier answers included, and the fields below are the last turn's; tokenization trains on every
+    assistant turn)
     prompt_token_ids  list<int32>?  exactly what the engine saw
     output_token_ids  list<int32>?  exactly what the engine produced (end-of-turn token included)
     text              string   answer content (after the thinking block when `reasoning` is set)
     reasoning         string?  content of the thinking block, when the model thought
+    tool_calls        string?  the answer's tool calls (OpenAI JSON), when it makes any
     finish_reason     string   "stop" | "length" | ...
     num_prompt_tokens, num_output_tokens  int32
     model             string   the target that generated it
@@ -40,6 +42,9 @@ from __future__ import annotations
 import pyarrow as pa
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+# a completion's history may hold tool turns: an assistant turn's `tool_calls` (OpenAI JSON), the
+# call a tool result answers (`tool_call_id`); null where a turn has none
+HISTORY_MESSAGE = pa.struct(list(MESSAGE) + [("tool_calls", pa.string()), ("tool_call_id", pa.string())])
 
 PROMPTS = pa.schema([
     ("id", pa.string()),
@@ -52,11 +57,13 @@ PROMPTS = pa.schema([
 
 COMPLETION_FIELDS = ("id", "messages", "text")  # the least a completion record must hold
 
-COMPLETIONS = pa.schema(list(PROMPTS) + [
+COMPLETIONS = pa.schema([pa.field("messages", pa.list_(HISTORY_MESSAGE)) if f.name == "messages" else f
+                         for f in PROMPTS] + [
     ("prompt_token_ids", pa.list_(pa.int32())),
     ("output_token_ids", pa.list_(pa.int32())),
     ("text", pa.string()),
     ("reasoning", pa.string()),
+    ("tool_calls", pa.string()),
     ("finish_reason", pa.string()),
     ("num_prompt_tokens", pa.int32()),
     ("num_output_tokens", pa.int32()),
