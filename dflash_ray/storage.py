@@ -220,6 +220,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as `open` would make it: mkstemp's own is 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -228,6 +229,19 @@ def write_bytes(uri: str, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (other threads may be creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)  # no /proc: read it the only other way, and put it back at once
+    os.umask(current)
+    return current
 
 
 def write_text(uri: str, text: str) -> None:

@@ -238,3 +238,22 @@ def test_s3_access_denied_names_the_uri_the_right_and_the_bucket(s3_bucket, s3_e
             assert right in str(e.value) and f"'{bucket}'" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)
     finally:
         server.shutdown()
+
+
+def test_files_are_written_with_the_process_umask(tmp_path):
+    """Outputs on a shared cluster are read by other users: a file takes the umask's permissions, as
+    `open` gives them (it was 0600 whatever the umask)."""
+    import os
+    import stat
+
+    from dflash_ray import storage
+
+    old = os.umask(0o022)
+    try:
+        storage.write_bytes(str(tmp_path / "a" / "f.json"), b"{}")
+        os.umask(0o027)
+        storage.write_text(str(tmp_path / "g.txt"), "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a" / "f.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "g.txt").stat().st_mode) == 0o640
