@@ -1,10 +1,13 @@
-"""`dflash-ray plan`: GPUs counted from the cluster file, measured rates used as given, the FLOP
-model said to be one, and the offline-storage figure."""
+"""`dflash-ray plan`: each GPU role simulated at the real shape (memory, FLOPs, step time, fits or
+refused), GPUs counted from the cluster file, measured rates used as given, the offline-storage
+figure, and every preflight a run makes."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from dflash_ray.cli import main
 
@@ -16,8 +19,20 @@ def _plan(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys):
-    out = _plan(capsys, "--cluster", str(ROOT / "cluster.yaml"))
+@pytest.fixture
+def small_target(tmp_path) -> list[str]:
+    """A small target's config.json: the workload's projection, not the 27B's simulation."""
+    from transformers import Qwen3Config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2).to_dict()))
+    return ["--set", f"plan.target_config={path}", "--set", "tokenize.max_seq_len=512", "--set",
+            "generate.max_tokens=384", "--set", "train.length_bucket=64"]
+
+
+def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys, small_target):
+    out = _plan(capsys, "--cluster", str(ROOT / "cluster.yaml"), *small_target)
     # gen_b200 + gen_h200: 4 nodes x 8 GPUs each; train_h200: 2 nodes x 8 GPUs
     assert out["generation"]["gpus"] == 64 and out["training"]["gpus"] == 16
     # 1.64B tokens at 400 tok/s per GPU: 1,139 GPU-hours, over 64 GPUs
@@ -28,8 +43,9 @@ def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys):
     assert out["offline_storage_avoided_tb"] == round(1.87e9 * 5 * 5120 * 2 / 1e12, 1)
 
 
-def test_a_measured_training_rate_replaces_the_flop_model(capsys):
-    out = _plan(capsys, "--set", "plan.training_tokens_per_s_per_gpu=5000", "--set", "plan.training_gpus=8")
+def test_a_measured_training_rate_replaces_the_simulated_one(capsys, small_target):
+    out = _plan(capsys, "--set", "plan.training_tokens_per_s_per_gpu=5000", "--set", "plan.training_gpus=8",
+                *small_target)
     assert out["training"]["rate_source"].startswith("measured")
     assert abs(out["training"]["gpu_hours"] - 1.87e9 * 6 / 5000 / 3600) < 0.1
     assert out["training"]["gpus"] == 8
