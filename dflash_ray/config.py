@@ -473,7 +473,8 @@ def check_lengths(cfg: RunConfig) -> str | None:
     budget = cfg.prompts.max_prompt_tokens or g.max_model_len
     longest = min(g.max_model_len, budget + g.max_tokens)
     if longest > keep:
-        return (f"generate.max_model_len={g.max_model_len} with prompts.max_prompt_tokens={cfg.prompts.max_prompt_tokens}"
+        return (f"generate.max_model_len={g.max_model_len} with "
+                f"prompts.max_prompt_tokens={cfg.prompts.max_prompt_tokens}"
                 f" and generate.max_tokens={g.max_tokens} lets a conversation reach {longest} tokens, above "
                 f"tokenize.max_seq_len={keep}: the tail of a long prompt's answer is generated and then cut "
                 f"(raise tokenize.max_seq_len to {longest}, or lower generate.max_model_len to {keep})")
@@ -610,7 +611,8 @@ def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
     """`over` on top of `base`: mappings merge key by key, any other value (a list too) replaces."""
     out = dict(base)
     for key, value in over.items():
-        out[key] = merge_settings(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge_settings(out[key], value) if nested else value
     return out
 
 

@@ -119,7 +119,8 @@ def fake_run() -> Iterator[Any]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _Counted.flops = 0.0
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(model, "flex_attention", lambda q, k, v, mask: _FlexKernel.apply(q, k, v)))
+        flex = lambda q, k, v, mask: _FlexKernel.apply(q, k, v)  # noqa: E731 (the attention layers' call)
+        stack.enter_context(mock.patch.object(model, "flex_attention", flex))
         stack.enter_context(mock.patch.object(fused_ce, "_use_triton", lambda t: False))
         for hybrid in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # transformers' Gated-DeltaNet targets
             try:
@@ -289,7 +290,8 @@ def _fake_group(world: int):
         dist.destroy_process_group()
 
 
-def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: int, last: bool = False) -> dict[str, Any]:
+def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: int,
+                   last: bool = False) -> dict[str, Any]:
     """The target's forward with the capture hooks (`capture.target_outputs`, the worker's own call)
     over the sample, in bf16, built from its config.json alone (transformers' own class); `top_k`:
     distillation's top-k, `last`: the last hidden states a DSpark drafter turns into the distribution."""

@@ -114,14 +114,16 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
                 k = int(np.flatnonzero((ivalues < 0) | (ivalues >= vocab))[0])
                 i = int(np.searchsorted(ioffsets, k, "right")) - 1
                 raise DFlashError(f"token id {int(ivalues[k])} is outside the tokenizer's vocabulary of {vocab}: "
-                                  "the ids were made by another tokenizer", file=uri, record=rows + i + 1, field="input_ids")
+                                  "the ids were made by another tokenizer", file=uri, record=rows + i + 1,
+                                  field="input_ids")
             if "seq_len" in columns:
                 stated = np.asarray(batch.column("seq_len").to_numpy(zero_copy_only=False), dtype=np.int64)
                 wrong = np.flatnonzero(stated != np.diff(ioffsets))
                 if wrong.size:
                     i = int(wrong[0])
-                    raise DFlashError(f"seq_len is {int(stated[i])} but input_ids has {int(ioffsets[i + 1] - ioffsets[i])} "
-                                      "tokens", file=uri, record=rows + i + 1, field="seq_len")
+                    raise DFlashError(f"seq_len is {int(stated[i])} but input_ids has "
+                                      f"{int(ioffsets[i + 1] - ioffsets[i])} tokens", file=uri, record=rows + i + 1,
+                                      field="seq_len")
             csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
             batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
             sums.append(batch_sums)
@@ -188,7 +190,8 @@ def examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[d
             for i, row in zip(local, table.to_pylist()):
                 ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], dtype=bool)
                 out[base + i] = {
-                    "id": row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}", "seq_len": int(ids.size), "loss_mask_sum": int(mask.sum()),
+                    "id": row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}", "seq_len": int(ids.size),
+                    "loss_mask_sum": int(mask.sum()),
                     "prompt_tail": tokenizer.decode(ids[~mask].tolist())[-300:],
                     "response": tokenizer.decode(ids[mask].tolist())[:DECODE_CHARS],
                 }
@@ -206,6 +209,10 @@ def histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("samples")
     return buf.getvalue()
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else format(value, ".1%")
 
 
 def _human_bytes(n: float) -> str:
@@ -230,7 +237,7 @@ def markdown(report: dict[str, Any]) -> str:
               f"| seq_len mean / median / p90 / max | {s['seq_len']['mean']:.1f} / {s['seq_len']['median']:g}"
               f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
               f"| samples with no loss token | {s['no_loss_share']:.1%} |",
-              f"| empty thinking blocks | {'n/a' if s['empty_thinking_share'] is None else format(s['empty_thinking_share'], '.1%')} |",
+              f"| empty thinking blocks | {_share(s['empty_thinking_share'])} |",
               f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |", "",
               "Most common loss-mask sums: " + ", ".join(
                   f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"])]

@@ -125,7 +125,8 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.successor_codebook, std=CODEBOOK_STD)
         nn.init.zeros_(self.hidden_projection.weight)
 
-    def pair_scores(self, hidden_NH: torch.Tensor, pred_ids_NP: torch.Tensor, cand_ids_NC: torch.Tensor) -> torch.Tensor:
+    def pair_scores(self, hidden_NH: torch.Tensor, pred_ids_NP: torch.Tensor,
+                    cand_ids_NC: torch.Tensor) -> torch.Tensor:
         """Σ_r A[p, r]·(W h)_r·B[c, r] [N, P, C] (float32)."""
         wh = self.hidden_projection(hidden_NH).float()
         pred = self.predecessor_codebook[pred_ids_NP].float() * wh[:, None]

@@ -164,9 +164,9 @@ def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.
                  gamma: float | None = None, teacher: torch.Tensor | None = None,
                  distill: float = 0.0, length_bucket: int = 1) -> StepOutput:
     """`teacher`: the target's final-normed last hidden states [B, S, H] (position p: the distribution
-    of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on hits. `fused` and `distill` are DFlash's
-    (the TV term already learns the target's distribution). `length_bucket`: as DFlash's, padding
-    the context so attention meets a bounded set of shapes."""
+    of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on
+    hits. `fused` and `distill` are DFlash's (the TV term already learns the target's distribution).
+    `length_bucket`: as DFlash's, padding the context so attention meets a bounded set of shapes."""
     cfg = drafter.cfg
     features_BSF, input_ids_BS, loss_mask_BS, teacher = pad_to_bucket(length_bucket, features_BSF, input_ids_BS,
                                                                       loss_mask_BS, teacher)

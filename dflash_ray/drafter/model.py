@@ -174,7 +174,8 @@ class DFlashDrafter(nn.Module):
             ctx_positions_BS = torch.arange(S, device=ctx.device).expand(B, S)
         dtype = block_embeds_BQH.dtype
         rope_q = rope_cos_sin(block_positions_BQ, cfg.head_dim, cfg.rope_theta, dtype)
-        rope_kv = rope_cos_sin(torch.cat([ctx_positions_BS, block_positions_BQ], 1), cfg.head_dim, cfg.rope_theta, dtype)
+        kv_positions = torch.cat([ctx_positions_BS, block_positions_BQ], 1)
+        rope_kv = rope_cos_sin(kv_positions, cfg.head_dim, cfg.rope_theta, dtype)
         x = block_embeds_BQH
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_kv, masks[layer.self_attn.layer_type])

@@ -46,7 +46,8 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
     taus: list[float] = []
     g = torch.Generator().manual_seed(ecfg.seed)
     for row in manifest.read_rows(uri, ["input_ids", "loss_mask"], ecfg.num_heldout):
-        ids, mask = torch.tensor([row["input_ids"]], device=head.device), torch.tensor([row["loss_mask"]], device=head.device)
+        ids = torch.tensor([row["input_ids"]], device=head.device)
+        mask = torch.tensor([row["loss_mask"]], device=head.device)
         feats = target_features(target, ids, drafter.cfg.target_layer_ids)
         with torch.no_grad():
             out = forward_loss(drafter, embed, head, feats.to(embed.dtype), ids, mask,

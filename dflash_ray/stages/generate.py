@@ -226,7 +226,8 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     gcfg = cfg.generate
     if gcfg.samples_per_prompt < 1 or (gcfg.samples_per_prompt > 1 and gcfg.temperature <= 0):
         raise DFlashError(f"{gcfg.samples_per_prompt} samples per prompt need at least one, and more than one "
-                          "needs temperature > 0 (greedy samples are all the same)", field="generate.samples_per_prompt")
+                          "needs temperature > 0 (greedy samples are all the same)",
+                          field="generate.samples_per_prompt")
     length_warning = check_lengths(cfg)
     if length_warning:
         log.warning(length_warning)

@@ -237,9 +237,10 @@ def fitting(cfg: RunConfig, roles: dict[str, dict]) -> None:
             fields, field = (f"train.target_gpus above {tr.target_gpus or tr.actor_gpus or 1:g} (its layers spread), "
                              f"a lower tokenize.max_seq_len ({cfg.tokenize.max_seq_len})"), "train.target_gpus"
         else:
-            fields, field = (f"a lower train.num_anchors ({tr.num_anchors}) or tokenize.max_seq_len "
-                             f"({cfg.tokenize.max_seq_len}), more train.num_streams ({tr.num_streams}: a smaller "
-                             "shard), or a smaller drafter (train.num_layers, train.intermediate_size)"), "train.num_anchors"
+            fields = (f"a lower train.num_anchors ({tr.num_anchors}) or tokenize.max_seq_len "
+                      f"({cfg.tokenize.max_seq_len}), more train.num_streams ({tr.num_streams}: a smaller "
+                      "shard), or a smaller drafter (train.num_layers, train.intermediate_size)")
+            field = "train.num_anchors"
         raise DFlashError(f"the {name} role needs {role['memory_gb']['total']:.1f} GB per GPU at its peak ({parts} GB) "
                           f"at the longest sequence ({cfg.tokenize.max_seq_len} tokens), above the "
                           f"{cfg.plan.memory_headroom:.0%} of a {gpu.name}'s {gpu.memory_gb:.1f} GB the plan "

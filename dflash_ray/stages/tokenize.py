@@ -78,7 +78,8 @@ class _TokenizeUnit:
         data = sink.getvalue()
         storage.write_bytes(storage.join(self.output, name), data)
         seq_len = table["seq_len"].to_numpy()
-        return {"name": name, "rows": table.num_rows, **manifest.file_entry(data), "tokens": int(seq_len.sum()), "tokens_cut": cut,
+        return {"name": name, "rows": table.num_rows, **manifest.file_entry(data), "tokens": int(seq_len.sum()),
+                "tokens_cut": cut,
                 "truncated": int(table["truncated"].to_numpy(zero_copy_only=False).sum()),
                 "rejects": json.dumps(rejects)}
 

@@ -47,7 +47,8 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
         "no_loss_share": float((found.loss_sums == 0).mean()),
         "empty_thinking_share": (found.empty_thinking / n) if "<think>" in tokenizer.get_vocab() else None,
         "offline_storage_bytes": vcfg.num_feature_layers * vcfg.hidden_size * 2 * tokens,
-        "sources": {src: {"samples": int(c), "median_response": float(np.median(np.concatenate(found.source_loss[src])))}
+        "sources": {src: {"samples": int(c),
+                          "median_response": float(np.median(np.concatenate(found.source_loss[src])))}
                     for src, c in found.sources.most_common()},
     }
     rules = gate_rules(stats, vcfg.gate)

@@ -35,7 +35,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 @contextmanager
-def capture(model: nn.Module, layer_ids: list[int], *, stop_after_last: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+def capture(model: nn.Module, layer_ids: list[int], *,
+            stop_after_last: bool = True) -> Iterator[dict[int, torch.Tensor]]:
     """Hooks that record each chosen layer's output; removed on exit whatever happens."""
     layers = decoder_layers(model)
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
@@ -98,7 +99,8 @@ def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[in
     B, S, _ = hidden.shape
     ids = torch.zeros(B, S, top_k, dtype=torch.long, device=hidden.device)
     probs = torch.zeros(B, S, top_k, dtype=torch.float32, device=hidden.device)
-    rows = (want_BS.bool() if want_BS is not None else torch.ones(B, S, dtype=torch.bool, device=hidden.device)).nonzero()
+    wanted = want_BS.bool() if want_BS is not None else torch.ones(B, S, dtype=torch.bool, device=hidden.device)
+    rows = wanted.nonzero()
     chunk = max(1, max_chunk_bytes // (4 * head.shape[0]))
     for start in range(0, rows.shape[0], chunk):
         b, s = rows[start:start + chunk].unbind(-1)

@@ -172,4 +172,5 @@ def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | Non
         held += sizes[unique[i]]
     if held >= len(samples):
         raise DFlashError(f"{count} leaves no training sample out of {len(samples)}", field="train.heldout")
-    return ([s for s, p in zip(samples, prompts) if p in chosen], [s for s, p in zip(samples, prompts) if p not in chosen])
+    return ([s for s, p in zip(samples, prompts) if p in chosen],
+            [s for s, p in zip(samples, prompts) if p not in chosen])
