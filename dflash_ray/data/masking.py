@@ -129,7 +129,7 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
         if content is not None and not isinstance(content, str):
             raise BadRecord(f"messages[{i}].content: must be a string, got {type(content).__name__}", "bad_field")
         message = {"role": m["role"], "content": content or ""}
-        calls = _json_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
+        calls = _json_list(m.get("tool_calls"), f"messages[{i}].tool_calls", "tool calls")
         if calls:
             message["tool_calls"] = calls
         if m.get("tool_call_id"):
@@ -138,8 +138,8 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _json_calls(raw: Any, field: str) -> list | None:
-    """Tool calls as the chat template takes them (a list), from the JSON a record stores."""
+def _json_list(raw: Any, field: str, of: str) -> list | None:
+    """A list a record stores as JSON (tool schemas, tool calls), as the chat template takes it."""
     if not raw:
         return None
     if isinstance(raw, str):
@@ -148,22 +148,12 @@ def _json_calls(raw: Any, field: str) -> list | None:
         except json.JSONDecodeError as e:
             raise BadRecord(f"{field}: not valid JSON ({e.msg} at column {e.colno})", "bad_field") from None
     if not isinstance(raw, list):
-        raise BadRecord(f"{field}: must be a JSON list of tool calls, got {type(raw).__name__}", "bad_field")
+        raise BadRecord(f"{field}: must be a JSON list of {of}, got {type(raw).__name__}", "bad_field")
     return raw
 
 
 def _tools(record: dict[str, Any]) -> list | None:
-    raw = record.get("tools")
-    if not raw:
-        return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise BadRecord(f"tools: not valid JSON ({e.msg} at column {e.colno})", "bad_field") from None
-    if not isinstance(raw, list):
-        raise BadRecord(f"tools: must be a JSON list of tool schemas, got {type(raw).__name__}", "bad_field")
-    return raw
+    return _json_list(record.get("tools"), "tools", "tool schemas")
 
 
 def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> Sample:
@@ -178,7 +168,7 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     tools = _tools(record)
     kwargs = {"tools": tools, "tokenize": False, "enable_thinking": enable_thinking}
     reply = {"role": "assistant", "content": text}
-    calls = _json_calls(record.get("tool_calls"), "tool_calls")
+    calls = _json_list(record.get("tool_calls"), "tool_calls", "tool calls")
     if calls:  # an answer that calls tools: the template renders the calls, trained on like any answer
         reply["tool_calls"] = calls
     if reasoning is not None:
