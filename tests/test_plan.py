@@ -185,3 +185,14 @@ def test_a_hybrid_target_on_cuda_without_its_fast_kernels_is_refused(tmp_path, m
     assert fastpath.check(plain, "cuda:0", allow_slow=False) == []
     monkeypatch.setattr(fastpath, "missing_kernels", lambda: [])
     assert fastpath.check(hybrid, "cuda:0", allow_slow=False) == []
+
+
+def test_a_target_config_plan_cannot_read_is_one_line_naming_it(tmp_path, capsys):
+    """A config.json without `model_type`, with one transformers does not know, and a folder with no
+    config.json: each refused naming the file (the folder was a traceback)."""
+    (tmp_path / "a.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "b.json").write_text('{"model_type": "no-such-model"}')
+    (tmp_path / "empty").mkdir()
+    for name, says in (("a.json", "needs a `model_type`"), ("b.json", "no-such-model"), ("empty", "config.json")):
+        error = _refused(capsys, "--set", f"plan.target_config={tmp_path / name}")
+        assert error.startswith(str(tmp_path / name)) and says in error and len(error) < 400

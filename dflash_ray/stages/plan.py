@@ -64,9 +64,16 @@ def _config_from_json(text: str, where: str):
 
     try:
         data = json.loads(text)
+    except ValueError as e:
+        raise DFlashError(f"not a model config.json: {e}", file=where) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise DFlashError("not a model config.json: it needs a `model_type`", file=where, field="model_type")
+    try:
         return AutoConfig.for_model(**data)
     except (ValueError, KeyError, TypeError) as e:
-        raise DFlashError(f"not a model config.json: {e}", file=where) from None
+        reason = str(e).split(". Should contain")[0]  # not transformers' list of every model type
+        raise DFlashError(f"not a model config.json transformers knows: {reason}", file=where,
+                          field="model_type") from None
 
 
 def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
@@ -83,7 +90,11 @@ def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
         return _config_from_json(storage.read_bytes(source).decode(), source), source
     from dflash_ray.drafter.shape import target_config as resolved
 
-    return resolved(source), source
+    try:
+        return resolved(source), source
+    except (ValueError, OSError) as e:  # a folder without a config.json, or one transformers cannot read
+        raise DFlashError(f"no model config.json transformers can read: {str(e).splitlines()[0]}",
+                          file=source) from None
 
 
 def gpu_of(cfg: RunConfig):
@@ -284,6 +295,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     if gen_gpus < 1 or train_gpus < 1:
         raise DFlashError("needs at least one GPU for each stage", field="plan.generation_gpus")
     hf, source = target_config(cfg, target)
+    stragglers = straggler_ratios(cfg) if p.dataset else None  # the dataset read before any simulation
     longest, mean = samples(cfg)
     peak = simulate_roles(cfg, hf, longest)
     peak["generator"] = generator_role(cfg, hf, peak.get("target", peak.get("stream"))["memory_gb"]["parameters"]
@@ -295,7 +307,6 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     drafter_s = max(r["step_seconds"] for k, r in at_mean.items() if k.startswith("drafter") or k == "stream")
     step_s = drafter_s if tr.colocate else (max(drafter_s, at_mean["target"]["step_seconds"]) if tr.max_in_flight
                                             else drafter_s + at_mean["target"]["step_seconds"])
-    stragglers = straggler_ratios(cfg) if p.dataset else None
     if stragglers and not tr.colocate:  # the step waits for the stream with the longest sample
         step_s = max(drafter_s, at_mean["target"]["step_seconds"] * stragglers["balanced"]) if tr.max_in_flight \
             else drafter_s + at_mean["target"]["step_seconds"] * stragglers["balanced"]
