@@ -72,8 +72,11 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
     held-out tau rises well past the untrained start's (which matches about 1 draft token in 500)."""
     import json
 
+    # every motif sample has one length, so length balancing would only draw another order of the same
+    # samples; 24 steps on this seed learn the motif in the windowed order, less in some others (the
+    # test is of the Ray path, not of one order's luck: the order itself is tested in test_reads.py)
     cfg = load_config(None, SETTINGS + ["train.lr=2e-2", "train.epochs=4", "train.num_anchors=32", "train.heldout=4",
-                                        "train.eval_every=4", "train.checkpoint_every=100"])
+                                        "train.eval_every=4", "train.checkpoint_every=100", "train.length_group=0"])
     summary = run_train(target, motif_data, str(tmp_path / "out"), cfg, progress=False)
     metrics = [json.loads(x) for x in storage.read_text(storage.join(str(tmp_path / "out"), "metrics.jsonl")).splitlines()]
     losses = [m["loss"] for m in metrics]
