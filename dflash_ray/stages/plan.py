@@ -169,6 +169,7 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
     target_memory = {k: round(v / spread, 2) for k, v in target["memory_gb"].items()}
     roles = {"target": {"gpus": spread, "memory_gb": target_memory, "flops_per_step": target["flops_per_step"],
                         "step_seconds": _seconds(target["flops_per_step"], 0, gpu) / spread,
+                        "weights_gb": target["memory_gb"]["parameters"],  # whole, over all its GPUs
                         "simulated_in_s": target["simulated_in_s"]}}
     tied = bool(getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False))
     for (name, team, dcfg), wanted in zip(teams, distilled):
@@ -194,7 +195,8 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
                                                                else 0), 2) for k in drafter["memory_gb"]}
         memory["total"] = round(sum(v for k, v in memory.items() if k != "total"), 2)
         roles["stream"] = {**drafter, "memory_gb": memory, "flops_per_step": drafter["flops_per_step"]
-                           + target["flops_per_step"], "step_seconds": drafter["step_seconds"] + target["step_seconds"]}
+                           + target["flops_per_step"], "step_seconds": drafter["step_seconds"] + target["step_seconds"],
+                           "weights_gb": target["weights_gb"]}
     return roles
 
 
@@ -271,12 +273,12 @@ def check_memory(cfg: RunConfig, target: str) -> dict[str, dict]:
 def straggler_ratios(cfg: RunConfig) -> dict[str, float]:
     """The steps' straggler ratio (mean over an epoch of the longest stream's tokens over the mean's)
     on `plan.dataset` with the run's schedule, without and with length balancing."""
-    from dflash_ray.train.schedule import Schedule, dataset_samples, sample_lengths
+    from dflash_ray.train.schedule import Schedule, dataset_samples, length_group, sample_lengths
 
     tr = cfg.train
     samples = dataset_samples(cfg.plan.dataset)
     lengths = sample_lengths(samples)
-    group = tr.length_group if tr.length_group is not None else tr.num_streams * tr.batch_size
+    group = length_group(tr)
     out = {}
     for name, g in (("unbalanced", 0), ("balanced", group)):
         schedule = Schedule(samples, tr.num_streams, tr.batch_size, tr.seed, window=tr.shard_window, lengths=lengths,
@@ -287,7 +289,6 @@ def straggler_ratios(cfg: RunConfig) -> dict[str, float]:
 
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray.preflight import preflight
-    from dflash_ray.train.devices import target_gpus
 
     warnings = preflight(cfg)  # every check a run of this config makes before it starts
     p, tr, gpu = cfg.plan, cfg.train, gpu_of(cfg)
@@ -298,8 +299,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     stragglers = straggler_ratios(cfg) if p.dataset else None  # the dataset read before any simulation
     longest, mean = samples(cfg)
     peak = simulate_roles(cfg, hf, longest)
-    peak["generator"] = generator_role(cfg, hf, peak.get("target", peak.get("stream"))["memory_gb"]["parameters"]
-                                       * (max(1, int(target_gpus(tr) or 1)) if "target" in peak else 1))
+    peak["generator"] = generator_role(cfg, hf, (peak.get("target") or peak["stream"])["weights_gb"])
     fitting(cfg, peak)
     at_mean = simulate_roles(cfg, hf, mean)
 

@@ -40,7 +40,8 @@ from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.handoff import Layout
-from dflash_ray.train.schedule import Schedule, dataset_samples, sample_lengths, sample_prompts, split_heldout
+from dflash_ray.train.schedule import (Schedule, dataset_samples, length_group, sample_lengths, sample_prompts,
+                                      split_heldout)
 from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
@@ -173,7 +174,7 @@ class Coordinator:
         self.train_samples = train_samples
         self.lengths = sample_lengths(train_samples) if tcfg.length_group != 0 else None
         # the balancing's run length, kept by resumes on another number of streams (the same order)
-        self.length_group = tcfg.length_group if tcfg.length_group is not None else tcfg.num_streams * tcfg.batch_size
+        self.length_group = length_group(tcfg)
         self._schedule_from((0, 0, 0))
 
     def _schedule_from(self, origin: tuple[int, int, int]) -> None:

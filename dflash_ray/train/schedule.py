@@ -123,6 +123,11 @@ def dataset_samples(data: str) -> list[tuple[str, int]]:
     return [(uri, r) for uri, n in zip(dataset.files, dataset.row_counts()) for r in range(n)]
 
 
+def length_group(train) -> int:
+    """The run of one length that balances a step (`train.length_group`; None: one step's samples)."""
+    return train.length_group if train.length_group is not None else train.num_streams * train.batch_size
+
+
 def sample_lengths(samples: list[tuple[str, int]]) -> list[int]:
     """Each sample's token count (the tokenized `seq_len` column, else its `input_ids` lengths)."""
     import pyarrow.compute as pc
