@@ -87,7 +87,7 @@ def _started(name: str, prompts: str, output: str, overrides: list[str]):
 
 
 @pytest.mark.timeout(900)  # two vLLM engines start on 2 CPUs: minutes on a busy machine
-def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s3_bucket):
+def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s3_bucket, tmp_path):
     import ray
 
     from dflash_ray.generation.actors import NAMESPACE
@@ -120,6 +120,27 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
     again = run_generate(prompts, output, SMOLLM2, cfg, progress=False)
     assert again["shards_run"] == 0 and again["generators_started"] == 0
     assert again["completions"] == summary["completions"]
+
+    # the same file names holding other prompts (as a pipeline rerun on new inputs writes its
+    # prompts-train split): refused before any engine starts, naming the change, not reused
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_ray.errors import DFlashError
+
+    rewritten = str(tmp_path / "prompts")
+    shutil.copytree(prompts, rewritten)
+    shard = manifest.dataset_files(rewritten)[0]
+    rows = pq.read_table(shard).to_pylist()
+    for row in rows:
+        row["messages"][-1]["content"] = "In one word: " + row["messages"][-1]["content"]
+    pq.write_table(pa.Table.from_pylist(rows, pq.read_schema(shard)), shard)
+    manifest.write_manifest(rewritten, kind="prompts", files=[{"name": storage.basename(shard), "rows": len(rows)}],
+                            summary={})
+    with pytest.raises(DFlashError, match="prompts' content"):
+        run_generate(rewritten, output, SMOLLM2, cfg, progress=False)
 
     # the tokenizer replays the engine's own ids
     from dflash_ray.stages.tokenize import run_tokenize

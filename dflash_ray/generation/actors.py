@@ -31,7 +31,7 @@ HEARTBEAT_S = 5.0  # a generator renews its leases this often while its engine r
 @ray.remote(num_cpus=0)
 class ShardPool:
     def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], cfg: GenerateConfig,
-                 output: str, plan: str):
+                 output: str, plan: dict[str, str]):
         from ray.util import metrics
 
         self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused,

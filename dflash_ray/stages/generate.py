@@ -60,12 +60,22 @@ def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
     return units
 
 
-def _plan_id(units: list[dict[str, Any]], model: str, cfg: GenerateConfig) -> str:
-    """What makes finished shards reusable: the same prompts in the same units, model and sampling."""
-    body = {"units": [(storage.basename(u["uri"]), u["start"], u["count"]) for u in units], "model": model,
-            "sampling": [cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.seed, cfg.enable_thinking,
-                         cfg.chat_template_kwargs, cfg.backend, cfg.samples_per_prompt]}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def _plan(prompts_uri: str, units: list[dict[str, Any]], model: str, cfg: GenerateConfig) -> dict[str, str]:
+    """What makes finished shards reusable, part by part: the prompts' content (not their path or file
+    names: a pipeline rerun on new inputs rewrites the same file names), the units, model and sampling."""
+    def digest(body: Any) -> str:
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    return {"prompts": manifest.fingerprint(prompts_uri), "model": model,
+            "shards": digest([(storage.basename(u["uri"]), u["start"], u["count"]) for u in units]),
+            "sampling": digest([cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.seed, cfg.enable_thinking,
+                                cfg.chat_template_kwargs, cfg.backend, cfg.samples_per_prompt])}
+
+
+PLAN_PARTS = {"prompts": "the prompts' content (--prompts was rewritten since)", "model": "the model",
+              "shards": "the shard size (generate.shard_size)",
+              "sampling": "the sampling settings (generate.temperature, top_p, max_tokens, seed, thinking, backend, "
+                          "samples_per_prompt)"}
 
 
 def read_progress(output: str) -> dict[str, Any] | None:
@@ -73,15 +83,21 @@ def read_progress(output: str) -> dict[str, Any] | None:
         return json.loads(storage.read_text(storage.join(output, PROGRESS)))
     except FileNotFoundError:
         return None
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"corrupt generation progress ({e}); delete it to generate every shard again",
+                          file=storage.join(output, PROGRESS)) from None
 
 
-def _finished_shards(output: str, plan: str) -> dict[int, dict[str, Any]]:
+def _finished_shards(output: str, plan: dict[str, str]) -> dict[int, dict[str, Any]]:
     progress = read_progress(output)
     if progress is None:
         return {}
-    if progress.get("plan") != plan:
-        raise DFlashError("holds a generation of other prompts, model, shard size or sampling settings; "
-                          "choose another --output or delete it", file=storage.join(output, PROGRESS))
+    held = progress.get("plan")
+    if held != plan:
+        changed = [PLAN_PARTS[k] for k in plan if not isinstance(held, dict) or held.get(k) != plan[k]]
+        raise DFlashError(f"holds a generation made with other inputs; changed: {'; '.join(changed)}. Its shards "
+                          "would not answer these prompts: choose another --output or delete this one",
+                          file=storage.join(output, PROGRESS))
     done = {}
     for index, entry in progress["done"].items():  # a shard whose file is gone is generated again
         if storage.exists(storage.join(output, entry["completions"])):
@@ -235,7 +251,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")  # before any engine starts
     units = plan_units(manifest.dataset_files(prompts_uri, (".parquet",)), gcfg.shard_size)
     model = pin(model)  # a Hub id: the commit every generator reads, recorded in the manifest
-    plan = _plan_id(units, model, gcfg)
+    plan = _plan(prompts_uri, units, model, gcfg)
     done = _finished_shards(output, plan)
     todo = [u for u in units if u["index"] not in done]
     summary = {"stage": "generate", "output": output, "model": model, "backend": gcfg.backend,
