@@ -4,6 +4,16 @@ from dflash_ray import storage
 from dflash_ray.train import checkpoint
 
 
+def load_latest(output: str):
+    """The newest checkpoint that verifies, read whole (broken ones skipped), or None."""
+    for step in reversed(checkpoint.complete_steps(output)):
+        try:
+            return (step, *checkpoint.load(output, step))
+        except checkpoint.CorruptCheckpoint:
+            continue
+    return None
+
+
 @pytest.fixture(params=["local", "s3"])
 def output(request, tmp_path):
     if request.param == "local":
@@ -14,7 +24,7 @@ def output(request, tmp_path):
 def test_newest_complete_checkpoint_is_loaded(output):
     checkpoint.save(output, 10, {"drafter/model.safetensors": b"a" * 100, "state.json": b"{}"}, {"epoch": 0})
     checkpoint.save(output, 20, {"drafter/model.safetensors": b"b" * 100, "state.json": b"{}"}, {"epoch": 1})
-    step, files, meta = checkpoint.load_latest(output)
+    step, files, meta = load_latest(output)
     assert step == 20 and files["drafter/model.safetensors"] == b"b" * 100 and meta == {"epoch": 1}
 
 
@@ -29,7 +39,7 @@ def test_missing_manifest_truncated_or_corrupt_files_are_never_used(output):
     # step 40: complete, then corrupted at the same size
     checkpoint.save(output, 40, {"w.bin": b"y" * 40})
     storage.write_bytes(storage.join(checkpoint.step_dir(output, 40), "w.bin"), b"z" * 40)
-    step, files, _ = checkpoint.load_latest(output)
+    step, files, _ = load_latest(output)
     assert step == 10 and files["w.bin"] == b"good" * 10
     with pytest.raises(ValueError, match=r"20 bytes, the manifest lists 40 \(truncated\)"):
         checkpoint.load(output, 30)
@@ -64,7 +74,7 @@ def test_rotation_keeps_the_newest_verified_never_a_newer_broken_one(output):
         checkpoint.verify(output, 100)
     manifest = checkpoint.verify(output, 70)
     assert checkpoint.read_file(output, 70, "state.json", manifest) == b'{"step": 70}'
-    assert checkpoint.load_latest(output)[0] == 70
+    assert load_latest(output)[0] == 70
 
 
 def test_rotation_never_deletes_the_newest_verified_one(output):
@@ -131,12 +141,12 @@ def test_a_background_upload_returns_at_once_and_the_checkpoint_exists_only_once
     checkpoint.begin(output, 8)
     upload = checkpoint.Upload(lambda: {name: held(output, 8, name, data) for name, data in files.items()})
     assert not upload.done()  # the caller is free while the storage is shut
-    assert checkpoint.complete_steps(output) == [4] and checkpoint.load_latest(output)[0] == 4
+    assert checkpoint.complete_steps(output) == [4] and load_latest(output)[0] == 4
     gate.set()
     entries = upload.result()
     assert upload.done() and set(entries) == set(files)
     checkpoint.commit(output, 8, entries)
-    step, loaded, _ = checkpoint.load_latest(output)
+    step, loaded, _ = load_latest(output)
     assert step == 8 and loaded == files
 
     def broken(output, step, name, data):

@@ -11,10 +11,13 @@ from dflash_ray.stages.prompts import run_prompts
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.export import load_drafter, save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.ngram import simulate, simulate_steps
+from dflash_ray.drafter.ngram import simulate_steps
 
 
 def test_ngram_baseline_simulation():
+    def simulate(prompt, output):
+        return [commit for commit, _ in simulate_steps(prompt, output)]
+
     assert simulate([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9]) == [1, 4]
     assert sum(simulate([7], [1, 2, 3, 1, 2, 3, 1, 2, 3])) == 8
     # no earlier match: a step without a draft; vLLM counts only the others

@@ -2,6 +2,7 @@
 recovery from killed actors."""
 
 import io
+import sys
 import threading
 
 import pyarrow as pa
@@ -17,6 +18,7 @@ from dflash_ray.tiny_models import tiny_qwen3
 from dflash_ray.train import checkpoint
 from dflash_ray.drafter.shape import drafter_config
 from dflash_ray.stages.train import run_train
+from dflash_ray.train.sharding import full, optimizer_bytes
 from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
 # every paired run here sends its features under NCCL's rules (`p2p`): a wait that would hang on GPUs
@@ -87,6 +89,17 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
     assert end > 1.4 and end > start + 0.3, (start, end, [m.get("heldout_tau") for m in metrics])
 
 
+def flat_grad(worker: DrafterWorker) -> torch.Tensor:
+    """Every parameter's whole gradient, flattened (collective when sharded)."""
+    return torch.cat([full(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in worker.drafter.parameters()])
+
+
+def flat_weights(worker: DrafterWorker) -> torch.Tensor:
+    """Every parameter whole, flattened (collective when sharded)."""
+    return torch.cat([full(p.detach()).flatten() for p in worker.drafter.parameters()])
+
+
 def _final_weights(output):
     return checkpoint_weights(output)
 
@@ -111,26 +124,27 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     port = _free_port()
     ray.get([w.init_group.remote("127.0.0.1", port) for w in workers])
     ray.get([w.averaged_gradients.remote(batch) for w, batch in zip(workers, (a, b))])
-    grads = ray.get([w.flat_grad.remote() for w in workers])
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below run in the actors
+    grads = ray.get([w.__ray_call__.remote(flat_grad) for w in workers])
     ray.get([w.train_step.remote(0, batch) for w, batch in zip(workers, (a, b))])
-    weights = ray.get([w.flat_weights.remote() for w in workers])
-    shard_bytes = ray.get([w.optimizer_bytes.remote() for w in workers])
+    weights = ray.get([w.__ray_call__.remote(flat_weights) for w in workers])
+    shard_bytes = ray.get([w.__ray_call__.remote(lambda w: optimizer_bytes(w.opt)) for w in workers])
     for w in workers:
         ray.kill(w)
 
     single = DrafterWorker(target, drafter_json, "target", cfg.train, 0, 1)
-    before = single.flat_weights().clone()
+    before = flat_weights(single).clone()
     single.averaged_gradients(union)
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
-    torch.testing.assert_close(grads[0], single.flat_grad(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[0], flat_grad(single), rtol=1e-5, atol=1e-7)
     single.train_step(0, union)
-    assert not torch.equal(single.flat_weights(), before)  # the step moved the weights
+    assert not torch.equal(flat_weights(single), before)  # the step moved the weights
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
     # AdamW's first step moves each weight by about lr·g/(|g| + eps): where a gradient is near eps, its
     # last bits (which the summation order sets) move that weight by a share of lr, so the weights
     # agree to 1% of lr, still far below the lr a missing or different step would show
-    torch.testing.assert_close(weights[0], single.flat_weights(), rtol=1e-5, atol=1e-2 * cfg.train.lr)
-    whole = single.optimizer_bytes()
+    torch.testing.assert_close(weights[0], flat_weights(single), rtol=1e-5, atol=1e-2 * cfg.train.lr)
+    whole = optimizer_bytes(single.opt)
     assert whole > 0 and all(abs(b - whole / 2) <= 0.05 * whole for b in shard_bytes), (shard_bytes, whole)
 
 
@@ -492,14 +506,14 @@ def test_a_ragged_batch_trains_as_its_samples_do_alone(target, tmp_path):
     worker = DrafterWorker(target, drafter_json, "target", cfg.train, 0, 1)
     together = feats.features([(part, i) for i in range(3)])
     _, loss, weight = worker.averaged_gradients(together)
-    grad = worker.flat_grad().clone()
+    grad = flat_grad(worker).clone()
     losses, weights, grads = [], [], []
     for i in range(3):
         alone = feats.features([(part, i)])
         n = rows[i]["seq_len"]
         torch.testing.assert_close(together["features"][i, :n], alone["features"][0, :n])
         _, loss_i, weight_i = worker.averaged_gradients(alone)
-        losses.append(loss_i), weights.append(weight_i), grads.append(worker.flat_grad().clone())
+        losses.append(loss_i), weights.append(weight_i), grads.append(flat_grad(worker).clone())
     assert weight == pytest.approx(sum(weights))
     assert loss == pytest.approx(sum(l * w for l, w in zip(losses, weights)) / weight, rel=1e-5)
     torch.testing.assert_close(grad, sum(gr * w for gr, w in zip(grads, weights)) / weight, rtol=1e-4, atol=1e-6)

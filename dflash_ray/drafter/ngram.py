@@ -35,8 +35,3 @@ def simulate_steps(prompt: list[int], output: list[int], num_tokens: int = 15, m
         done += commit
     return steps
 
-
-def simulate(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2, max_n: int = 4) -> list[int]:
-    """Tokens committed per verify step (accepted + 1) if n-gram lookup had drafted `output`."""
-    return [commit for commit, _ in simulate_steps(prompt, output, num_tokens, min_n, max_n)]
-

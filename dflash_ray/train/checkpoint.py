@@ -214,18 +214,6 @@ def load(output: str, step: int) -> tuple[dict[str, bytes], dict]:
     return files, manifest.get("meta", {})
 
 
-def load_latest(output: str) -> tuple[int, dict[str, bytes], dict] | None:
-    """The newest checkpoint that verifies, read whole; broken ones are skipped with a warning.
-    For tools and tests: a resume reads only `state.json` (see `Coordinator._resume`)."""
-    for step in reversed(complete_steps(output)):
-        try:
-            files, meta = load(output, step)
-            return step, files, meta
-        except CorruptCheckpoint as e:
-            log.warning("skipping checkpoint step %d: %s", step, e)
-    return None
-
-
 def rotate(output: str, keep: int, upto: int | None = None) -> list[int]:
     """Keep the newest `keep` checkpoints that verify; delete every other checkpoint or leftover
     folder OLDER than the newest one that verifies. Nothing newer is touched (an unverified newer

@@ -37,11 +37,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def flat(tensors) -> torch.Tensor:
-    """The tensors whole, flattened into one (collective when they are shards)."""
-    return torch.cat([full(t).flatten() for t in tensors])
-
-
 def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its shard's moments)."""
     from torch.distributed.tensor import DTensor

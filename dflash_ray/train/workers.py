@@ -285,23 +285,6 @@ class DrafterWorker:
                                attention=self.place.attention, length_bucket=self.cfg.length_bucket)
         return out.tau.tolist()
 
-    def flat_grad(self) -> torch.Tensor:
-        """Every parameter's whole gradient, flattened (collective when sharded)."""
-        from dflash_ray.train.sharding import flat
-
-        return flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in self.drafter.parameters())
-
-    def flat_weights(self) -> torch.Tensor:
-        """Every parameter whole, flattened (collective when sharded)."""
-        from dflash_ray.train.sharding import flat
-
-        return flat(p.detach() for p in self.drafter.parameters())
-
-    def optimizer_bytes(self) -> int:
-        from dflash_ray.train.sharding import optimizer_bytes
-
-        return optimizer_bytes(self.opt)
-
     def train_step(self, step: int, batch: dict[str, Any], fault: bool = False) -> dict[str, float]:
         """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
         before the step's collectives, as an out-of-memory error would (chaos testing)."""
@@ -312,7 +295,7 @@ class DrafterWorker:
             raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")
         batch = self._received(batch)
         start = time.perf_counter()
-        out, loss, positions = self.averaged_gradients(batch)  # reads figures back: the device is idle after
+        out, loss, _ = self.averaged_gradients(batch)  # reads figures back: the device is idle after
         stepping = time.perf_counter()
         grad_norm = float(full(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same two numbers
@@ -334,8 +317,7 @@ class DrafterWorker:
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
                 "target_seconds": batch["seconds"], "handoff_seconds": batch.get("handoff_seconds", 0.0),
                 "read_bytes": batch.get("read_bytes", 0),
-                "tokens": int(batch["loss_mask"].numel()),
-                "positions": positions}
+                "tokens": int(batch["loss_mask"].numel())}
 
     # -- state ------------------------------------------------------------------------------
     def rng_state(self) -> bytes:
