@@ -238,6 +238,9 @@ class TrainConfig:
     min_bus_bandwidth: float = 0.0
     fault_step: int = 0  # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
     trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
+    # steps (1-based) traced with torch.profiler: Chrome traces of each drafter rank's step and its target's
+    # forward under OUTPUT/profile/ (train/profile.py); open them in Perfetto
+    profile_steps: list[int] = field(default_factory=list)
     # several drafters from one target pass (train/drafters.py): [{name: dspark, drafter: dspark, ...}, ...],
     # each trained on every batch's features, written under OUTPUT/NAME; empty: the one drafter above
     drafters: list = field(default_factory=list)
@@ -439,6 +442,9 @@ def check(cfg: RunConfig) -> None:
         if tr.colocate:
             raise DFlashError("one colocated actor holds one drafter; allowed with train.drafters: "
                               "train.colocate=false", field="train.colocate")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in tr.profile_steps):
+        raise DFlashError(f"{tr.profile_steps!r}: allowed: a list of steps >= 1 (the metrics' step numbers)",
+                          field="train.profile_steps")
     bad = [t for t in tr.trackers if t not in TRACKERS]
     if bad or len(set(tr.trackers)) < len(tr.trackers):
         raise DFlashError(f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}",

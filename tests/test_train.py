@@ -2,6 +2,7 @@
 recovery from killed actors."""
 
 import io
+import json
 import sys
 import threading
 
@@ -72,7 +73,6 @@ def alone(ray_cluster, target, data, tmp_path_factory):
 def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_path):
     """Two data-parallel streams (gloo) over target and drafter actors: the loss falls and the
     held-out tau rises well past the untrained start's (which matches about 1 draft token in 500)."""
-    import json
 
     # every motif sample has one length, so length balancing would only draw another order of the same
     # samples; 24 steps on this seed learn the motif in the windowed order, less in some others (the
@@ -108,7 +108,6 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     """Two drafter actors (FSDP2 over gloo), each with half the batch: the same gradient and the same
     weights after an optimizer step as one process given the whole batch, and each rank holding
     half the optimizer state that process holds."""
-    import json
 
     from dflash_ray.train.coordinator import _free_port
 
@@ -148,15 +147,20 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     assert whole > 0 and all(abs(b - whole / 2) <= 0.05 * whole for b in shard_bytes), (shard_bytes, whole)
 
 
-def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
+def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone, capsys):
     cfg = load_config(None, SETTINGS)
     whole_dir, whole = alone
     assert whole["step"] == whole["total_steps"] == 8
     sliced = str(tmp_path / "sliced")
     first = run_train(target, data, sliced, cfg, progress=False, stop_after_step=5)  # ends between checkpoints
     assert first["step"] == 5
-    second = run_train(target, data, sliced, cfg, progress=False)
+    capsys.readouterr()
+    second = run_train(target, data, sliced, cfg, progress=True)
     assert second["step"] == 8
+    # one line per step on stderr, each step once: the figures a person watches
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["6/8", "7/8", "8/8"], lines
+    assert all(" loss " in x and " tok/s" in x for x in lines), lines
     # sharded: one file per rank, none holding the whole optimizer state, and no whole-model file
     assert sorted(checkpoint.read_manifest(whole_dir, 8)["files"]) == [
         "drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp", "state.json"]
@@ -167,15 +171,24 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone):
     assert whole["rendezvous"].startswith(ray.util.get_node_ip_address() + ":")  # drafter rank 0's node
 
     # a colocated stream (target and drafter in one actor, features never copied) trains the same weights
-    colocated = run_train(target, data, str(tmp_path / "colocated"), load_config(None, SETTINGS + ["train.colocate=true"]),
+    # (one step traced by the profiler: the trace changes nothing in the computation)
+    colocated = run_train(target, data, str(tmp_path / "colocated"),
+                          load_config(None, SETTINGS + ["train.colocate=true", "train.profile_steps=[3]"]),
                           progress=False)
     assert colocated["step"] == 8
     assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
+    traces = sorted(storage.basename(f) for f in storage.list_files(str(tmp_path / "colocated" / "profile")))
+    assert traces == ["step-000003-stream-0.json", "step-000003-stream-1.json"]
+    trace = json.loads(storage.read_text(str(tmp_path / "colocated" / "profile" / traces[0])))
+    assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
     # the features through Ray's object store instead of send/recv: the same weights too
     stored = run_train(target, data, str(tmp_path / "stored"),
-                       load_config(None, SETTINGS + ["train.feature_transport=object_store"]), progress=False)
+                       load_config(None, SETTINGS + ["train.feature_transport=object_store", "train.profile_steps=[2]"]),
+                       progress=False)
     assert stored["step"] == 8
     assert _final_weights(str(tmp_path / "stored")) == (8, weights_a)  # bitwise
+    assert sorted(storage.basename(f) for f in storage.list_files(str(tmp_path / "stored" / "profile"))) == [
+        f"step-000002-{role}-{rank}.json" for role in ("drafter", "target") for rank in (0, 1)]
 
 
 def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_shapes_through_ray(
@@ -183,7 +196,6 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     """`handoff`: the target posts the batch's tensors to its drafter and returns their shapes alone
     (under 2 KB through Ray, where the features are tens of KB); the drafter receives exactly what
     the target computed, twice in a row (messages in order), and trains on it."""
-    import json
     import pickle
 
     from dflash_ray.train.coordinator import _free_port
@@ -219,7 +231,6 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
     pass per batch over two streams, stopped between checkpoints and resumed. The DFlash one ends
     bitwise where it ends trained alone (its layers picked out of the union the target captured),
     the DSpark one trains, and each folder is a run of its own that exports."""
-    import json
 
     from dflash_ray.stages.export import run_export
 
@@ -283,7 +294,6 @@ def test_resume_passes_over_a_corrupt_checkpoint_and_continues_exactly(ray_clust
 
 
 def _metrics(output: str) -> list[dict]:
-    import json
 
     return [json.loads(x) for x in storage.read_text(storage.join(output, "metrics.jsonl")).splitlines()]
 
@@ -331,7 +341,6 @@ def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_
     the all-reduce, right after the step-3 checkpoint was taken (its files may still be uploading:
     they are committed before the restart, not lost): every stream restarts from step 3, each step
     is taken once, and the weights are an undisturbed run's, bit for bit."""
-    import json
 
     faulty = run_train(target, data, str(tmp_path / "faulty"), load_config(
         None, SETTINGS + ["train.fault_step=4", "train.collective_timeout_s=120"]), progress=False)
@@ -377,7 +386,6 @@ def test_streams_the_cluster_cannot_hold_are_refused_before_any_actor_with_the_n
 
 
 def test_train_on_a_cluster_too_small_exits_2_at_once_naming_the_cpus(ray_cluster, target, data, tmp_path, capsys):
-    import json
     import time
 
     from dflash_ray.cli import main
@@ -421,7 +429,6 @@ def test_training_with_target_and_output_on_s3_resumes_and_exports_there(ray_clu
 
 
 def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp_path, capsys):
-    import json
 
     from dflash_ray.cli import main
 
@@ -447,7 +454,6 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
 
 def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_cluster, target, data, tmp_path,
                                                                             capsys):
-    import json
     import os
     import signal
     import threading
@@ -487,7 +493,6 @@ def test_a_bad_data_setting_reaches_the_driver_as_its_own_error(ray_cluster, tar
 def test_a_ragged_batch_trains_as_its_samples_do_alone(target, tmp_path):
     """batch_size > 1 with different lengths: padding changes neither the target's features nor the
     loss; the batch's loss and gradient are its samples' weighted together."""
-    import json
 
     g = torch.Generator().manual_seed(3)
     rows = []
@@ -520,7 +525,6 @@ def test_a_ragged_batch_trains_as_its_samples_do_alone(target, tmp_path):
 
 
 def test_bf16_training_keeps_fp32_master_weights(target, data):
-    import json
 
     cfg = load_config(None, SETTINGS + ["train.dtype=bfloat16"])
     worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random", cfg.train, 0, 1)
@@ -534,7 +538,6 @@ def test_bf16_training_keeps_fp32_master_weights(target, data):
 
 
 def test_distillation_sends_the_targets_top_k_and_trains_on_it(target, data):
-    import json
 
     cfg = load_config(None, SETTINGS + ["train.distill=0.5", "train.distill_top_k=4"])
     batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])

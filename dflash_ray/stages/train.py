@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -18,6 +19,7 @@ from dflash_ray.errors import DFlashError, Interrupted
 from dflash_ray.train.coordinator import Coordinator
 from dflash_ray.train import drafters
 from dflash_ray.train.devices import check_resources
+from dflash_ray.train.profile import step_line
 from dflash_ray.train.trackers import check_installed, driver_env
 
 
@@ -95,24 +97,43 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         target, data, output, cfg, run_name, teams, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
+    seen = 0  # metric rows read
     # Ctrl-C sets a flag the loop reads between waits: a KeyboardInterrupt raised inside Ray's own
     # (Cython) wait can surface as a SystemError instead
     interrupted = threading.Event()
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set()) if main else None
+    printed = -1  # the last step given a line
+
+    def show() -> None:
+        """The bar, and a line for each step this run trained since the last look."""
+        nonlocal bar, seen, printed
+        state = ray.get(coordinator.progress.remote(seen))
+        if state["total_steps"] is None or state["begun_at"] is None:  # still planning or resuming
+            return
+        if bar is None:
+            bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
+        # a restart takes the metrics back to its checkpoint's step: read them again from there
+        seen = state["count"] if state["count"] < seen else seen + len(state["rows"])
+        printed = max(printed, state["begun_at"])
+        for row in state["rows"] if progress else []:  # one line per step, on stderr
+            if row["step"] > printed:
+                bar.write(step_line(row, state["total_steps"]), file=sys.stderr)
+                printed = row["step"]
+        bar.n = state["step"]
+        if state["last"]:
+            bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
+        bar.refresh()
+
     try:
         while not ray.wait([run_ref], timeout=1.0)[0]:
             if interrupted.is_set():
                 raise KeyboardInterrupt
-            state = ray.get(coordinator.progress.remote())
-            if state["total_steps"] is None:  # still planning
-                continue
-            if bar is None:
-                bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
-            bar.n = state["step"]
-            if state["last"]:
-                bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
-            bar.refresh()
+            show()
+        try:
+            show()  # the steps since the last look
+        except ray.exceptions.RayError:  # the coordinator is gone: its run's own outcome says why
+            pass
         summary = ray.get(run_ref)
         if network:
             summary["network"] = {k: network[k] for k in ("all_reduce_bus_gbs", "slowest_pair")}

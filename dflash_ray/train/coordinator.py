@@ -150,6 +150,7 @@ class Coordinator:
         for team, pick in zip(self.teams, picks):
             team.pick = pick
         self.step, self.restarts = 0, 0
+        self.begun_at: int | None = None  # the step this run began at (its resume's), once resumed
         # the wall time failures cost: from a failure at step s until the run is past step s again
         self.seconds_lost, self.lost_since = 0.0, None
         self.uploading: tuple[int, list[dict]] | None = None  # (step, run states) of a checkpoint uploading
@@ -436,6 +437,9 @@ class Coordinator:
                "drafter_seconds": max(s["drafter_seconds"] for s in stats),
                "optimizer_seconds": max(s["optimizer_seconds"] for s in stats), "wait_seconds": wait_s,
                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
+        peaks = [s["peak_flops"] for s in stats]
+        if all(peaks):  # the drafters' model FLOPs over what their GPUs could do in the step
+            row["mfu"] = sum(s["flops"] for s in stats) / (step_s * sum(peaks))
         team.metrics.append(row)
         for k, v in row.items():
             if k != "step":
@@ -460,6 +464,15 @@ class Coordinator:
         """`train.fault_step`: drafter rank 1 raises at that step, in the run's first attempt only."""
         return stream == 1 and self.restarts == 0 and self.step + 1 == self.cfg.train.fault_step
 
+    def _trace(self, step: int, role: str, rank: int, team: Team | None = None) -> str | None:
+        """Where the trace of `role` rank `rank` at `step` (0-based) goes, when `train.profile_steps`
+        lists it: under its drafter's output (a target's and a stream's: the first drafter's)."""
+        from dflash_ray.train.profile import trace_uri
+
+        if step + 1 not in self.cfg.train.profile_steps:
+            return None
+        return trace_uri((team or self.teams[0]).output, step + 1, role, rank)
+
     def _horizon(self) -> int:
         """The steps whose batches may be sent now. An evaluation's features travel the same pairs as
         training's, and NCCL matches a pair's messages by order alone: a batch sent ahead past an
@@ -481,11 +494,12 @@ class Coordinator:
             for s, target in enumerate(self.targets):
                 if step < self._horizon() and step not in ahead[s]:
                     batch = self.schedule.batch_for(step, s)
+                    trace = self._trace(step, "target", s)
                     if self.direct:  # posted to every drafter of the stream; only the shapes come back
                         dsts = [self.layout.drafter(i, s) for i in range(len(self.teams))]
-                        ahead[s][step] = target.send_features.remote(batch, dsts)
+                        ahead[s][step] = target.send_features.remote(batch, dsts, profile=trace)
                     else:
-                        ahead[s][step] = target.features.remote(batch)
+                        ahead[s][step] = target.features.remote(batch, profile=trace)
 
         if tcfg.eval_every and self.step == 0 and self.teams[0].heldout_start is None:
             # the untrained start: what learning is measured against
@@ -496,7 +510,8 @@ class Coordinator:
             if tcfg.colocate:  # each stream computes its own features in place
                 wait_s = 0.0
                 stats = first_error([d.train_samples.remote(self.step, self.schedule.batch_for(self.step, s),
-                                                            self._fault(s)) for s, d in enumerate(self.all_drafters)])
+                                                            self._fault(s), self._trace(self.step, "stream", s))
+                                     for s, d in enumerate(self.all_drafters)])
             else:
                 for k in range(tcfg.max_in_flight + 1):
                     submit(self.step + k)
@@ -506,7 +521,8 @@ class Coordinator:
                 wait_s = time.perf_counter() - ready_at
                 # each drafter resolves its own stream's features (every drafter of a stream the same
                 # reference): they never pass through here
-                stats = first_error([d.train_step.remote(self.step, refs[s], self._fault(s))
+                stats = first_error([d.train_step.remote(self.step, refs[s], self._fault(s),
+                                                         self._trace(self.step, "drafter", s, team))
                                      for team in self.teams for s, d in enumerate(team.drafters)])
             self.step += 1
             self._regained()
@@ -545,6 +561,8 @@ class Coordinator:
                 try:
                     self._start_actors()
                     self._resume()
+                    if self.begun_at is None:
+                        self.begun_at = self.step
                     if self.restarts:
                         self.resumed_from.append(self.step)
                     self._regained()
@@ -599,8 +617,10 @@ class Coordinator:
         self.stopping = True
         self._stop_actors()
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self, since: int = 0) -> dict[str, Any]:
+        """Where the run stands, and the first drafter's metric rows from index `since` on."""
         return {"step": self.step, "total_steps": self.total_steps, "restarts": self.restarts,
-                "last": self.metrics[-1] if self.metrics else None}
+                "last": self.metrics[-1] if self.metrics else None, "rows": self.metrics[since:],
+                "count": len(self.metrics), "begun_at": self.begun_at}
 
 

@@ -75,22 +75,29 @@ class TargetWorker:
         handoff.join(self.place.backend, address, port, layout.target(stream), layout, self.cfg.collective_timeout_s)
         handoff.greet([layout.drafter(t, stream) for t in range(layout.teams)], True, self.place.device)
 
-    def send_features(self, samples: list[Sample], dsts: list[int]) -> dict[str, Any]:
+    def send_features(self, samples: list[Sample], dsts: list[int], profile: str | None = None) -> dict[str, Any]:
         """The batch's features posted to the drafters at ranks `dsts` (`handoff.send`); returns what
         they allocate to receive them, the target's seconds and the bytes each receives. The sends of
         earlier batches that every receiver has are let go here (their buffers with them)."""
         from dflash_ray.train import handoff
 
         self._sent = [s for s in self._sent if not s.done()]
-        batch = self.features(samples, to_host=False)
+        batch = self.features(samples, to_host=False, profile=profile)
         seconds, read = batch.pop("seconds"), batch.pop("read_bytes")
         sent = handoff.send(batch, dsts)
         self._sent.append(sent)
         return {"meta": sent.meta, "seconds": seconds, "read_bytes": read, "bytes": handoff.nbytes(sent.meta)}
 
-    def features(self, samples: list[Sample], to_host: bool = True) -> dict[str, Any]:
+    def features(self, samples: list[Sample], to_host: bool = True, profile: str | None = None) -> dict[str, Any]:
         """The batch and its features (and with `train.distill`, the target's top-k next-token
-        distribution at the response positions); `to_host=False` leaves them on the device."""
+        distribution at the response positions); `to_host=False` leaves them on the device.
+        `profile`: where to write a trace of it (`train.profile_steps`)."""
+        from dflash_ray.train.profile import traced
+
+        with traced(profile):
+            return self._features_of(samples, to_host)
+
+    def _features_of(self, samples: list[Sample], to_host: bool) -> dict[str, Any]:
         from dflash_ray.drafter import families
         from dflash_ray.target.capture import target_outputs
 
@@ -166,6 +173,10 @@ class DrafterWorker:
         self.embed = embed.to(device, self.dtype)
         self.head = self.embed if head is embed else head.to(device, self.dtype)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        from dflash_ray.train.profile import flops_per_position, peak_flops
+
+        self.flops_per_position = flops_per_position(self.drafter, self.head)
+        self.peak_flops = peak_flops(device)  # None: a device without a known peak (no MFU)
         # anchors are drawn on the CPU on every device, so a run's anchors do not depend on where it runs
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
         self.total_steps = 1
@@ -285,9 +296,17 @@ class DrafterWorker:
                                attention=self.place.attention, length_bucket=self.cfg.length_bucket)
         return out.tau.tolist()
 
-    def train_step(self, step: int, batch: dict[str, Any], fault: bool = False) -> dict[str, float]:
+    def train_step(self, step: int, batch: dict[str, Any], fault: bool = False,
+                   profile: str | None = None) -> dict[str, float]:
         """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
-        before the step's collectives, as an out-of-memory error would (chaos testing)."""
+        before the step's collectives, as an out-of-memory error would (chaos testing). `profile`:
+        where to write a trace of the step (`train.profile_steps`)."""
+        from dflash_ray.train.profile import traced
+
+        with traced(profile):
+            return self._train_step(step, batch, fault)
+
+    def _train_step(self, step: int, batch: dict[str, Any], fault: bool) -> dict[str, Any]:
         from dflash_ray.drafter.loss import per_position_accuracy
         from dflash_ray.train.sharding import full
 
@@ -317,7 +336,8 @@ class DrafterWorker:
         return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
                 "target_seconds": batch["seconds"], "handoff_seconds": batch.get("handoff_seconds", 0.0),
                 "read_bytes": batch.get("read_bytes", 0),
-                "tokens": int(batch["loss_mask"].numel())}
+                "tokens": int(batch["loss_mask"].numel()),
+                "flops": self.flops_per_position * out.blocks.token_ids.numel(), "peak_flops": self.peak_flops}
 
     # -- state ------------------------------------------------------------------------------
     def rng_state(self) -> bytes:
@@ -374,8 +394,12 @@ class ColocatedWorker(DrafterWorker):
         super().__init__(target, drafter_cfg_json, init, cfg, rank, world)
         self.target = TargetWorker(target, layer_ids, cfg)
 
-    def train_samples(self, step: int, samples: list[Sample], fault: bool = False) -> dict[str, float]:
-        return self.train_step(step, self.target.features(samples, to_host=False), fault)
+    def train_samples(self, step: int, samples: list[Sample], fault: bool = False,
+                      profile: str | None = None) -> dict[str, float]:
+        from dflash_ray.train.profile import traced
+
+        with traced(profile):  # the target's forward and the drafter's step in one trace
+            return self._train_step(step, self.target.features(samples, to_host=False), fault)
 
     def kernels(self) -> list[str]:
         return self.target.kernels()
