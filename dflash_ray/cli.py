@@ -102,7 +102,7 @@ def _cmd_evaluate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.stages.evaluate import run_evaluate
 
     return run_evaluate(args.drafter, args.target, args.prompts, cfg, heldout_uri=args.heldout, engine=args.engine,
-                        tokenizer_name=args.tokenizer)
+                        tokenizer_name=args.tokenizer, report_dir=args.report)
 
 
 def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -271,6 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", metavar="URI", help="tokenized held-out set for the simulated tau")
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: also report vLLM's measured tau")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the target's own")
+    p.add_argument("--report", metavar="DIR", help="write evaluation.png there: acceptance by draft position "
+                   "and by prompt source, the drafter beside prompt lookup")
     p.set_defaults(run=_cmd_evaluate)
 
     p = sub.add_parser("pipeline", parents=[common], help="every stage in order on one config (pipeline.*)")

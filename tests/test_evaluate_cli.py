@@ -16,12 +16,15 @@ from dflash_ray.drafter.ngram import simulate_steps
 
 def test_ngram_baseline_simulation():
     def simulate(prompt, output):
-        return [commit for commit, _ in simulate_steps(prompt, output)]
+        return [step.commit for step in simulate_steps(prompt, output)]
 
     assert simulate([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 9]) == [1, 4]
     assert sum(simulate([7], [1, 2, 3, 1, 2, 3, 1, 2, 3])) == 8
     # no earlier match: a step without a draft; vLLM counts only the others
-    assert simulate_steps([7], [1, 2, 3, 1, 2, 3, 1, 2, 3]) == [(1, False)] * 4 + [(4, True)]
+    steps = simulate_steps([7], [1, 2, 3, 1, 2, 3, 1, 2, 3])
+    assert [(s.commit, s.drafted > 0) for s in steps] == [(1, False)] * 4 + [(4, True)]
+    assert steps[-1] == (4, 3, 3)  # 3 drafted, all accepted, and the target's own token
+    assert simulate_steps([7], [1, 2, 3, 1, 2, 3, 1, 2])[-1] == (3, 3, 3)  # the output ends: no token after
 
 
 @pytest.mark.slow
@@ -48,7 +51,8 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
                    heldout / "part-0.parquet")
     code = main(["evaluate", "--drafter", str(tmp_path / "export"), "--target", tiny_qwen3_dir, "--tokenizer", "qwen3",
                  "--prompts", str(tmp_path / "prompts"), "--heldout", str(heldout),
-                 "--set", "evaluate.max_new_tokens=12", "--set", "evaluate.num_anchors=8", "--json"])
+                 "--set", "evaluate.max_new_tokens=12", "--set", "evaluate.num_anchors=8",
+                 "--report", str(tmp_path / "report"), "--json"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["lossless"] and summary["prompts"] == 3
     assert summary["tokens"] == 36 and summary["tau"] >= 1 and summary["tau_ngram"] >= 1
@@ -58,7 +62,12 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
         assert len(summary[key]) == 15 and all(r is None or 0 <= r <= 1 for r in summary[key]), summary[key]
     if summary["ngram_draft_share"]:  # per proposed draft is never below per target forward
         assert summary["tau_ngram_per_draft"] >= summary["tau_ngram"]
-    assert set(summary["tau_per_source"]) == {"raw"}
+    assert set(summary["tau_per_source"]) == set(summary["tau_ngram_per_source"]) == {"raw"}
+    # where acceptance is lost, the drafter beside lookup: per draft position and per source, and their plot
+    lookup = summary["ngram_acceptance_by_position"]
+    assert len(lookup) <= 15 and all(r is None or 0 <= r <= 1 for r in lookup), lookup
+    assert summary["tau_ngram_per_source"]["raw"] == summary["tau_ngram"]
+    assert (tmp_path / "report" / "evaluation.png").read_bytes()[:4] == b"\x89PNG"
     assert summary["tokens_per_s"] > 0 and summary["target_tokens_per_s"] > 0
     assert 1 <= summary["tau_simulated_heldout"] < 1.5  # an untrained drafter
 

@@ -9,6 +9,8 @@ figures are reported, named apart (`evaluate`: `tau_ngram`, `tau_ngram_per_draft
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 def propose(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -20,9 +22,17 @@ def propose(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[
     return []
 
 
+class Step(NamedTuple):
+    """One verify step of lookup: tokens committed (accepted + 1, fewer at the output's end), tokens
+    drafted (0: no suffix matched, no draft) and tokens accepted."""
+    commit: int
+    drafted: int
+    accepted: int
+
+
 def simulate_steps(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2,
-                   max_n: int = 4) -> list[tuple[int, bool]]:
-    """Per verify step: (tokens committed = accepted + 1, whether lookup proposed a draft at all)."""
+                   max_n: int = 4) -> list[Step]:
+    """Every verify step if n-gram lookup had drafted `output` after `prompt`."""
     steps = []
     done = 1  # the first output token comes from the prefill, as with any drafter
     while done < len(output):
@@ -31,7 +41,6 @@ def simulate_steps(prompt: list[int], output: list[int], num_tokens: int = 15, m
         while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
             accepted += 1
         commit = min(accepted + 1, len(output) - done)
-        steps.append((commit, bool(draft)))
+        steps.append(Step(commit, len(draft), accepted))
         done += commit
     return steps
-

@@ -89,10 +89,12 @@ def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]],
 
 def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunConfig, *,
                  heldout_uri: str | None = None, engine: str = "hf", tokenizer_name: str | None = None,
-                 sampled: bool = True, reference_cache: dict | None = None) -> dict[str, Any]:
+                 sampled: bool = True, reference_cache: dict | None = None,
+                 report_dir: str | None = None) -> dict[str, Any]:
     """`sampled=False` skips the serving-temperature run; `reference_cache` (a dict the caller keeps)
     holds the target's own greedy outputs across calls on the same target and prompts, so a second
-    drafter's evaluation does not decode them again."""
+    drafter's evaluation does not decode them again. `report_dir`: where `evaluation.png` goes
+    (acceptance by draft position and by prompt source, the drafter beside prompt lookup)."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -120,6 +122,7 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
     per_source: dict[str, list[int]] = collections.defaultdict(list)
+    ngram_per_source: dict[str, list[int]] = collections.defaultdict(list)
     all_steps, sampled_steps, ngram_steps, prompt_ids, references = [], [], [], [], []
     verified, verified_sampled = [], []  # (drafted, accepted) per verify step
     generator = torch.Generator(device=device).manual_seed(ecfg.seed)
@@ -142,8 +145,9 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         per_source[row["source"]] += spec.acceptance
         all_steps += spec.acceptance
         verified += spec.verified
-        ngram_steps += ngram.simulate_steps(ids, ref.token_ids, num_drafts, ecfg.ngram_min,
-                                            ecfg.ngram_max)
+        lookup = ngram.simulate_steps(ids, ref.token_ids, num_drafts, ecfg.ngram_min, ecfg.ngram_max)
+        ngram_steps += lookup
+        ngram_per_source[row["source"]] += [step.commit for step in lookup]
         if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
             drawn = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,
                                        Sampling(ecfg.temperature, ecfg.top_p, generator))
@@ -161,9 +165,13 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         "acceptance_by_position": acceptance_by_position(verified),
         "tau_sampled": mean(sampled_steps), "acceptance_by_position_sampled": acceptance_by_position(verified_sampled),
         "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
-        "tau_ngram": mean([c for c, _ in ngram_steps]),
-        "tau_ngram_per_draft": mean([c for c, had in ngram_steps if had]),
-        "ngram_draft_share": round(sum(had for _, had in ngram_steps) / len(ngram_steps), 4) if ngram_steps else None,
+        "tau_ngram": mean([step.commit for step in ngram_steps]),
+        "tau_ngram_per_source": {s: mean(v) for s, v in sorted(ngram_per_source.items())},
+        "ngram_acceptance_by_position": acceptance_by_position([(s.drafted, s.accepted) for s in ngram_steps
+                                                                if s.drafted]),
+        "tau_ngram_per_draft": mean([step.commit for step in ngram_steps if step.drafted]),
+        "ngram_draft_share": round(sum(s.drafted > 0 for s in ngram_steps) / len(ngram_steps), 4)
+        if ngram_steps else None,
         "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
         "target_tokens_per_s": round(tokens / base_s, 2) if base_s else None,
         "speedup": round(base_s / spec_s, 3) if spec_s else None,
@@ -176,6 +184,12 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         summary["tau_vllm"] = result["acceptance_length"]
         summary["tau_vllm_sampled"] = result.get("sampled", {}).get("acceptance_length")
         summary["vllm_outputs_equal"] = result["outputs"] == references
+    if report_dir is not None:
+        from dflash_ray import storage
+        from dflash_ray.plots import acceptance_png
+
+        summary["evaluation_png"] = storage.join(report_dir, "evaluation.png")
+        storage.write_bytes(summary["evaluation_png"], acceptance_png(summary))
     if mismatches:
         raise DFlashError(f"speculative output differs from the target's greedy output on {mismatches} "
                           "prompt(s): the drafter path is broken", file=drafter_uri).with_summary(summary)

@@ -202,7 +202,7 @@ def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str
     served = families.get(cfg.train.drafter).vllm_on_cpu or torch.cuda.is_available()
     engine = "vllm" if cfg.pipeline.vllm_evaluate and served and importlib.util.find_spec("vllm") else "hf"
     after = timed(f"evaluate_trained{tag}", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine,
-                  reference_cache=references)
+                  reference_cache=references, report_dir=folder)
     return {
         "family": cfg.train.drafter, "train_loss": trained["loss"],
         "heldout_tau_start": trained["heldout_tau_start"], "heldout_tau_end": trained["heldout_tau"],
@@ -210,6 +210,9 @@ def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str
         "tau_trained_sampled": after["tau_sampled"],
         "acceptance_by_position": after["acceptance_by_position"],
         "acceptance_by_position_sampled": after["acceptance_by_position_sampled"],
+        "ngram_acceptance_by_position": after["ngram_acceptance_by_position"],
+        "tau_per_source": after["tau_per_source"], "tau_ngram_per_source": after["tau_ngram_per_source"],
+        "evaluation_png": after["evaluation_png"],
         "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],
         "ngram_draft_share": after["ngram_draft_share"],
         "tau_trained_vllm": after.get("tau_vllm"), "vllm_outputs_equal": after.get("vllm_outputs_equal"),
