@@ -39,11 +39,11 @@ the total loss jump mid-run (5.9 to 10.0) where the detached run fell smoothly (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import dataclass
 
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig

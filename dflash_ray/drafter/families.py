@@ -7,8 +7,8 @@ and a family's module is imported only when it is asked for (`get`), or when `tr
 settings to check.
 
 Adding a family (`drafter/toy.py` and `tests/test_toy.py`, nothing else):
-1. a drafter `nn.Module` with a `cfg: DrafterConfig` (subclass `model.DFlashDrafter` to share its
-   backbone, `init.init_from_target` and FSDP sharding);
+1. a drafter `nn.Module` with `cfg: DrafterConfig` and `layers` (FSDP shards each one);
+   subclassing `model.DFlashDrafter` gives those, its backbone and the start from the target's layers;
 2. `Settings`, a frozen, keyword-only subclass of `families.Settings`: its own options and loss
    weights with their defaults (set under `train.family`), lower bounds in `minimum`, and rules
    against the drafter's shape in `check`;

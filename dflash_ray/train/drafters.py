@@ -29,6 +29,8 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 def check(entries: list) -> None:
     """Refuse an entry that is no {name, settings} mapping, a bad or repeated name, or a setting
     that is not a drafter's, naming the entry."""
+    from dflash_ray.config import MOVED_TO_FAMILY
+
     names = set()
     for i, entry in enumerate(entries):
         where = f"train.drafters[{i}]"
@@ -38,8 +40,6 @@ def check(entries: list) -> None:
         if entry["name"] in names:
             raise DFlashError(f"the name {entry['name']!r} is given twice; allowed: distinct names", field=where)
         names.add(entry["name"])
-        from dflash_ray.config import MOVED_TO_FAMILY
-
         moved = sorted(set(entry) & set(MOVED_TO_FAMILY))
         if moved:
             raise DFlashError(f"{where}.{moved[0]} moved to {where}.family.{moved[0]}", field=f"{where}.{moved[0]}")
