@@ -52,7 +52,8 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
     results = {}
     for name, (family_name, options) in variants.items():
         cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=layer_ids, block_size=8,
-                          family=family_name, selector_rank=32, selector_top_k=8)
+                          family=family_name,
+                          settings={"selector_rank": 32, "selector_top_k": 8} if family_name == "dflash2" else None)
         family = families.get(family_name)
         torch.manual_seed(seed)
         drafter = family.build(cfg)
@@ -78,7 +79,7 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
 
                 h = drafter(feats[held], F.embedding(blk.token_ids, embed), blk.positions,
                             attention_masks(drafter, blk.anchors, seqs.shape[1], "sdpa"))
-                ids = dflash2.top_candidates(h.reshape(-1, cfg.hidden_size), head, cfg.selector_top_k)
+                ids = dflash2.top_candidates(h.reshape(-1, cfg.hidden_size), head, cfg.settings.selector_top_k)
                 valid = blk.weights.reshape(-1) > 0
                 found = (ids == blk.labels.reshape(-1, 1)).any(-1)
                 argmax = (h.reshape(-1, cfg.hidden_size) @ head.t()).argmax(-1) == blk.labels.reshape(-1)

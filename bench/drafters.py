@@ -18,7 +18,7 @@ import time
 
 from bench.train import _data
 
-DSPARK = {"drafter": "dspark", "markov_rank": 64}
+DSPARK = {"drafter": "dspark", "family": {"markov_rank": 64}}
 
 
 def _run(target: str, data: str, out: str, settings: list[str]) -> tuple[float, dict]:

@@ -22,9 +22,9 @@ from dflash_ray import storage
 # the published shapes of DFlash2 and DSpark (blocks of 8 and 7, top-16 selector) with the
 # low-rank parts scaled to a small drafter of a 576-wide target; DFlash keeps its block 16 (the demo's before)
 FAMILIES = [{"name": "dflash", "drafter": "dflash", "block_size": 16},
-            {"name": "dflash2", "drafter": "dflash2", "block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16,
-             "selector_top_k": 16, "selector_rank": 64},
-            {"name": "dspark", "drafter": "dspark", "block_size": 7, "markov_rank": 64}]
+            {"name": "dflash2", "drafter": "dflash2", "block_size": 8,
+             "family": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16, "selector_rank": 64}},
+            {"name": "dspark", "drafter": "dspark", "block_size": 7, "family": {"markov_rank": 64}}]
 
 
 def plot(results: dict[str, dict], path: str) -> None:

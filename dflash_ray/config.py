@@ -189,12 +189,9 @@ class TrainConfig:
     length_bucket: int = 512  # the drafter pads each batch's context to a multiple of this (the target runs
     # unpadded), so compiled attention meets at most max_seq_len / length_bucket shapes: one graph each
     # drafter architecture
-    drafter: str = "dflash"  # the drafter family (dflash_ray/drafter/families.py): dflash, dspark or dflash2
-    markov_rank: int = 256  # dspark: rank of its Markov head
-    conv_kernel_size: int = 2  # dflash2: taps of the grouped convolution around each sublayer
-    conv_group_size: int = 16  # dflash2: channels per dynamic kernel group (must divide the hidden size)
-    selector_rank: int = 256  # dflash2: rank of the candidate selector's codebooks
-    selector_top_k: int = 16  # dflash2: candidates per block position (the target head's top-K)
+    drafter: str = "dflash"  # the drafter family: a module of dflash_ray/drafter (families.py): dflash, dspark, dflash2
+    # that family's own settings and loss weights (its module's `Settings`), e.g. {markov_rank: 64}; unset: defaults
+    family: dict = field(default_factory=dict)
     num_layers: int = 1
     num_heads: int | None = None  # drafter attention shape; None: the target's
     num_kv_heads: int | None = None
@@ -204,7 +201,9 @@ class TrainConfig:
     block_size: int = 16
     layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
     sliding_window: int = 2048  # context positions a sliding-attention layer sees
-    loss_decay: float | None = None  # gamma of the exp(-(k-1)/gamma) position weights; None: 7 * block_size / 16
+    # gamma: the i-th prediction of a block weighs exp(-i/gamma) (drafter/blocks.py `position_weights`);
+    # None: the family's default (dflash, dflash2: 7 * block_size / 16; dspark: 4)
+    loss_decay: float | None = None
     distill: float = 0.0  # share of each position's target that is the target model's own distribution (0: hard labels)
     distill_top_k: int = 32  # how much of that distribution the target actor sends: its top-k, renormalized
     num_target_features: int = 5
@@ -375,9 +374,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "train.min_bus_bandwidth": _at_least(0), "train.shard_window": _at_least(1),
     "train.length_group": _at_least(0),
     "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
-    "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1), "train.markov_rank": _at_least(1),
-    "train.conv_kernel_size": _at_least(1), "train.conv_group_size": _at_least(1),
-    "train.selector_rank": _at_least(1), "train.selector_top_k": _at_least(1),
+    "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1),
     "pipeline.eval_prompts": _at_least(0), "chaos.within_s": _at_least(0),
     "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
@@ -385,6 +382,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "plan.memory_headroom": _within(0, 1, low_open=True),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# settings that were `train`'s own and are now a family's (`train.family`)
+MOVED_TO_FAMILY = ("markov_rank", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
@@ -409,10 +408,12 @@ def check(cfg: RunConfig) -> None:
                           field="evaluate.ngram_min")
     if cfg.plan.gpu not in PLAN_GPUS:
         raise DFlashError(f"{cfg.plan.gpu!r} is not one of {list(PLAN_GPUS)}", field="plan.gpu")
-    from dflash_ray.drafter.families import FAMILIES
+    from dflash_ray.drafter import families
 
-    if tr.drafter not in FAMILIES:
-        raise DFlashError(f"{tr.drafter!r} is not one of {list(FAMILIES)}", field="train.drafter")
+    if tr.drafter not in families.names():
+        raise DFlashError(f"{tr.drafter!r} is not one of {list(families.names())}", field="train.drafter")
+    if tr.family:  # imports the family's module (torch): a run without settings of its own never does
+        families.settings(tr.drafter, tr.family, "train.family")
     ids = tr.target_layer_ids
     if ids is not None and (not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
                             or any(a >= b for a, b in zip(ids, ids[1:]))):
@@ -594,6 +595,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else key
         if key not in names:
+            if cls is TrainConfig and key in MOVED_TO_FAMILY:
+                raise DFlashError(f"{where} moved to {prefix}.family.{key}", field=where)
             raise DFlashError(f"unknown config key; valid keys here: {names}", field=where)
         kwargs[key] = _coerce(value, hints[key], where)
     return cls(**kwargs)

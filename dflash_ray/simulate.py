@@ -211,7 +211,8 @@ class Sample:
 
 
 def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: int, world: int,
-                 tied_head: bool, teacher_k: int, distill: float, gamma: float, length_bucket: int) -> dict[str, Any]:
+                 tied_head: bool, teacher_k: int, distill: float, gamma: float | None,
+                 length_bucket: int) -> dict[str, Any]:
     """One training step of a drafter rank: its family's own forward and loss, the backward, the
     clipped gradients and AdamW, sharded with FSDP2 over `world` ranks (a fake process group) as a
     run shards it. Returns memory by category (GB), FLOPs and the simulator's own seconds."""

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,47 @@ def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs()
     with pytest.raises(DFlashError, match="colocated") as e:
         load_config(None, ["train.colocate=true", "train.drafters=[{name: a}]"])
     assert union_layers([[1, 3, 5], [3, 5, 7], [1, 3, 5, 7]]) == ([1, 3, 5, 7], [[0, 1, 2], [1, 2, 3], None])
+
+
+def test_family_settings_are_one_section_read_by_the_family():
+    """`train.family` holds the chosen family's own settings, read by its module's `Settings`: an
+    unknown key or a value out of range names `train.family.KEY`; the keys that were `train`'s own
+    say where they moved, in a drafter entry too. An entry keeping the run's family inherits its
+    settings, one naming another family starts from that family's defaults."""
+    from dflash_ray.drafter import families
+    from dflash_ray.train.drafters import expand
+
+    cfg = load_config(None, ["train.drafter=dspark", "train.family.markov_rank=64", "train.family.ce_weight=0.2"])
+    own = families.settings("dspark", cfg.train.family)
+    assert (own.markov_rank, own.ce_weight, own.tv_weight, own.confidence_head) == (64, 0.2, 0.9, True)
+    for override, field, says in (
+            (["train.drafter=dspark", "train.family.markov_rankk=3"], "train.family.markov_rankk", "markov_rank"),
+            (["train.drafter=dspark", "train.family.markov_rank=0"], "train.family.markov_rank", ">= 1"),
+            (["train.drafter=dflash2", "train.family.selector_top_k=x"], "train.family.selector_top_k", "integer"),
+            (["train.family.markov_rank=8"], "train.family.markov_rank", "valid keys here: []"),  # dflash has none
+            (["train.markov_rank=8"], "train.markov_rank", "moved to train.family.markov_rank"),
+            (["train.drafters=[{name: a, drafter: dspark, selector_top_k: 4}]"], "train.drafters[0].selector_top_k",
+             "moved to train.drafters[0].family.selector_top_k"),
+            (["train.drafters=[{name: a, drafter: dspark, family: {markov_rank: 0}}]"],
+             "train.drafters[0].family.markov_rank", ">= 1")):
+        with pytest.raises(DFlashError, match=re.escape(says)) as e:
+            load_config(None, override)
+        assert e.value.field == field, (override, e.value)
+    runs = expand(load_config(None, ["train.drafter=dflash2", "train.family.selector_top_k=8", "train.drafters=["
+                                     "{name: a, family: {selector_rank: 4}}, {name: b, drafter: dspark}]"]))
+    assert [r.train.family for _, r in runs] == [{"selector_top_k": 8, "selector_rank": 4}, {}]
+
+
+def test_the_run_config_names_a_family_without_importing_torch():
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys, json; from dflash_ray.config import load_config; "
+            "c = load_config(None, ['train.drafter=dspark']); print(json.dumps(['torch' in sys.modules, "
+            "c.train.drafter]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, "dspark"]
 
 
 def test_a_config_file_on_a_base_states_only_what_differs_and_a_loop_is_refused(tmp_path):

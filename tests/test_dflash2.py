@@ -19,12 +19,13 @@ from dflash_ray.tiny_models import tiny_qwen3
 V, H = 96, 32
 
 
-def _cfg(family="dflash2", block_size=5, **kw):
+def _cfg(family="dflash2", block_size=5, **settings):
     cfg = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    kw = {"selector_rank": 8, "selector_top_k": 6, "conv_group_size": 8, **kw}
+    if family == "dflash2":
+        settings = {"selector_rank": 8, "selector_top_k": 6, "conv_group_size": 8, **settings}
     return from_target(cfg, mask_token_id=V - 1, num_layers=2, num_target_features=2, block_size=block_size,
-                       family=family, **kw)
+                       family=family, settings=settings)
 
 
 def _drafter(seed=0, **kw) -> DFlash2Drafter:
@@ -54,16 +55,19 @@ def _perturb(drafter: DFlash2Drafter, std=0.3):
 
 def test_family_registry_and_config_fields():
     from dflash_ray.config import RunConfig, TrainConfig
+    from dflash_ray.errors import DFlashError
 
-    assert set(families.FAMILIES) == {"dflash", "dspark", "dflash2"}
+    assert {"dflash", "dspark", "dflash2"} <= set(families.names())
     family = families.get("dflash2")
     assert family.first_prediction == 1 and families.of_architecture(["DFlash2DraftModel"]) is family
-    run = RunConfig(train=TrainConfig(drafter="dflash2", selector_top_k=8))
-    assert (run.train.conv_kernel_size, run.train.conv_group_size, run.train.selector_rank,
-            run.train.selector_top_k) == (2, 16, 256, 8)
+    run = RunConfig(train=TrainConfig(drafter="dflash2", family={"selector_top_k": 8}))
+    own = families.settings("dflash2", run.train.family)
+    assert (own.conv_kernel_size, own.conv_group_size, own.selector_rank, own.selector_top_k,
+            own.selector_weight) == (2, 16, 256, 8, 1.0)
     with pytest.raises(ValueError, match="conv_group_size 12 does not divide hidden_size 32"):
         _cfg(conv_group_size=12)
-    assert _cfg(family="dflash").conv_group_size == 8  # other families carry the fields unchecked
+    with pytest.raises(DFlashError, match="settings.conv_group_size.*unknown setting of drafter family 'dflash'"):
+        _cfg(family="dflash", conv_group_size=8)  # another family's setting
 
 
 def test_grouped_conv_is_the_formula_and_stays_in_its_block():
@@ -204,6 +208,7 @@ def test_export_round_trip_in_vllm_dflash2_format(tmp_path):
     assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": drafter.cfg.target_layer_ids,
                                        "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8,
                                        "selector_top_k": 6}
+    assert config["drafter_settings"]["selector_weight"] == 1.0  # training's own, beside what vLLM reads
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert shapes["layers.1.attention_conv.base_kernel"] == (2, 2, H)
@@ -251,7 +256,7 @@ def _trained_dflash2(tmp_path, steps=150):
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
     cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=[0, 1, 2], block_size=8,
-                      family="dflash2", selector_rank=32, selector_top_k=8)
+                      family="dflash2", settings={"selector_rank": 32, "selector_top_k": 8})
     torch.manual_seed(0)
     drafter = DFlash2Drafter(cfg).eval()
     g = torch.Generator().manual_seed(0)
@@ -294,7 +299,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
     cfg = from_target(target.config, mask_token_id=23, num_layers=1, target_layer_ids=[0, 1, 2], block_size=4,
-                      family="dflash2", selector_rank=8, selector_top_k=4)
+                      family="dflash2", settings={"selector_rank": 8, "selector_top_k": 4})
     torch.manual_seed(1)
     drafter = DFlash2Drafter(cfg).eval()
     torch.nn.init.normal_(drafter.candidate_selector.hidden_projection.weight, std=0.5)  # a pair term that matters
@@ -316,7 +321,7 @@ def test_train_drafter_dflash2_reaches_the_workers(tmp_path):
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     target, data = _tiny_run_inputs(tmp_path)
-    cfg = load_config(None, ["train.drafter=dflash2", "train.selector_rank=16", "train.selector_top_k=8",
+    cfg = load_config(None, ["train.drafter=dflash2", "train.family.selector_rank=16", "train.family.selector_top_k=8",
                              "train.block_size=6", "train.num_layers=1", "train.target_layer_ids=[0,1,2]",
                              "train.num_anchors=16", "train.lr=3e-3"])
     drafter_json = drafter_config(target, cfg)

@@ -26,8 +26,9 @@ pytest.importorskip("vllm")
 def test_vllm_loads_our_dflash2_export_and_matches_it(tmp_path):
     target_dir = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512, head_dim=64)
     cfg = from_target(AutoConfig.from_pretrained(target_dir), mask_token_id=511, num_layers=2,
-                      target_layer_ids=[0, 1, 2], block_size=5, family="dflash2", conv_kernel_size=3,
-                      conv_group_size=16, selector_rank=16, selector_top_k=8)
+                      target_layer_ids=[0, 1, 2], block_size=5, family="dflash2",
+                      settings={"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16,
+                                "selector_top_k": 8})
     torch.manual_seed(0)
     drafter = DFlash2Drafter(cfg)
     with torch.no_grad():  # convolutions and selector away from their identity start, so a swap shows

@@ -23,7 +23,7 @@ def _drafter(block_size=5, markov_rank=8, seed=0, **kw) -> DSparkDrafter:
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(seed)
     dcfg = from_target(cfg, mask_token_id=V - 1, num_layers=1, num_target_features=2, block_size=block_size,
-                       family="dspark", markov_rank=markov_rank)
+                       family="dspark", settings={"markov_rank": markov_rank})
     return families.get("dspark").build(dcfg.replace(**kw))
 
 
@@ -42,13 +42,13 @@ def test_family_registry_and_config_choice():
     from dflash_ray.config import RunConfig, TrainConfig
     from dflash_ray.errors import DFlashError
 
-    assert set(families.FAMILIES) == {"dflash", "dspark", "dflash2"}
+    assert {"dflash", "dspark", "dflash2"} <= set(families.names())
     assert families.get("dspark").first_prediction == 0 and families.get("dflash").first_prediction == 1
     assert families.of_architecture(["DSparkDraftModel"]).name == "dspark"
-    with pytest.raises(DFlashError, match=r"train.drafter.*\['dflash', 'dspark', 'dflash2'\]"):
+    with pytest.raises(DFlashError, match=r"train.drafter.*'eagle' is not one of \[.*'dspark'.*\]"):
         RunConfig(train=TrainConfig(drafter="eagle"))
     assert RunConfig(train=TrainConfig(drafter="dspark")).train.drafter == "dspark"
-    with pytest.raises(ValueError, match="valid: dflash, dspark, dflash2"):
+    with pytest.raises(ValueError, match="'medusa' is unknown; valid: .*dspark"):
         _drafter(family="medusa")
 
 
@@ -103,9 +103,9 @@ def test_markov_head_reads_the_previous_token():
 def test_tv_and_confidence_label_are_against_the_targets_whole_distribution():
     """The TV term and the confidence label are computed against softmax(target hidden @ head) over
     the whole vocabulary (no top-k truncation): recomputed here by hand, term by term."""
-    from dflash_ray.drafter.dspark import BCE_WEIGHT, CE_WEIGHT, TV_WEIGHT
-
     drafter = _drafter()
+    own = drafter.cfg.settings
+    assert (own.ce_weight, own.tv_weight, own.bce_weight) == (0.1, 0.9, 1.0)
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.1)
     embed, head, feats, ids, mask, target_hidden = _batch()
     out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=torch.Generator().manual_seed(2),
@@ -120,8 +120,8 @@ def test_tv_and_confidence_label_are_against_the_targets_whole_distribution():
         tv = 0.5 * (q - p).abs().sum(-1)
         conf = drafter.confidence_head(h.reshape(-1, H), drafter.markov_head.embed(prev))
         ce = F.cross_entropy(drafter.logits(h.reshape(-1, H), head, prev), blk.labels.reshape(-1), reduction="none")
-        per = CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * F.binary_cross_entropy_with_logits(conf, 1 - tv,
-                                                                                                reduction="none")
+        per = own.ce_weight * ce + own.tv_weight * tv + own.bce_weight * F.binary_cross_entropy_with_logits(
+            conf, 1 - tv, reduction="none")
         w = blk.weights.reshape(-1)
         torch.testing.assert_close(out.loss.loss.detach(), (per * w).sum() / w.sum(), rtol=1e-4, atol=1e-5)
 
@@ -229,7 +229,7 @@ def _trained_dspark(tmp_path, steps=150):
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
     cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=[0, 1, 2], block_size=7,
-                      family="dspark", markov_rank=32)
+                      family="dspark", settings={"markov_rank": 32})
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg).eval()
     g = torch.Generator().manual_seed(0)
@@ -299,7 +299,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
     cfg = from_target(target.config, mask_token_id=23, num_layers=1, target_layer_ids=[0, 1, 2], block_size=4,
-                      family="dspark", markov_rank=8)
+                      family="dspark", settings={"markov_rank": 8})
     torch.manual_seed(1)
     drafter = DSparkDrafter(cfg).eval()
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)  # a Markov bias that matters
@@ -335,7 +335,8 @@ def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     target, data = _tiny_run_inputs(tmp_path)
-    cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.num_layers=1",
+    cfg = load_config(None, ["train.drafter=dspark", "train.family.markov_rank=16", "train.block_size=6",
+                             "train.num_layers=1",
                              "train.target_layer_ids=[0,1,2]", "train.num_anchors=16", "train.lr=3e-3",
                              "train.distill_top_k=8"])
     drafter_json = drafter_config(target, cfg)
@@ -361,7 +362,8 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
     from dflash_ray.stages.train import run_train
 
     target, data = _tiny_run_inputs(tmp_path, num_rows=8)
-    cfg = load_config(None, ["train.drafter=dspark", "train.markov_rank=16", "train.block_size=6", "train.actor_cpus=0.5",
+    cfg = load_config(None, ["train.drafter=dspark", "train.family.markov_rank=16", "train.block_size=6",
+                             "train.actor_cpus=0.5",
                              "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
                              "train.lr=3e-3", "train.checkpoint_every=2", "train.epochs=1", "train.distill_top_k=8"])
     out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)

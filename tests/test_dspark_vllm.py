@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 def test_vllm_loads_our_dspark_export_and_matches_it(tmp_path):
     target_dir = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512, head_dim=64)
     cfg = from_target(AutoConfig.from_pretrained(target_dir), mask_token_id=511, num_layers=2,
-                      target_layer_ids=[0, 1, 2], block_size=5, family="dspark", markov_rank=16)
+                      target_layer_ids=[0, 1, 2], block_size=5, family="dspark", settings={"markov_rank": 16})
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg)
     with torch.no_grad():  # heads away from their zero start, so a swapped or dropped weight shows

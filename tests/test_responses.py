@@ -96,7 +96,7 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, 
         "validate.gate.max_empty_thinking_share=1.0",
         "train.num_streams=1", "train.max_steps=2", "train.num_anchors=4", "train.heldout=0",
         "train.actor_cpus=0.3", "evaluate.max_new_tokens=4",
-        "train.drafters=[{name: flash}, {name: spark, drafter: dspark, markov_rank: 16, block_size: 6}]"])
+        "train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6}]"])
     summary = run_pipeline(cfg, progress=False)
     assert list(summary["drafters"]) == ["flash", "spark"]
     for name, family, arch, drafts in (("flash", "dflash", "DFlashDraftModel", 15),

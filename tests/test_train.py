@@ -234,7 +234,7 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
 
     from dflash_ray.stages.export import run_export
 
-    teams = ("train.drafters=[{name: flash}, {name: spark, drafter: dspark, markov_rank: 16, block_size: 6, "
+    teams = ("train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6, "
              "target_layer_ids: [1, 3]}]")
     cfg = load_config(None, SETTINGS + ["train.distill_top_k=8", "train.actor_cpus=0.3", teams])  # 6 actors on 2 CPUs
     out = str(tmp_path / "both")

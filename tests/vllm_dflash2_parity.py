@@ -57,7 +57,7 @@ def _conv_diffs(theirs, mine, K: int, H: int, g: torch.Generator) -> dict:
 def _selector_diffs(model, drafter, head: torch.Tensor, g: torch.Generator) -> dict:
     """vLLM's edge scores [b, l, C, C] for two requests, its top-C candidates of the head, against ours."""
     cfg, sel = drafter.cfg, drafter.candidate_selector
-    b, steps, C = 2, cfg.block_size - 1, cfg.selector_top_k
+    b, steps, C = 2, cfg.block_size - 1, cfg.settings.selector_top_k
     hidden = torch.randn(b, steps, cfg.hidden_size, generator=g)
     cand = torch.randint(0, cfg.vocab_size, (b, steps, C), generator=g)
     unary = torch.randn(b, steps, C, generator=g)

@@ -31,8 +31,8 @@ class Blocks:
     keep: torch.Tensor  # [B, A] bool
     token_ids: torch.Tensor  # [B, Q] long: x_a then mask tokens
     positions: torch.Tensor  # [B, Q] long: a + k
-    labels: torch.Tensor  # [B, Q] long: x[a + k] (0 where invalid)
-    weights: torch.Tensor  # [B, Q] float: decay * loss_mask[a+k] * [k > 0] * [a+k < S] * keep
+    labels: torch.Tensor  # [B, Q] long: x[a + k] (DFlash; see `make_blocks`), 0 where invalid
+    weights: torch.Tensor  # [B, Q] float: decay * loss_mask[label] * [k > 0] * [label < S] * keep
     block_size: int
     soft_ids: torch.Tensor | None = None  # [B, Q, m] with `teacher`: the label, then the target's top-k
     soft_probs: torch.Tensor | None = None  # [B, Q, m]: the mix of the two (rows sum to 1)
@@ -62,11 +62,12 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors.to(loss_mask.device), keep.to(loss_mask.device)
 
 
-def decay_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for k >= 1, 0 at k = 0; gamma = 7 for block 16 (scaled with the block)."""
-    gamma = gamma if gamma is not None else 7.0 * block_size / 16
-    k = torch.arange(block_size, dtype=torch.float32)
-    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+def position_weights(block_size: int, first_prediction: int, gamma: float) -> torch.Tensor:
+    """The loss weight of each block position [K], `train.loss_decay` being gamma: the i-th prediction
+    of a block (i = 0 predicts the token after the anchor) weighs exp(-i/gamma), so block position k
+    weighs exp(-(k - first_prediction)/gamma), and the positions before the first prediction 0."""
+    i = torch.arange(block_size, dtype=torch.float32) - first_prediction
+    return torch.where(i >= 0, torch.exp(-i / gamma), torch.zeros(()))
 
 
 def soft_targets(labels_BAK: torch.Tensor, teacher_ids_BSk: torch.Tensor, teacher_probs_BSk: torch.Tensor,
@@ -86,16 +87,22 @@ def soft_targets(labels_BAK: torch.Tensor, teacher_ids_BSk: torch.Tensor, teache
 
 def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
                 *, mask_token_id: int, block_size: int, gamma: float | None = None,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0) -> Blocks:
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0,
+                first_prediction: int = 1) -> Blocks:
+    """Block position k predicts x[a + k + 1 - first_prediction] (DFlash: x[a+k]; the anchor's own
+    next token for a family whose first prediction is k = 0), weighted by `position_weights`; gamma
+    None: 7 for block 16, scaled with the block (DFlash's)."""
     B, S = input_ids.shape
     A, K = anchors.shape[1], block_size
     k = torch.arange(K, device=input_ids.device)
     pos = anchors[:, :, None] + k  # [B, A, K]
-    inside = pos < S
-    safe = pos.clamp(max=S - 1)
+    label_pos = pos + (1 - first_prediction)
+    inside = label_pos < S
+    safe = label_pos.clamp(max=S - 1)
     labels = torch.gather(input_ids, 1, safe.view(B, -1)).view(B, A, K)
     label_mask = torch.gather(loss_mask.float(), 1, safe.view(B, -1)).view(B, A, K)
-    weights = decay_weights(K, gamma).to(input_ids.device) * label_mask * inside * keep[:, :, None]
+    decay = position_weights(K, first_prediction, gamma if gamma is not None else 7.0 * K / 16)
+    weights = decay.to(input_ids.device) * label_mask * inside * keep[:, :, None]
     tokens = torch.full((B, A, K), mask_token_id, dtype=torch.long, device=input_ids.device)
     tokens[:, :, 0] = torch.gather(input_ids, 1, anchors)
     labels = torch.where(inside, labels, 0)

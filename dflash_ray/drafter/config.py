@@ -41,13 +41,8 @@ class DrafterConfig:
     block_size: int = BLOCK_SIZE
     tie_word_embeddings: bool = False
     family: str = "dflash"  # the drafter family (`drafter/families.py`): its model, loss and decoding rule
-    markov_rank: int = 256  # DSpark: rank of the Markov head W1 [V, r] · W2 [r, V]
-    confidence_head: bool = True  # DSpark: a per-position acceptance estimate
-    confidence_with_markov: bool = True  # DSpark: the confidence head also reads W1[previous token]
-    conv_kernel_size: int = 2  # DFlash2: taps of the grouped convolution around each sublayer
-    conv_group_size: int = 16  # DFlash2: channels sharing one dynamic kernel offset (divides hidden_size)
-    selector_rank: int = 256  # DFlash2: rank r of the candidate selector's codebooks [V, r]
-    selector_top_k: int = 16  # DFlash2: candidates per block position (the target head's top-K)
+    # the family's own `Settings`; a mapping (or None: the defaults) is read into them on construction
+    settings: Any = None
     extra: dict[str, Any] = field(default_factory=dict)  # target fields kept for export
 
     def __post_init__(self):
@@ -59,14 +54,11 @@ class DrafterConfig:
         out = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if out:
             raise ValueError(f"target_layer_ids {out} outside the target's {self.num_target_layers} layers")
-        from dflash_ray.drafter.families import FAMILIES
+        from dflash_ray.drafter import families
 
-        if self.family not in FAMILIES:
-            raise ValueError(f"drafter family '{self.family}' is unknown; valid: {', '.join(FAMILIES)}")
-        if self.family == "dflash2" and self.hidden_size % self.conv_group_size:
-            raise ValueError(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
-        if self.family == "dflash2" and not 1 <= self.selector_top_k <= self.vocab_size:
-            raise ValueError(f"selector_top_k {self.selector_top_k} outside 1..vocab_size {self.vocab_size}")
+        families.get(self.family)  # a ValueError naming the valid ones
+        object.__setattr__(self, "settings", families.settings(self.family, self.settings, "settings"))
+        self.settings.check(self)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's "
                              f"{self.vocab_size}-entry embedding table")
@@ -95,12 +87,12 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
                 num_heads: int | None = None, num_kv_heads: int | None = None,
                 head_dim: int | None = None, sliding_window: int = 2048, block_size: int = BLOCK_SIZE,
                 special_token_ids: tuple[int, ...] = (), family: str = "dflash",
-                markov_rank: int = 256, conv_kernel_size: int = 2, conv_group_size: int = 16,
-                selector_rank: int = 256, selector_top_k: int = 16) -> DrafterConfig:
+                settings: Any = None) -> DrafterConfig:
     """A drafter for `target_config` (any HF causal LM config; for multimodal ones, its text config).
 
     `special_token_ids` (pad, eos, bos) may not be the mask token: the drafter would learn to
-    confuse "unknown yet" with "end of text".
+    confuse "unknown yet" with "end of text". `settings`: the family's own (a mapping, or None:
+    its defaults).
     """
     text = getattr(target_config, "text_config", None) or target_config
     num_target_layers = text.num_hidden_layers
@@ -125,6 +117,5 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
         tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
-        family=family, markov_rank=markov_rank, conv_kernel_size=conv_kernel_size,
-        conv_group_size=conv_group_size, selector_rank=selector_rank, selector_top_k=selector_top_k,
+        family=family, settings=settings,
     )

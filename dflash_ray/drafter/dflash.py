@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import Sampling, warp
@@ -18,10 +19,12 @@ from dflash_ray.drafter.step import attention_masks, forward_loss
 class DFlash:
     name = "dflash"
     architecture = "DFlashDraftModel"
+    vllm_method = "dflash"
     first_prediction = 1
     wants_target_distribution = False  # only with `train.distill`
     vllm_on_cpu = True
     hf_keys = frozenset({"dflash_config"})
+    Settings = families.Settings  # none of its own
 
     def build(self, cfg: DrafterConfig) -> DFlashDrafter:
         return DFlashDrafter(cfg)

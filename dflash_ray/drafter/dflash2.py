@@ -39,22 +39,41 @@ the total loss jump mid-run (5.9 to 10.0) where the detached run fell smoothly (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ray.drafter.blocks import make_blocks, sample_anchors
+from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput, acceptance_lengths, dflash_loss
 from dflash_ray.drafter.model import DecoderLayer, DFlashDrafter
 from dflash_ray.drafter.speculative import Sampling, warp
-from dflash_ray.drafter.step import StepOutput, attention_masks, pad_to_bucket
+from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
 
 MISSING_TRUE_TOKEN = "drop"  # or "swap" (see the module docstring)
 DETACH_SELECTOR_INPUTS = True
-SELECTOR_WEIGHT = 1.0
 MAX_CHUNK_LOGITS = 2**26  # fp32 logits per top-C chunk: [Q, V] never exists at once
 CODEBOOK_STD = 1.0  # unit-scale codebooks: with W = 0 at the start, W's first steps set the pair term's size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(families.Settings):
+    conv_kernel_size: int = 2  # taps T of the grouped convolution around each sublayer
+    conv_group_size: int = 16  # channels g sharing one dynamic kernel offset (divides hidden_size)
+    selector_rank: int = 256  # rank r of the candidate selector's codebooks [V, r]
+    selector_top_k: int = 16  # candidates C per block position (the target head's top-C)
+    selector_weight: float = 1.0  # the selector's CE beside the DFlash CE in the loss
+
+    minimum = {"conv_kernel_size": 1, "conv_group_size": 1, "selector_rank": 1, "selector_top_k": 1,
+               "selector_weight": 0}
+
+    def check(self, cfg: DrafterConfig) -> None:
+        if cfg.hidden_size % self.conv_group_size:
+            raise ValueError(f"conv_group_size {self.conv_group_size} does not divide hidden_size {cfg.hidden_size}")
+        if not 1 <= self.selector_top_k <= cfg.vocab_size:
+            raise ValueError(f"selector_top_k {self.selector_top_k} outside 1..vocab_size {cfg.vocab_size}")
 
 
 class GroupedConv(nn.Module):
@@ -100,7 +119,7 @@ class DFlash2Layer(DecoderLayer):
 
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)
-        args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+        args = (cfg.hidden_size, cfg.settings.conv_kernel_size, cfg.settings.conv_group_size, cfg.block_size)
         self.attention_conv = GroupedConv(*args)
         self.mlp_conv = GroupedConv(*args)
 
@@ -146,8 +165,8 @@ class DFlash2Drafter(DFlashDrafter):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
-        self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
-                                                    cfg.selector_top_k)
+        self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.settings.selector_rank,
+                                                    cfg.settings.selector_top_k)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         super().reset_parameters(std)  # draws every Linear, the kernel projections among them: undo that
@@ -206,22 +225,19 @@ def forward_loss(drafter: DFlash2Drafter, embed_VH: torch.Tensor, head_VH: torch
     CE; hits and the simulated tau are the selector walk's with true predecessors, which is the
     greedy walk up to its first miss."""
     cfg = drafter.cfg
-    features_BSF, input_ids_BS, loss_mask_BS, teacher = pad_to_bucket(length_bucket, features_BSF, input_ids_BS,
-                                                                      loss_mask_BS, teacher)
+    drafted = draft_blocks(drafter, embed_VH, features_BSF, input_ids_BS, loss_mask_BS, num_anchors=num_anchors,
+                           generator=generator, attention=attention, gamma=gamma, teacher=teacher,
+                           distill=distill, length_bucket=length_bucket)
+    hidden, blocks, input_ids_BS = drafted.hidden_BQH, drafted.blocks, drafted.input_ids_BS
     B, S = input_ids_BS.shape
-    anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
-    blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id,
-                         block_size=cfg.block_size, gamma=gamma, teacher=teacher, distill=distill)
-    block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
-    hidden = drafter(features_BSF, block_embeds, blocks.positions, attention_masks(drafter, anchors, S, attention))
     backbone = dflash_loss(hidden, head_VH, blocks.labels, blocks.weights, fused=fused,
                            soft_ids_BQm=blocks.soft_ids, soft_probs_BQm=blocks.soft_probs)
     prev = torch.gather(input_ids_BS, 1, (blocks.positions - 1).clamp(0, S - 1))  # k = 0 carries no weight
     sel, correct = selector_loss(drafter.candidate_selector, hidden.reshape(-1, cfg.hidden_size), head_VH,
                                  prev.reshape(-1), blocks.labels.reshape(-1), blocks.weights.reshape(-1), rule,
                                  detach_selector)
-    out = LossOutput(backbone.loss + SELECTOR_WEIGHT * sel, correct.view(B, -1), backbone.weight_sum)
-    return StepOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, keep, cfg.block_size))
+    out = LossOutput(backbone.loss + cfg.settings.selector_weight * sel, correct.view(B, -1), backbone.weight_sum)
+    return StepOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, cfg.block_size))
 
 
 def walk(edges_DCC: torch.Tensor, cand_ids_DC: torch.Tensor, vocab_size: int,
@@ -244,11 +260,13 @@ def walk(edges_DCC: torch.Tensor, cand_ids_DC: torch.Tensor, vocab_size: int,
 class DFlash2:
     name = "dflash2"
     architecture = "DFlash2DraftModel"
+    vllm_method = "dflash"  # vLLM tells the two apart by the architecture
     first_prediction = 1
     wants_target_distribution = False  # only with `train.distill`
     vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
     hf_keys = frozenset({"dflash_config"})
-    _own_keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    Settings = Settings
+    _own_keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # vLLM reads these
 
     def build(self, cfg: DrafterConfig) -> DFlash2Drafter:
         return DFlash2Drafter(cfg)
@@ -268,12 +286,12 @@ class DFlash2:
         positions = torch.arange(n, n + K, device=device)[None]
         masks = attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa")
         hidden = drafter(context_1nF.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions, masks)[0, 1:]
-        unary, ids = (hidden.to(head_VH.dtype) @ head_VH.t()).float().topk(cfg.selector_top_k, -1)
+        unary, ids = (hidden.to(head_VH.dtype) @ head_VH.t()).float().topk(cfg.settings.selector_top_k, -1)
         edges = drafter.candidate_selector.edge_scores(hidden, last_token, ids, unary)
         return walk(edges, ids, head_VH.shape[0], sampling)
 
     def hf_config(self, cfg: DrafterConfig) -> dict:
-        own = {key: getattr(cfg, key) for key in self._own_keys}
+        own = {key: getattr(cfg.settings, key) for key in self._own_keys}
         return {"architectures": [self.architecture],
                 "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
                                   **own}}
@@ -281,7 +299,7 @@ class DFlash2:
     def read_hf_config(self, data: dict) -> dict:
         nested = data["dflash_config"]
         return {"mask_token_id": nested["mask_token_id"], "target_layer_ids": list(nested["target_layer_ids"]),
-                **{key: int(nested[key]) for key in self._own_keys}}
+                "settings": {key: int(nested[key]) for key in self._own_keys}}
 
 
 FAMILY = DFlash2()

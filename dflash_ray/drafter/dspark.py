@@ -10,36 +10,49 @@ position k predicts x[a+k+1] (vLLM: `sample_from_anchor`), so a block drafts K t
 token drafted before (the true token in training). Drafting is therefore left to right over one
 backbone pass. The confidence head `σ(wᵀ[h_k; W1[prev_k]] + b)` estimates each position's acceptance.
 
-Loss per position (weights exp(-k/gamma), gamma 4, on loss-masked labels): 0.1·CE(label) +
-0.9·TV(p_d, p_t) + 1.0·BCE(confidence, 1 - TV), with TV = ½‖p_d - p_t‖₁ (so 1 - TV is the chance
-speculative sampling accepts the draft) and p_t the target's whole next-token distribution there:
-the target sends its final-normed last hidden states and the frozen head turns them into p_t here,
-chunk by chunk beside the draft's own logits (a top-k renormalized would bias both terms by up to
-the mass outside it: 1% on average at k = 32 and 14% at the 99th percentile of SmolLM2's own
-answers, `bench/topk_mass.py`). Without the target's distribution the loss falls back to CE +
-BCE(confidence, [argmax = label]). Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
+Loss per position (weights `blocks.position_weights` with the first prediction at k = 0, so
+exp(-k/gamma), gamma 4 unless `train.loss_decay`, on loss-masked labels): 0.1·CE(label) +
+0.9·TV(p_d, p_t) + 1.0·BCE(confidence, 1 - TV) (`Settings`: ce_weight, tv_weight, bce_weight), with
+TV = ½‖p_d - p_t‖₁ (so 1 - TV is the chance speculative sampling accepts the draft) and p_t the
+target's whole next-token distribution there: the target sends its final-normed last hidden states
+and the frozen head turns them into p_t here, chunk by chunk beside the draft's own logits (a top-k
+renormalized would bias both terms by up to the mass outside it: 1% on average at k = 32 and 14% at
+the 99th percentile of SmolLM2's own answers, `bench/topk_mass.py`). Without the target's
+distribution the loss falls back to CE + BCE(confidence, [argmax = label]).
+Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
 `markov_head.markov_w{1,2}.weight` and `confidence_head.proj.{weight,bias}`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_ray.drafter.blocks import make_blocks, sample_anchors
+from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import Sampling, warp
-from dflash_ray.drafter.step import StepOutput, attention_masks, pad_to_bucket
+from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
 
-CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
-GAMMA = 4.0
+GAMMA = 4.0  # the position weights' gamma unless `train.loss_decay` sets it
 MAX_CHUNK_LOGITS = 2**26  # fp32 logits per loss chunk (256 MB): [Q, V] never exists at once
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(families.Settings):
+    markov_rank: int = 256  # rank r of the Markov head W1 [V, r] · W2 [r, V]
+    confidence_head: bool = True  # a per-position acceptance estimate
+    confidence_with_markov: bool = True  # the confidence head also reads W1[previous token]
+    ce_weight: float = 0.1  # the loss terms' weights (see the module docstring)
+    tv_weight: float = 0.9
+    bce_weight: float = 1.0
+
+    minimum = {"markov_rank": 1, "ce_weight": 0, "tv_weight": 0, "bce_weight": 0}
 
 
 class MarkovHead(nn.Module):
@@ -75,9 +88,10 @@ class DSparkDrafter(DFlashDrafter):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
-        in_dim = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0)
-        self.confidence_head = ConfidenceHead(in_dim, cfg.confidence_with_markov) if cfg.confidence_head else None
+        own = cfg.settings
+        self.markov_head = MarkovHead(cfg.vocab_size, own.markov_rank)
+        in_dim = cfg.hidden_size + (own.markov_rank if own.confidence_with_markov else 0)
+        self.confidence_head = ConfidenceHead(in_dim, own.confidence_with_markov) if own.confidence_head else None
         self._reset_heads()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -103,7 +117,7 @@ class DSparkDrafter(DFlashDrafter):
         return torch.sigmoid(self.confidence_head(hidden_NH, self.markov_head.embed(prev_N)))
 
 
-def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_N, target_hidden_NH):
+def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_N, target_hidden_NH, own: Settings):
     """Per-position loss [N] and top-1 hits [N] (see the module docstring)."""
     logits = (hidden_NH.to(head_VH.dtype) @ head_VH.t()).float() + (markov_Nr.to(w2_Vr.dtype) @ w2_Vr.t()).float()
     logp = torch.log_softmax(logits, -1)
@@ -111,12 +125,12 @@ def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_
     correct = logits.argmax(-1) == labels_N
     if target_hidden_NH is None:
         bce = F.binary_cross_entropy_with_logits(conf_logit_N, correct.float(), reduction="none")
-        return ce + BCE_WEIGHT * bce, correct
+        return ce + own.bce_weight * bce, correct
     with torch.no_grad():  # the target's distribution through the same frozen head
         pt = torch.softmax((target_hidden_NH.to(head_VH.dtype) @ head_VH.t()).float(), -1)
     tv = 0.5 * (logp.exp() - pt).abs().sum(-1)
     bce = F.binary_cross_entropy_with_logits(conf_logit_N, (1 - tv).detach(), reduction="none")
-    return CE_WEIGHT * ce + TV_WEIGHT * tv + BCE_WEIGHT * bce, correct
+    return own.ce_weight * ce + own.tv_weight * tv + own.bce_weight * bce, correct
 
 
 def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch.Tensor, prev_BQ: torch.Tensor,
@@ -139,7 +153,7 @@ def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch
     for s in range(0, hidden.shape[0], chunk):
         part = slice(s, s + chunk)
         args = (hidden[part], markov[part], conf_logit[part], head_VH, w2, labels[part],
-                None if t_hidden is None else t_hidden[part])
+                None if t_hidden is None else t_hidden[part], drafter.cfg.settings)
         if torch.is_grad_enabled():
             per, correct = checkpoint(_position_losses, *args, use_reentrant=False)
         else:
@@ -167,39 +181,31 @@ def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.
     of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on
     hits. `fused` and `distill` are DFlash's (the TV term already learns the target's distribution).
     `length_bucket`: as DFlash's, padding the context so attention meets a bounded set of shapes."""
-    cfg = drafter.cfg
-    features_BSF, input_ids_BS, loss_mask_BS, teacher = pad_to_bucket(length_bucket, features_BSF, input_ids_BS,
-                                                                      loss_mask_BS, teacher)
-    B, S = input_ids_BS.shape
-    K = cfg.block_size
-    anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
-    blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id, block_size=K)
-    pos = blocks.positions  # [B, Q]: a + k, the position of the previous token
-    inside = pos + 1 < S
-    nxt = (pos + 1).clamp(max=S - 1)
-    labels = torch.where(inside, torch.gather(input_ids_BS, 1, nxt), 0)
-    prev = torch.gather(input_ids_BS, 1, pos.clamp(max=S - 1))
-    k = torch.arange(K, device=input_ids_BS.device, dtype=torch.float32)
-    decay = torch.exp(-k / (gamma if gamma is not None else GAMMA)).repeat(anchors.shape[1])
-    weights = decay * torch.gather(loss_mask_BS.float(), 1, nxt) * inside * keep.repeat_interleave(K, 1)
-    blocks = dataclasses.replace(blocks, labels=labels, weights=weights)
+    K = drafter.cfg.block_size
+    drafted = draft_blocks(drafter, embed_VH, features_BSF, input_ids_BS, loss_mask_BS, num_anchors=num_anchors,
+                           generator=generator, attention=attention, gamma=gamma if gamma is not None else GAMMA,
+                           teacher=teacher, distill=0.0, length_bucket=length_bucket, first_prediction=0)
+    blocks, input_ids_BS, teacher = drafted.blocks, drafted.input_ids_BS, drafted.teacher
+    S = input_ids_BS.shape[1]
+    at = blocks.positions.clamp(max=S - 1)  # a + k: the previous token's position
+    prev = torch.gather(input_ids_BS, 1, at)
     t_hidden = None
     if teacher is not None:  # the target's distribution at a + k, where the label's own is
-        t_hidden = torch.gather(teacher, 1, pos.clamp(max=S - 1)[..., None].expand(-1, -1, teacher.shape[-1]))
-    block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
-    hidden = drafter(features_BSF, block_embeds, blocks.positions, attention_masks(drafter, anchors, S, attention))
-    out = dspark_loss(drafter, hidden, head_VH, prev, labels, weights, t_hidden)
-    return StepOutput(out, blocks, acceptance_lengths(out.correct, weights, keep, K))
+        t_hidden = torch.gather(teacher, 1, at[..., None].expand(-1, -1, teacher.shape[-1]))
+    out = dspark_loss(drafter, drafted.hidden_BQH, head_VH, prev, blocks.labels, blocks.weights, t_hidden)
+    return StepOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, K))
 
 
 class DSpark:
     name = "dspark"
     architecture = "DSparkDraftModel"
+    vllm_method = "dspark"
     first_prediction = 0
     wants_target_distribution = True
     vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
     hf_keys = frozenset({"mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
                          "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"})
+    Settings = Settings
 
     def build(self, cfg: DrafterConfig) -> DSparkDrafter:
         return DSparkDrafter(cfg)
@@ -237,15 +243,17 @@ class DSpark:
     def hf_config(self, cfg: DrafterConfig) -> dict:
         """vLLM's Qwen3 DSpark keys, flat at the top level (it reads `target_layer_ids` as DFlash's
         `dflash_config.target_layer_ids`: the output of 0-based layer i)."""
+        own = cfg.settings
         return {"architectures": [self.architecture], "mask_token_id": cfg.mask_token_id,
-                "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
-                "markov_head_type": "vanilla", "enable_confidence_head": cfg.confidence_head,
-                "confidence_head_with_markov": cfg.confidence_with_markov, "sample_from_anchor": True}
+                "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": own.markov_rank,
+                "markov_head_type": "vanilla", "enable_confidence_head": own.confidence_head,
+                "confidence_head_with_markov": own.confidence_with_markov, "sample_from_anchor": True}
 
     def read_hf_config(self, data: dict) -> dict:
         return {"mask_token_id": data["mask_token_id"], "target_layer_ids": list(data["target_layer_ids"]),
-                "markov_rank": data["markov_rank"], "confidence_head": data.get("enable_confidence_head", False),
-                "confidence_with_markov": data.get("confidence_head_with_markov", False)}
+                "settings": {"markov_rank": data["markov_rank"],
+                             "confidence_head": data.get("enable_confidence_head", False),
+                             "confidence_with_markov": data.get("confidence_head_with_markov", False)}}
 
 
 FAMILY = DSpark()

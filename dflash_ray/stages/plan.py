@@ -139,7 +139,7 @@ def _target_step(hf_json: str, layers: tuple, seq: int, prompt: int, batch: int,
 
 @functools.lru_cache(maxsize=64)
 def _drafter_step(dcfg_json: str, seq: int, prompt: int, batch: int, anchors: int, world: int, tied: bool,
-                  top_k: int, distill: float, gamma: float, bucket: int) -> dict:
+                  top_k: int, distill: float, gamma: float | None, bucket: int) -> dict:
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.simulate import Sample, drafter_step
 
@@ -174,10 +174,9 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
     tied = bool(getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False))
     for (name, team, dcfg), wanted in zip(teams, distilled):
         t = team.train
-        gamma = t.loss_decay if t.loss_decay is not None else 7 * dcfg.block_size / 16
         step = _drafter_step(json.dumps(to_hf_config(dcfg, torch.float32), sort_keys=True), sample.seq_len,
                              sample.prompt_len, sample.batch, t.num_anchors, t.num_streams, tied,
-                             top_k if wanted else 0, t.distill, gamma, t.length_bucket)
+                             top_k if wanted else 0, t.distill, t.loss_decay, t.length_bucket)
         shard_gb = step["parameters"] * 4 / t.num_streams / 1e9
         role = {"gpus": 1, "memory_gb": dict(step["memory_gb"]), "flops_per_step": step["flops_per_step"],
                 "step_seconds": _seconds(step["flops_per_step"], shard_gb, gpu),

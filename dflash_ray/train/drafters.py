@@ -1,5 +1,7 @@
 """Several drafters from one target pass: `train.drafters` lists them, each a name and the drafter
-settings it changes from `train` (any family, any shape, its own optimizer settings).
+settings it changes from `train` (any family, any shape, its own optimizer settings). An entry's
+`family` settings go on top of `train.family` when it keeps the run's family, and alone when it
+names another.
 
 Each becomes a whole `RunConfig` of its own; the run's target captures the union of their layers
 once per batch and every drafter trains on it, writing its checkpoints and metrics under
@@ -17,8 +19,7 @@ from dflash_ray.errors import DFlashError
 
 # what may differ between the drafters of one run: their shape, family and optimizer; the data,
 # the schedule and the placement are the run's
-PER_DRAFTER = ("drafter", "markov_rank", "conv_kernel_size", "conv_group_size", "selector_rank",
-               "selector_top_k", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+PER_DRAFTER = ("drafter", "family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                "init", "block_size", "layer_types", "sliding_window", "loss_decay", "distill",
                "num_target_features", "target_layer_ids", "mask_token_id", "lr", "weight_decay",
                "warmup_ratio", "clip", "num_anchors")
@@ -28,6 +29,8 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 def check(entries: list) -> None:
     """Refuse an entry that is no {name, settings} mapping, a bad or repeated name, or a setting
     that is not a drafter's, naming the entry."""
+    from dflash_ray.config import MOVED_TO_FAMILY
+
     names = set()
     for i, entry in enumerate(entries):
         where = f"train.drafters[{i}]"
@@ -37,6 +40,9 @@ def check(entries: list) -> None:
         if entry["name"] in names:
             raise DFlashError(f"the name {entry['name']!r} is given twice; allowed: distinct names", field=where)
         names.add(entry["name"])
+        moved = sorted(set(entry) & set(MOVED_TO_FAMILY))
+        if moved:
+            raise DFlashError(f"{where}.{moved[0]} moved to {where}.family.{moved[0]}", field=f"{where}.{moved[0]}")
         other = sorted(set(entry) - {"name"} - set(PER_DRAFTER))
         if other:
             raise DFlashError(f"{other} are the run's settings, not one drafter's; allowed here: "
@@ -54,6 +60,8 @@ def expand(cfg: Any) -> list[tuple[str, Any]]:
     for i, entry in enumerate(entries):
         settings = {k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}")
                     for k, v in entry.items() if k != "name"}
+        same = settings.get("drafter", cfg.train.drafter) == cfg.train.drafter
+        settings["family"] = {**(cfg.train.family if same else {}), **settings.get("family", {})}
         try:
             train = dataclasses.replace(cfg.train, drafters=[], **settings)
             runs.append((entry["name"], dataclasses.replace(cfg, train=train)))
