@@ -86,6 +86,6 @@ def of_architecture(architectures: list[str]) -> Family:
 def mask_and_layer_ids(hf_config: dict[str, Any]) -> tuple[int, list[int]]:
     """The mask token id and target layer ids of any family's config.json, without importing the
     family (vLLM's order: `dflash_config` first, then the top level)."""
-    nested = hf_config.get("dflash_config") or {}
+    nested: Any = hf_config.get("dflash_config") or {}
     return (nested.get("mask_token_id", hf_config.get("mask_token_id")),
             list(nested.get("target_layer_ids", hf_config.get("target_layer_ids"))))
