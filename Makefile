@@ -23,9 +23,11 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# pyflakes and pycodestyle's rules over the package, the kernels, the benchmarks, tests and tools (pyproject.toml)
+# pyflakes and pycodestyle's rules over the package, the kernels, the benchmarks, tests and tools,
+# then mypy over the package ([tool.ruff] and [tool.mypy] of pyproject.toml)
 lint: setup
 	$(BIN)/ruff check dflash_ray kernels bench tests tools jobs
+	$(BIN)/mypy dflash_ray
 
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.
 test-fast: setup

@@ -136,8 +136,8 @@ class Injector:
                 if n["Alive"] and n["NodeID"] in busy and "node:__internal_head__" not in n["Resources"]]
 
     def summary(self) -> dict[str, Any]:
-        fired = [f for f in self.faults if f.fired_at is not None]
+        fired = [(f, at) for f in self.faults if (at := f.fired_at) is not None]
         return {"planned": len(self.faults), "injected": len(fired),
-                "faults": [{"kind": f.kind, "victim": f.victim, "at_s": round(f.fired_at - self.started, 1)}
-                           for f in fired],
+                "faults": [{"kind": f.kind, "victim": f.victim, "at_s": round(at - self.started, 1)}
+                           for f, at in fired],
                 "not_fired": [f.kind for f in self.faults if f.fired_at is None]}

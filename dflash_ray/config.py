@@ -523,7 +523,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise DFlashError(f"expected a mapping, got {value!r}", field=where)
-        return _build(tp, value, where)
+        return _build(typing.cast(type, tp), value, where)
     if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(tp)
         if value is None and type(None) in args:

@@ -67,6 +67,7 @@ def fingerprint(uri: str) -> str:
     folder = storage.is_s3(uri) and not str(uri).endswith((".parquet", ".arrow")) or \
         not storage.is_s3(uri) and storage.local_path(uri).is_dir()
     found = read_manifest(uri) if folder else None
+    items: list[tuple[Any, ...]]
     if found is not None:
         items = sorted((e["name"], e.get("bytes"), e.get("sha256")) for e in found.get("files", []))
     else:

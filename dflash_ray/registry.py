@@ -172,7 +172,9 @@ def pin(name_or_path: str) -> str:
     """A Hub id pinned to the commit it resolves to now (`ORG/NAME@<sha>`), so every actor of a run
     reads the same weights whatever the branch does meanwhile; any other name unchanged."""
     hub = HUB_ID.match(name_or_path)
-    commit = revision_of(config_dir(name_or_path)) if hub else None  # a local folder has none
+    if hub is None:  # a local folder has no commit
+        return name_or_path
+    commit = revision_of(config_dir(name_or_path))
     return f"{hub.group(1)}@{commit}" if commit else name_or_path
 
 

@@ -234,6 +234,7 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
         ids = torch.zeros(B, S, dtype=torch.long)
         mask = torch.ones(B, S, dtype=torch.long)
         mask[:, :sample.prompt_len] = 0
+        teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
         if family.wants_target_distribution:  # the target's last hidden states
             teacher = torch.empty(B, S, H, dtype=torch.bfloat16)
         else:
@@ -262,7 +263,7 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
     sent = tensor_gb(teacher) if isinstance(teacher, torch.Tensor) else tensor_gb(*teacher) if teacher else 0.0
     memory["inputs"] = round(memory["inputs"] + tensor_gb(features) + sent, 2)
     memory["total"] = round(sum(memory.values()), 2)
-    counted = flops.get_total_flops()  # one rank's own batch
+    counted: float = flops.get_total_flops()  # one rank's own batch
     counted += attention_flops(drafter_cfg, S, sample.prompt_len, num_anchors, backward=True) * B
     return {"memory_gb": memory, "flops_per_step": counted, "parameters": parameters,
             "simulated_in_s": round(time.perf_counter() - started, 1)}
@@ -284,6 +285,7 @@ def _fake_group(world: int):
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
+        assert dist.group.WORLD is not None  # set by init_process_group
         yield DeviceMesh.from_group(dist.group.WORLD, "cpu")  # made outside the fake mode
     finally:
         dist.destroy_process_group()

@@ -312,7 +312,7 @@ def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], lis
     else:
         folder = local_path(prefix)
         if not folder.is_dir():
-            return []
+            return [], []
         names = [p.name for p in folder.iterdir() if p.is_file()]
     names = sorted(n for n in names if n)
     keep = [n for n in names if not n.startswith((".", "_")) and n.lower().endswith(suffixes)]
@@ -374,7 +374,7 @@ def arrow_filesystem(uri: str):
     if is_s3(uri):
         bucket, key = split_s3(uri)
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        kwargs = {}
+        kwargs: dict[str, str] = {}
         if endpoint:
             scheme, _, host = endpoint.partition("://")
             kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")

@@ -35,6 +35,11 @@ def test_list_skips_temporaries_and_manifest(tmp_path):
     assert [storage.basename(u) for u in storage.list_files(str(tmp_path), ".parquet")] == ["a.parquet", "b.parquet"]
 
 
+def test_a_missing_local_folder_lists_nothing(tmp_path):
+    assert storage.list_files(str(tmp_path / "missing")) == []
+    assert storage.skipped_files(str(tmp_path / "missing")) == []
+
+
 def test_s3_round_trip(s3_bucket):
     uri = storage.join(s3_bucket, "data", "x.bin")
     payload = bytes(range(256)) * 40_000  # 10 MB: goes through multipart upload

@@ -133,14 +133,15 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
         if not isinstance(items, list):
             raise BadRecord(f"{list_key}: must be a list")
         system = record.get("system")  # ShareGPT variants carry it at the top level
-        turns = [("system", system, {})] if isinstance(system, str) and system.strip() else []
+        turns: list[tuple[str, str, dict[str, str]]] = (
+            [("system", system, {})] if isinstance(system, str) and system.strip() else [])
         for i, msg in enumerate(items):
             if not isinstance(msg, dict) or role_key not in msg:
                 raise BadRecord(f"{list_key}[{i}]: needs '{role_key}' and '{content_key}'")
             role = roles.get(str(msg[role_key]).lower())
             if role is None:
                 raise BadRecord(f"{list_key}[{i}].{role_key}: unknown role '{msg[role_key]}'")
-            extra = {}
+            extra: dict[str, str] = {}
             calls = _tool_calls(msg.get("tool_calls"), f"{list_key}[{i}].tool_calls") if role == "assistant" else None
             if calls:
                 extra["tool_calls"] = calls
@@ -150,8 +151,8 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
         return turns, record.get("tools")
     if "instruction" in record:
         instruction = _text(record["instruction"], "instruction")
-        extra = _text(record.get("input"), "input")
-        content = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        input_text = _text(record.get("input"), "input")
+        content = f"{instruction}\n\n{input_text}" if input_text.strip() else instruction
         system = record.get("system")
         turns = [("system", system, {})] if isinstance(system, str) and system.strip() else []
         return turns + [("user", content, {})], None

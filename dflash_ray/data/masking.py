@@ -167,7 +167,7 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
         raise BadRecord(f"reasoning: must be a string, got {type(reasoning).__name__}", "bad_field")
     tools = _tools(record)
     kwargs = {"tools": tools, "tokenize": False, "enable_thinking": enable_thinking}
-    reply = {"role": "assistant", "content": text}
+    reply: dict[str, Any] = {"role": "assistant", "content": text}
     calls = _json_list(record.get("tool_calls"), "tool_calls", "tool calls")
     if calls:  # an answer that calls tools: the template renders the calls, trained on like any answer
         reply["tool_calls"] = calls

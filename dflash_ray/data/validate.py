@@ -87,7 +87,8 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
     blank = {i for t, i in tokenizer.get_vocab().items()
              if len(t) <= 8 and tokenizer.convert_tokens_to_string([t]).strip() == ""}
     sums, lens, locations = [], [], []
-    empty, sources = 0, collections.Counter()
+    empty = 0
+    sources: collections.Counter[str] = collections.Counter()
     source_loss: dict[str, list[np.ndarray]] = collections.defaultdict(list)
     columns = ["input_ids", "loss_mask"] + [c for c in ("source", "seq_len") if c in data.columns]
     vocab = len(tokenizer)

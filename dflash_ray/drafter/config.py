@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 BLOCK_SIZE = 16
 
@@ -105,7 +105,7 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
         intermediate_size=intermediate_size or text.intermediate_size,
         num_layers=num_layers,
         num_heads=n_heads,
-        num_kv_heads=num_kv_heads or getattr(text, "num_key_value_heads", n_heads),
+        num_kv_heads=cast(int, num_kv_heads or getattr(text, "num_key_value_heads", n_heads)),
         head_dim=head_dim or getattr(text, "head_dim", None) or text.hidden_size // n_heads,
         vocab_size=text.vocab_size,
         num_target_layers=num_target_layers,

@@ -40,6 +40,7 @@ the total loss jump mid-run (5.9 to 10.0) where the detached run fell smoothly (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +171,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         super().reset_parameters(std)  # draws every Linear, the kernel projections among them: undo that
-        for layer in self.layers:
+        for layer in cast("list[DFlash2Layer]", self.layers):
             layer.attention_conv.reset_identity()
             layer.mlp_conv.reset_identity()
         if hasattr(self, "candidate_selector"):

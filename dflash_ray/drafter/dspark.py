@@ -114,6 +114,7 @@ class DSparkDrafter(DFlashDrafter):
 
     def confidence(self, hidden_NH: torch.Tensor, prev_N: torch.Tensor) -> torch.Tensor:
         """σ(confidence logit) [N]: the estimated chance each position's draft is accepted."""
+        assert self.confidence_head is not None  # asked only of a drafter with the head
         return torch.sigmoid(self.confidence_head(hidden_NH, self.markov_head.embed(prev_N)))
 
 

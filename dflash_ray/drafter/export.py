@@ -17,12 +17,15 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
+
+if TYPE_CHECKING:
+    from dflash_ray.drafter.model import DFlashDrafter
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 SETTINGS = "drafter_settings"
@@ -84,7 +87,7 @@ def from_hf_config(data: dict) -> DrafterConfig:
         extra={k: v for k, v in data.items() if k not in known})
 
 
-def drafter_files(drafter: nn.Module, dtype: torch.dtype | None = None,
+def drafter_files(drafter: DFlashDrafter, dtype: torch.dtype | None = None,
                   state: dict[str, torch.Tensor] | None = None) -> dict[str, bytes]:
     """{WEIGHTS: safetensors bytes, CONFIG: JSON bytes}: a copy, taken now, of the weights (`state`:
     the weights to write, when the module's own are sharded)."""
@@ -97,7 +100,7 @@ def drafter_files(drafter: nn.Module, dtype: torch.dtype | None = None,
             CONFIG: json.dumps(to_hf_config(drafter.cfg, dtype), indent=2).encode()}
 
 
-def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | None = None,
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
                  state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors; files land under temporary names, then are renamed."""
     out = Path(out_dir)
@@ -109,7 +112,7 @@ def save_drafter(drafter: nn.Module, out_dir: str | Path, dtype: torch.dtype | N
     return out
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -141,7 +144,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
     return {**export_drafter(load_drafter(source), out_dir, dtype), "checkpoint": checkpoint}
 
 
-def export_drafter(drafter: nn.Module, out_dir: str, dtype: str = "bfloat16") -> dict:
+def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: str = "bfloat16") -> dict:
     """Write `drafter` in the serving format to a local folder or `s3://`."""
     from dflash_ray import storage
 

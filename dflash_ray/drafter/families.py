@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dflash_ray.drafter.config import DrafterConfig
+    from dflash_ray.drafter.model import DFlashDrafter
     from dflash_ray.drafter.speculative import Sampling
     from dflash_ray.drafter.step import StepOutput
 
@@ -73,7 +74,7 @@ class Family(Protocol):
     Settings: type[Settings]
     hf_keys: frozenset[str]  # the config.json keys `read_hf_config` reads
 
-    def build(self, cfg: DrafterConfig) -> nn.Module:
+    def build(self, cfg: DrafterConfig) -> DFlashDrafter:
         """A freshly initialized drafter (the same under the same torch seed)."""
 
     def forward_loss(self, drafter: nn.Module, embed_VH: torch.Tensor, head_VH: torch.Tensor,
@@ -150,6 +151,6 @@ def settings(name: str, data: Settings | dict[str, Any] | None, where: str = "tr
 def mask_and_layer_ids(hf_config: dict[str, Any]) -> tuple[int, list[int]]:
     """The mask token id and target layer ids of any family's config.json, without importing the
     family (vLLM's order: `dflash_config` first, then the top level)."""
-    nested = hf_config.get("dflash_config") or {}
+    nested: Any = hf_config.get("dflash_config") or {}
     return (nested.get("mask_token_id", hf_config.get("mask_token_id")),
             list(nested.get("target_layer_ids", hf_config.get("target_layer_ids"))))

@@ -34,6 +34,7 @@ def naive_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torc
     if soft_ids_Nm is None:
         ce = F.cross_entropy(logits, labels_N, reduction="none")
     else:
+        assert soft_probs_Nm is not None  # given with the ids
         target = torch.zeros_like(logits).scatter_add_(1, soft_ids_Nm, soft_probs_Nm.float())
         ce = -(target * torch.log_softmax(logits, -1)).sum(-1)
     loss = (ce * weights_N).sum() / weights_N.sum().clamp_min(1e-12)
@@ -44,8 +45,10 @@ def dflash_loss(hidden_BQH: torch.Tensor, lm_head_VH: torch.Tensor, labels_BQ: t
                 weights_BQ: torch.Tensor, *, fused: bool = True, soft_ids_BQm: torch.Tensor | None = None,
                 soft_probs_BQm: torch.Tensor | None = None) -> LossOutput:
     B, Q, H = hidden_BQH.shape
-    args = (hidden_BQH.reshape(-1, H), lm_head_VH, labels_BQ.reshape(-1), weights_BQ.reshape(-1))
+    args: tuple[torch.Tensor, ...] = (hidden_BQH.reshape(-1, H), lm_head_VH, labels_BQ.reshape(-1),
+                                      weights_BQ.reshape(-1))
     if soft_ids_BQm is not None:
+        assert soft_probs_BQm is not None  # given with the ids
         m = soft_ids_BQm.shape[-1]
         args += (soft_ids_BQm.reshape(-1, m), soft_probs_BQm.reshape(-1, m))
     if fused:

@@ -13,7 +13,7 @@ Parameter names match the `DFlashDraftModel` checkpoint format that vLLM and SGL
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,6 @@ class DFlashDrafter(nn.Module):
         kv_positions = torch.cat([ctx_positions_BS, block_positions_BQ], 1)
         rope_kv = rope_cos_sin(kv_positions, cfg.head_dim, cfg.rope_theta, dtype)
         x = block_embeds_BQH
-        for layer in self.layers:
+        for layer in cast("list[DecoderLayer]", self.layers):
             x = layer(x, ctx, rope_q, rope_kv, masks[layer.self_attn.layer_type])
         return self.norm(x)

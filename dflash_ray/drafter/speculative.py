@@ -19,12 +19,15 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from dflash_ray.drafter import families
 from dflash_ray.target.capture import capture
+
+if TYPE_CHECKING:
+    from dflash_ray.drafter.model import DFlashDrafter
 
 
 @dataclass
@@ -142,7 +145,7 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
 
 
 @torch.no_grad()
-def speculative_decode(target, drafter: nn.Module, embed_VH: torch.Tensor, head_VH: torch.Tensor,
+def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor,
                        prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
                        sampling: Sampling = Sampling()) -> Generation:
     """Speculative decoding, greedy by default; with a sampling `sampling` the speculative-sampling
@@ -192,6 +195,7 @@ def speculative_decode(target, drafter: nn.Module, embed_VH: torch.Tensor, head_
         # the target processed block tokens 0..accepted; keep their cache and features only (features
         # are causal: the rejected tokens after them changed none)
         if recurrent:  # back to the state before the block, then forward through the kept tokens only
+            assert before is not None  # copied above for a recurrent target
             cache = before
             target(input_ids=block_ids[:, : accepted + 1], past_key_values=cache, use_cache=True,
                    position_ids=positions[:, : accepted + 1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ def pad_to_bucket(length_bucket: int, features_BSF: torch.Tensor, input_ids_BS: 
         if isinstance(teacher, torch.Tensor):  # a target's last hidden states
             teacher = pad_positions(padded, teacher)[0]
         elif teacher is not None:
-            teacher = tuple(pad_positions(padded, *teacher))
+            teacher = cast("tuple[torch.Tensor, torch.Tensor]", tuple(pad_positions(padded, *teacher)))
     return features_BSF, input_ids_BS, loss_mask_BS, teacher
 
 

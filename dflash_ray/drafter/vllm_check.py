@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from vllm import TokensPrompt
 
 def _metric(metrics, name: str) -> float:
     total = 0.0
@@ -42,7 +45,7 @@ def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: 
         engine_in_process()
     from vllm import LLM, SamplingParams
 
-    kwargs = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "dtype": dtype}
+    kwargs: dict[str, Any] = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "dtype": dtype}
     if drafter:
         kwargs["disable_log_stats"] = False  # get_metrics() needs the stat loggers
         from dflash_ray.drafter.families import of_architecture
@@ -57,14 +60,16 @@ def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: 
                                 engine_args={k: v for k, v in kwargs.items() if k == "speculative_config"})
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(target, sizing)
     llm = LLM(model=target, **kwargs)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+    requests: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(requests,
                            SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    result = {"outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+    result: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outputs]}
     if drafter:
         greedy, seen = _acceptance(llm, (0.0, 0.0))
         result.update(greedy)
         if temperature > 0:
-            llm.generate([{"prompt_token_ids": p} for p in prompts],
+            again: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+            llm.generate(again,
                          [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=i)
                           for i in range(len(prompts))], use_tqdm=False)
             result["sampled"] = _acceptance(llm, seen)[0]

@@ -90,6 +90,7 @@ class ShardPool:
             self._publish()
             await self._changed.wait()
         self._publish()
+        assert not isinstance(unit, str)  # PAUSED is the book's only string
         return unit
 
     async def pause(self, paused: bool) -> dict[str, Any]:

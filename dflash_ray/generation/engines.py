@@ -28,10 +28,13 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, cast
 
 from dflash_ray.config import GenerateConfig
 from dflash_ray.errors import DFlashError
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, TokensPrompt
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +280,8 @@ class EngineLog:
     def install(cls) -> EngineLog:
         log = cls._installed
         if log is None or any(os.fstat(fd).st_ino != ino for fd, ino in log.pipes.items()):  # replaced since
-            cls._installed = cls()
-        return cls._installed
+            log = cls._installed = cls()
+        return log
 
     def _copy(self, fd: int, read: int, out: int) -> None:
         partial = b""
@@ -349,7 +352,7 @@ class VLLMEngine:
         self.cfg = cfg
         self.capacity = cfg.batch_size  # sequences it runs at once (max_num_seqs)
         # prompt tokens one step prefills (a longer prefill is split across steps)
-        self.token_budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        self.token_budget: int | None = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
     def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[str]:
         from vllm import SamplingParams
@@ -357,13 +360,14 @@ class VLLMEngine:
         c = self.cfg
         params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=s)
                   for s in seeds]
-        internal = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        requests: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+        internal = self.llm.enqueue(requests, params, use_tqdm=False)
         # vLLM returns its internal ids ("{counter}-{8 random chars}"); outputs and aborts use the counter's
         return [rid.split("-", 1)[0] for rid in internal]
 
     def step(self) -> list[tuple[str, Output]]:
         return [(o.request_id, Output(list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "stop"))
-                for o in self.llm.llm_engine.step() if o.finished]
+                for o in cast("list[RequestOutput]", self.llm.llm_engine.step()) if o.finished]
 
     def unfinished(self) -> int:
         return self.llm.llm_engine.get_num_unfinished_requests()
@@ -402,7 +406,8 @@ class HFEngine:
         self.cfg, self.stop_ids = cfg, stop_ids
         self.queue: collections.deque[tuple[str, list[int], int]] = collections.deque()
         self.count = 0
-        self.capacity, self.token_budget = 1, None  # one sequence at a time, whole
+        self.capacity = 1  # one sequence at a time, whole
+        self.token_budget: int | None = None
 
     def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[str]:
         ids = [str(self.count + i) for i in range(len(prompts))]

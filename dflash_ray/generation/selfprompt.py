@@ -54,7 +54,8 @@ def write_prompts(engine: Engine, tokenizer, cfg: SelfPromptConfig, indices: lis
 def select(candidates: list[dict[str, Any]], cfg: SelfPromptConfig) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Prompt records (chat `messages` format, ids `self-{index}`) in index order, and drops by reason."""
     seen: set[str] = set()
-    records, dropped = [], collections.Counter()
+    records: list[dict[str, Any]] = []
+    dropped: collections.Counter[str] = collections.Counter()
     for c in sorted(candidates, key=lambda c: c["index"]):
         key = normal_form(c["text"])
         if c["finish_reason"] != "stop":

@@ -14,7 +14,7 @@ import io
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from dflash_ray import manifest, storage
 from dflash_ray.config import GenerateConfig
@@ -235,7 +235,7 @@ class Stream:
             self.running[rid] = req
             tokens += len(req.ids)
 
-    def _step(self) -> list[tuple[str, Output | Exception]]:
+    def _step(self) -> Sequence[tuple[str, Output | Exception]]:
         try:
             return self.engine.step()
         except Exception:  # isolate the request that broke the step: each alone

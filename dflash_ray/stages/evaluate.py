@@ -113,7 +113,8 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     device = evaluation_device(ecfg.device, torch.cuda.is_available())
     target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
     tokenizer = load_tokenizer(tokenizer_name or target_uri)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    # transformers types its wrapped `to` as if unbound (the model first)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     drafter = load_drafter(drafter_dir).to(device, dtype).eval()
     embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
     eos = set(stop_token_ids(tokenizer))

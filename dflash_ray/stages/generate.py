@@ -50,7 +50,7 @@ def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
 
     if shard_size < 1:
         raise DFlashError(f"must be >= 1, got {shard_size}", field="generate.shard_size")
-    units = []
+    units: list[dict[str, Any]] = []
     for uri in files:
         fs, path = storage.arrow_filesystem(uri)
         with fs.open_input_file(path) as f:
@@ -150,7 +150,7 @@ class _Fleet:
         from dflash_ray.generation.actors import NAMESPACE, Generator
 
         self.pool, self.model, self.cfg, self.output = pool, model, cfg, output
-        self.cls = Generator
+        self.cls: Any = Generator  # Ray's typing of a `@ray.remote` class has no `.options`
         self.options = {**engine_options(cfg), "namespace": NAMESPACE}
         self.running: dict[Any, tuple[str, Any]] = {}  # run ref -> (generator id, actor)
         self.started_at: dict[str, float] = {}
@@ -273,7 +273,8 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                               "generate.name", field="generate.name")
         except ValueError:
             pass
-        pool = ShardPool.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
+        pool_class: Any = ShardPool  # Ray's typing of a `@ray.remote(...)` class has no `.options`
+        pool = pool_class.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
             units, done, gcfg, output, plan)
         fleet = _Fleet(pool, model, gcfg, output)
         asked = None  # the generator count the autoscaler was last asked to make room for

@@ -28,7 +28,8 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
 
     n, bundles = tcfg.num_streams, stream_bundles(tcfg)
     index = 0 if tcfg.colocate else 1  # the drafter's bundle: where the collectives run
-    groups, probes = [], []
+    groups: list[Any] = []  # placement groups
+    probes: list[Any] = []  # actor handles: Ray's typing does not give their methods a `.remote`
     try:
         for s in range(n):
             groups.append(place_stream(tcfg, s, bundles, "probe's bundles"))

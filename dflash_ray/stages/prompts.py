@@ -19,7 +19,7 @@ import collections
 import io
 import json
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -97,7 +97,7 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
     shards: list[dict[str, Any]] = []
     quarantine: list[str] = []
     kinds: collections.Counter[str] = collections.Counter()
-    counts = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
     per_source: list[dict[str, Any]] = []
     warnings: list[str] = []
 
@@ -108,7 +108,7 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
         shards.append({"name": name, "rows": len(rows), **manifest.file_entry(data)})
         rows.clear()
 
-    def quarantined(item: RawRecord, error: BadRecord, tally: collections.Counter) -> None:
+    def quarantined(item: RawRecord, error: BadRecord, tally: collections.Counter[str]) -> None:
         kinds[error.kind] += 1
         tally["quarantined"] += 1
         quarantine.append(json.dumps({**item.where(), "kind": error.kind, "reason": str(error),
@@ -119,7 +119,7 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
     bar = tqdm(desc=stage, unit=" records", disable=not progress)
     thinking = 0  # answers with a thinking block
     for source in sources:
-        tally = collections.Counter()  # records = records_ok + quarantined, as overall
+        tally: collections.Counter[str] = collections.Counter()  # records = records_ok + quarantined, as overall
         for item in source.records(pcfg.seed, pcfg.shuffle_buffer):
             tally["records"] += 1
             bar.update(1)
@@ -127,7 +127,7 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
                 quarantined(item, item.error, tally)
                 continue
             try:
-                made: list[Prompt | Answered] = [normalize_answered(item.record)] if responses else \
+                made: Sequence[Prompt | Answered] = [normalize_answered(item.record)] if responses else \
                     normalize(item.record, pcfg.multi_turn)
                 for one in made:
                     if budget is not None:
@@ -167,7 +167,7 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
         warnings.append(f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
                         f"or named with a leading . or _): {', '.join(skipped[:10])}")
         print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
-    summary = {
+    summary: dict[str, Any] = {
         "stage": stage, "output": output, "input_files": inputs_read, "skipped_files": skipped,
         # every record read is quarantined or makes prompts: records = records_ok + quarantined
         "records": counts["records"], "records_ok": counts["records_ok"], "prompts": len(seen),

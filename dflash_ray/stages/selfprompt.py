@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dflash_ray import manifest, storage
 from dflash_ray.cluster import connect
 from dflash_ray.config import GenerateConfig, RunConfig, SelfPromptConfig
 from dflash_ray.errors import DFlashError, failure_cause
+
+if TYPE_CHECKING:
+    from ray import ObjectRefGenerator
 
 FILE = "self-prompts.jsonl"
 
@@ -67,7 +70,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
         while live:
             ready, _ = ray.wait(live, num_returns=1)
             try:
-                part = ray.get(next(ready[0]))
+                part = ray.get(next(cast("ObjectRefGenerator", ready[0])))  # num_returns="streaming"
             except StopIteration:
                 live.remove(ready[0])
                 continue

@@ -92,7 +92,8 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         network = measure(cfg.train)
         check_floor(network, cfg.train.min_bus_bandwidth)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
+    # an actor handle: Ray's typing does not give its methods a `.remote`
+    coordinator: Any = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
                                                   resources=on_node(cfg.ray.head_resource)).remote(
         target, data, output, cfg, run_name, teams, driver_env())
     run_ref = coordinator.run.remote(stop_after_step)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class _StopForward(Exception):
@@ -24,7 +27,7 @@ class _StopForward(Exception):
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of a HF causal LM (Llama, Qwen3, Qwen3.5 hybrid, multimodal wrappers)."""
     for path in ("model.layers", "model.language_model.layers", "language_model.model.layers", "layers"):
-        module = model
+        module: nn.Module | None = model
         for name in path.split("."):
             module = getattr(module, name, None)
             if module is None:
@@ -95,7 +98,8 @@ def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[in
     hidden = out.last_hidden_state.to(input_ids.device) if whole else None  # final-normed
     if top_k == 0:
         return features, None, None, hidden
-    head = model.get_output_embeddings().weight
+    assert hidden is not None  # top_k > 0 ran the whole forward
+    head = cast("PreTrainedModel", model).get_output_embeddings().weight
     B, S, _ = hidden.shape
     ids = torch.zeros(B, S, top_k, dtype=torch.long, device=hidden.device)
     probs = torch.zeros(B, S, top_k, dtype=torch.float32, device=hidden.device)

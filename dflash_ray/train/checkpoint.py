@@ -75,6 +75,7 @@ class Upload:
         self._thread.join()
         if self._error is not None:
             raise self._error
+        assert self._entries is not None  # the writer finished without an error
         return self._entries
 
 

@@ -140,7 +140,10 @@ class Coordinator:
         self.stopping = False
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
-        self.heldout, self.schedule, self.total_steps = [], None, None  # `_plan`, in `run`
+        # `_plan`, in `run`
+        self.heldout: list[tuple[str, int]] = []
+        self.schedule: Schedule | None = None
+        self.total_steps: int | None = None
         self.failures: list[str] = []  # what each restart recovered from
         self.resumed_from: list[int] = []  # the checkpoint step each restart went on from (0: the start)
         self.teams = [Team(name, team_cfg, json.dumps(drafter_cfg), init,
@@ -152,9 +155,11 @@ class Coordinator:
         self.step, self.restarts = 0, 0
         self.begun_at: int | None = None  # the step this run began at (its resume's), once resumed
         # the wall time failures cost: from a failure at step s until the run is past step s again
-        self.seconds_lost, self.lost_since = 0.0, None
+        self.seconds_lost = 0.0
+        self.lost_since: tuple[int, float] | None = None
         self.uploading: tuple[int, list[dict]] | None = None  # (step, run states) of a checkpoint uploading
-        self.targets, self.groups = [], []
+        self.targets: list[Any] = []  # actor handles
+        self.groups: list[Any] = []  # placement groups
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
@@ -339,6 +344,7 @@ class Coordinator:
                      for team in self.teams for d in team.drafters])
         rngs = ray.get([d.rng_state.remote() for d in self.all_drafters])
         n = self.cfg.train.num_streams
+        assert self.schedule is not None  # `_plan` ran
         self.uploading = (self.step, [
             {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
              "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
@@ -360,6 +366,7 @@ class Coordinator:
     def _commit_entries(self, written: list[dict[str, dict]]) -> None:
         """Commit the checkpoint in flight with every drafter rank's manifest entries."""
         n = self.cfg.train.num_streams  # every rank of every drafter writes its own shard
+        assert self.uploading is not None  # a checkpoint is in flight
         step, states = self.uploading
         for i, (team, state) in enumerate(zip(self.teams, states)):
             entries = {name: entry for ranks in written[i * n:(i + 1) * n] for name, entry in ranks.items()}
@@ -479,6 +486,7 @@ class Coordinator:
         evaluation would meet the evaluation's receive. So batches past the next evaluation wait for
         it (one target forward of idle drafters per evaluation)."""
         every = self.cfg.train.eval_every
+        assert self.total_steps is not None  # `_plan` ran
         if not (self.direct and every):
             return self.total_steps
         return min(self.total_steps, (self.step // every + 1) * every)
@@ -489,8 +497,10 @@ class Coordinator:
         tcfg = self.cfg.train
         n = tcfg.num_streams
         ahead: list[dict[int, Any]] = [{} for _ in range(n)]
+        assert self.schedule is not None and self.total_steps is not None  # `_plan` ran
 
         def submit(step: int) -> None:
+            assert self.schedule is not None
             for s, target in enumerate(self.targets):
                 if step < self._horizon() and step not in ahead[s]:
                     batch = self.schedule.batch_for(step, s)

@@ -68,6 +68,7 @@ def greet(peers: list[int], sending: bool, device: str) -> None:
     from dflash_ray.train import p2p
 
     ledger = p2p.ledger()
+    assert ledger is not None  # this process joined the run's process group
     token = torch.zeros(1, device=device)
     for peer in peers:
         (ledger.send(token, peer, "greeting") if sending else ledger.recv(token, peer)).wait()
@@ -90,6 +91,7 @@ class Sent:
         from dflash_ray.train import p2p
 
         ledger = p2p.ledger()
+        assert ledger is not None  # this process joined the run's process group
         if not ledger.enforce:
             return all(w.is_completed() for w in self.works)
         if ledger.unmatched(self.sends):
@@ -104,6 +106,7 @@ def send(batch: dict[str, torch.Tensor], dsts: list[int]) -> Sent:
     from dflash_ray.train import p2p
 
     ledger = p2p.ledger()
+    assert ledger is not None  # this process joined the run's process group
     sent = Sent({k: (list(batch[k].shape), str(batch[k].dtype)) for k in sorted(batch)})
     for key in sorted(batch):
         tensor = batch[key].contiguous()
@@ -122,6 +125,7 @@ def receive(meta: dict[str, Any], src: int, device: str) -> dict[str, torch.Tens
     from dflash_ray.train.devices import wait_compute
 
     ledger = p2p.ledger()
+    assert ledger is not None  # this process joined the run's process group
     batch = {k: torch.empty(shape, dtype=_dtype(dtype), device=device) for k, (shape, dtype) in sorted(meta.items())}
     works = [ledger.recv(batch[k], src) for k in sorted(batch)]
     for w in works:

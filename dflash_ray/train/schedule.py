@@ -44,7 +44,8 @@ class Schedule:
                               f"x {batch_size} sequences")
         self.origin = origin
         self._first = max(0, (len(samples) - origin[2]) // self.per_step)  # steps left in the origin's epoch
-        self._epoch, self._order = -1, None
+        self._epoch = -1
+        self._order: list[int] | None = None
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, offset into its order) at which `step` starts."""
@@ -67,6 +68,7 @@ class Schedule:
         if epoch != self._epoch:
             self._order = self.order(epoch)
             self._epoch = epoch
+        assert self._order is not None  # made above for the first epoch asked for
         start = offset + stream * self.batch
         return [self.samples[j] for j in self._order[start:start + self.batch]]
 
@@ -88,9 +90,11 @@ class Schedule:
                        for start in range(0, len(files), self.window)]
         windows = [[members[j] for j in torch.randperm(len(members), generator=generator).tolist()]
                    for members in windows]
-        if self.lengths is None or self.group <= 1:
+        lengths = self.lengths
+        if lengths is None or self.group <= 1:
             return [i for members in windows for i in members]
-        order, carry = [], []
+        order: list[int] = []
+        carry: list[int] = []
         for w, members in enumerate(windows):
             # whole runs only: the few samples past the last one join the next window's, so runs stay
             # aligned to the steps and within two windows of files
@@ -99,7 +103,7 @@ class Schedule:
             members, carry = members[:whole], members[whole:]
             size = self.group * RUNS_PER_CHUNK
             for start in range(0, len(members), size):
-                chunk = sorted(members[start:start + size], key=lambda i: self.lengths[i])
+                chunk = sorted(members[start:start + size], key=lambda i: lengths[i])
                 runs = [chunk[k:k + self.group] for k in range(0, len(chunk), self.group)]
                 order += [i for j in torch.randperm(len(runs), generator=generator).tolist() for i in runs[j]]
         return order

@@ -11,6 +11,8 @@ communicates. No Ray here.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ def shard(drafter: nn.Module, device_type: str, group, dtype: torch.dtype) -> No
 
     mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for module in [*drafter.layers, drafter]:
+    for module in [*cast(nn.ModuleList, drafter.layers), drafter]:
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)  # each wrapped module's own setting
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from dflash_ray import storage
 from dflash_ray.train import checkpoint
+
+if TYPE_CHECKING:
+    from dflash_ray.drafter.model import DFlashDrafter
 
 SHARDS = "shards"
 
@@ -150,7 +153,7 @@ def is_sharded(folder: str, manifest: dict | None = None) -> bool:
     return storage.exists(storage.join(folder, SHARDS, ".metadata"))
 
 
-def assemble(folder: str) -> tuple[nn.Module, int]:
+def assemble(folder: str) -> tuple[DFlashDrafter, int]:
     """The whole drafter of a sharded checkpoint folder (any name: a copied or renamed checkpoint is
     checked as well), built from its config and every rank's shard of the weights, without a process
     group (the optimizer state is not read); and the number of files checked against the manifest."""

@@ -28,10 +28,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, cast
 
 from dflash_ray import storage
 from dflash_ray.errors import DFlashError
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+    from torch.utils.tensorboard import SummaryWriter
+    from wandb import Run
 
 MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # what each needs installed
 INSTALL = "pip install 'dflash-ray[track]'"
@@ -69,9 +74,22 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+class Tracker(Protocol):
+    def start(self, run_name: str, config: dict, logdir: str) -> str:
+        """Start logging the run (resumed if it exists); returns where it logs."""
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 class TensorBoard:
     def __init__(self, env: dict[str, str], run_key: str):
-        self.writer, self.logdir, self.config, self.writer_class = None, "", "", None
+        self.writer: SummaryWriter | None = None
+        self.logdir, self.config = "", ""
+        self.writer_class: type[SummaryWriter] | None = None
 
     def start(self, run_name: str, config: dict, logdir: str) -> str:
         import yaml
@@ -84,6 +102,7 @@ class TensorBoard:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if self.writer is None:  # the first step of this attempt: later steps of an earlier one are purged
+            assert self.writer_class is not None  # set by `start`
             self.writer = self.writer_class(self.logdir, purge_step=step)
             self.writer.add_text("config", self.config, step)  # markdown: indented = verbatim
         for key, value in values.items():
@@ -100,21 +119,25 @@ class TensorBoard:
 
 class WandB:
     def __init__(self, env: dict[str, str], run_key: str):
-        self.env, self.run_key, self.run = env, run_key, None
+        self.env, self.run_key = env, run_key
+        self.run: Run | None = None
 
     def start(self, run_name: str, config: dict, logdir: str) -> str:
         import wandb
 
         folder = self.env.get("WANDB_DIR", logdir)
         Path(folder).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
+        mode = cast(Literal["online", "offline", "disabled", "shared"] | None, self.env.get("WANDB_MODE"))
+        self.run = run = wandb.init(
             project=self.env.get("WANDB_PROJECT", PROJECT), entity=self.env.get("WANDB_ENTITY"),
-            mode=self.env.get("WANDB_MODE"), dir=folder, id=self.run_key, resume="allow", name=run_name,
+            mode=mode, dir=folder, id=self.run_key, resume="allow", name=run_name,
             config=config, allow_val_change=True,  # operational settings may change on resume
             settings=wandb.Settings(console="off", disable_git=True, save_code=False, quiet=True))
-        return str(Path(self.run.dir).parent) if self.run.offline else self.run.url
+        # an online run has a url (WANDB_MODE=disabled: None, as before)
+        return str(Path(run.dir).parent) if run.offline else cast(str, run.url)
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        assert self.run is not None  # set by `start`
         self.run.log(values, step=step)
 
     def flush(self) -> None:
@@ -131,7 +154,9 @@ class WandB:
 class MLflow:
     def __init__(self, env: dict[str, str], run_key: str):
         self.env, self.run_key = env, run_key
-        self.client, self.run_id, self.logged_upto = None, None, 0
+        self.client: MlflowClient | None = None
+        self.run_id: str | None = None
+        self.logged_upto = 0
 
     def start(self, run_name: str, config: dict, logdir: str) -> str:
         from mlflow.entities import Param
@@ -148,21 +173,22 @@ class MLflow:
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
         found = client.search_runs([experiment_id], f"tags.`dflash.run_key` = '{self.run_key}'", max_results=1)
         if found:  # a resumed run: the steps it holds stay; its params were logged when it began
-            self.run_id = found[0].info.run_id
-            self.logged_upto = max((m.step for m in client.get_metric_history(self.run_id, "loss")), default=0)
-            client.update_run(self.run_id, status="RUNNING")
+            self.run_id = run_id = found[0].info.run_id
+            self.logged_upto = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
+            client.update_run(run_id, status="RUNNING")
         else:
-            self.run_id = client.create_run(experiment_id, run_name=run_name,
-                                            tags={"dflash.run_key": self.run_key}).info.run_id
+            self.run_id = run_id = client.create_run(experiment_id, run_name=run_name,
+                                                     tags={"dflash.run_key": self.run_key}).info.run_id
             params = [Param(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in flatten(config).items()]
             for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
-                client.log_batch(self.run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+                client.log_batch(run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
         return f"{uri or logdir} (run {self.run_id})"
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         if step > self.logged_upto:
+            assert self.client is not None and self.run_id is not None  # set by `start`
             now = int(time.time() * 1000)
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
@@ -170,11 +196,12 @@ class MLflow:
         pass
 
     def finish(self) -> None:
-        if self.run_id is not None:
+        if self.client is not None and self.run_id is not None:  # the client is set first
             self.client.set_terminated(self.run_id)
 
 
-CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+CLASSES: dict[str, Callable[[dict[str, str], str], Tracker]] = {
+    "tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
 
 
@@ -182,10 +209,12 @@ class Trackers:
     """The run's trackers; with an `s3://` output, their local folder and its copy next to the checkpoints."""
 
     def __init__(self, names: list[str], output: str, env: dict[str, str]):
-        self.names, self.env, self.active = list(names), env, {}
+        self.names, self.env = list(names), env
+        self.active: dict[str, Tracker] = {}
         self.remote = storage.join(output, "tracking")
         self.run_key = "dflash-" + hashlib.sha1(output.rstrip("/").encode()).hexdigest()[:16]
-        self.local, self.uploaded = None, {}
+        self.local: str | None = None
+        self.uploaded: dict[str, tuple[int, int]] = {}
         self.logged = 0  # the last step logged: steps replayed after an actor restart are not logged again
 
     def start(self, run_name: str, config: dict) -> dict[str, str]:

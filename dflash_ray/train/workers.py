@@ -15,12 +15,15 @@ import datetime
 import json
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_ray.config import TrainConfig
 from dflash_ray.train.devices import actor_placement, wait_compute
+
+if TYPE_CHECKING:
+    from dflash_ray.train.checkpoint import Upload
 
 Sample = tuple[str, int]  # (tokenized file URI, row in it)
 
@@ -180,12 +183,12 @@ class DrafterWorker:
         # anchors are drawn on the CPU on every device, so a run's anchors do not depend on where it runs
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
         self.total_steps = 1
-        self.upload = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
+        self.upload: Upload | None = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
         self.group = None  # this drafter's ranks (torch.distributed), when the run has several streams
         # the same ranks over gloo, for checkpoints alone (DCP plans its saves from a background
         # thread: never on the group training's collectives use); None: a lone process
         self.ckpt_group = None
-        self.source = None  # the global rank of this stream's target, when features come by `handoff`
+        self.source: int | None = None  # the global rank of this stream's target, when features come by `handoff`
 
     def _autocast(self):
         """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
@@ -213,8 +216,8 @@ class DrafterWorker:
         groups, ckpt_groups = handoff.join(self.place.backend, address, port, layout.drafter(team, self.rank), layout,
                                            self.cfg.collective_timeout_s)
         self.ckpt_group = ckpt_groups[team]
-        self.source = layout.target(self.rank)
-        handoff.greet([self.source], False, self.place.device)
+        self.source = source = layout.target(self.rank)
+        handoff.greet([source], False, self.place.device)
         if self.world > 1:
             self._shard(groups[team])
 
@@ -236,6 +239,7 @@ class DrafterWorker:
             return batch
         from dflash_ray.train import handoff
 
+        assert self.source is not None  # set by `join_run`, which every handoff run calls first
         start = time.perf_counter()
         received = handoff.receive(batch["meta"], self.source, self.place.device)
         return {**received, "seconds": batch["seconds"], "read_bytes": batch["read_bytes"],
