@@ -186,7 +186,8 @@ def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.
     drafted = draft_blocks(drafter, embed_VH, features_BSF, input_ids_BS, loss_mask_BS, num_anchors=num_anchors,
                            generator=generator, attention=attention, gamma=gamma if gamma is not None else GAMMA,
                            teacher=teacher, distill=0.0, length_bucket=length_bucket, first_prediction=0)
-    blocks, input_ids_BS, teacher = drafted.blocks, drafted.input_ids_BS, drafted.teacher
+    blocks, input_ids_BS = drafted.blocks, drafted.input_ids_BS
+    teacher = drafted.teacher if isinstance(drafted.teacher, torch.Tensor) else None  # padded as the batch
     S = input_ids_BS.shape[1]
     at = blocks.positions.clamp(max=S - 1)  # a + k: the previous token's position
     prev = torch.gather(input_ids_BS, 1, at)

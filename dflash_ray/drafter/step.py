@@ -70,7 +70,8 @@ def draft_blocks(drafter: DFlashDrafter, embed_VH: torch.Tensor, features_BSF: t
                                                                       loss_mask_BS, teacher)
     anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
     blocks = make_blocks(input_ids_BS, loss_mask_BS, anchors, keep, mask_token_id=cfg.mask_token_id,
-                         block_size=cfg.block_size, gamma=gamma, teacher=teacher if distill > 0 else None,
+                         block_size=cfg.block_size, gamma=gamma,
+                         teacher=teacher if distill > 0 and isinstance(teacher, tuple) else None,
                          distill=distill, first_prediction=first_prediction)
     block_embeds = F.embedding(blocks.token_ids, embed_VH).to(features_BSF.dtype)
     masks = attention_masks(drafter, anchors, input_ids_BS.shape[1], attention)
