@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+import traceback
 from typing import Any, Callable
 
 from dflash_ray.config import RunConfig, load_config
@@ -116,6 +117,9 @@ def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
         if not args.resume and checkpoint.complete_steps(output):
             raise DFlashError("holds checkpoints of an earlier run: pass --resume to continue it, or choose "
                               "another --output", file=storage.join(output, "checkpoints"))
+        if args.resume and not checkpoint.complete_steps(output):
+            print(f"dflash-ray train: warning: --resume, but {output} holds no complete checkpoint: training "
+                  "starts at step 0", file=sys.stderr)
     return run_train(args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step,
                      progress=not args.json)
 
@@ -195,13 +199,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prompts", parents=[common], help="normalize chat datasets into prompt shards")
-    p.add_argument("--input", nargs="+", metavar="URI", help=INPUTS_HELP)
+    p.add_argument("--input", nargs="+", action="extend", metavar="URI", help=INPUTS_HELP)
     p.add_argument("--output", required=True, metavar="URI")
     p.set_defaults(run=_cmd_prompts)
 
     p = sub.add_parser("responses", parents=[common],
                        help="existing responses (the last assistant turns of chat datasets) as completions")
-    p.add_argument("--input", nargs="+", metavar="URI", help=INPUTS_HELP)
+    p.add_argument("--input", nargs="+", action="extend", metavar="URI", help=INPUTS_HELP)
     p.add_argument("--output", required=True, metavar="URI", help="a completions folder `dflash-ray tokenize` reads")
     p.set_defaults(run=_cmd_prompts)
 
@@ -276,7 +280,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_evaluate)
 
     p = sub.add_parser("pipeline", parents=[common], help="every stage in order on one config (pipeline.*)")
-    p.add_argument("--input", nargs="+", metavar="URI", help="raw datasets (pipeline.inputs)")
+    p.add_argument("--input", nargs="+", action="extend", metavar="URI", help="raw datasets (pipeline.inputs)")
     p.add_argument("--workdir", metavar="URI", help="where every stage writes (pipeline.workdir)")
     p.add_argument("--target", metavar="PATH", help="target model (pipeline.target)")
     p.set_defaults(run=_cmd_pipeline)
@@ -358,15 +362,21 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             raise DFlashError(f"{e.strerror or type(e).__name__}", file=e.filename) from None
         except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
-            raise Interrupted("interrupted: this run committed nothing; the same command starts it again "
-                              "(generation and training resume where they were)") from None
+            raise Interrupted("interrupted: what this run had committed stays, nothing half-written is listed; "
+                              "the same command goes on (generation and training resume where they were)") from None
+        except DFlashError:
+            raise
         except Exception as e:
             if type(e).__module__.startswith("botocore"):  # S3: no bucket, no credentials, denied
                 raise DFlashError(f"S3: {e}") from None
-            if args.json and not isinstance(e, DFlashError):  # an unexpected failure still ends with a summary line
+            # not an error of the input or settings (each of those is a DFlashError): a bug, said as one
+            traceback.print_exc()
+            print(f"dflash-ray {args.command}: internal error: {type(e).__name__}: {e}\nThis is a bug in dflash-ray, "
+                  "not in your input: please report it with the traceback above", file=sys.stderr)
+            if args.json:  # an unexpected failure still ends with a summary line
                 print(json.dumps({"stage": args.command, "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:],
-                                  "exit_code": 1}), file=out, flush=True)
-            raise
+                                  "bug": True, "exit_code": 1}), file=out, flush=True)
+            return 1
     except DFlashError as e:
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
         if args.json:

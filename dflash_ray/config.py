@@ -403,6 +403,10 @@ def check(cfg: RunConfig) -> None:
     if auto.min_generators > auto.max_generators:
         raise DFlashError(f"{auto.min_generators} is above generate.autoscale.max_generators={auto.max_generators}; "
                           "allowed: <= max_generators", field="generate.autoscale.min_generators")
+    if cfg.generate.backend != "vllm" and cfg.generate.engine_args:
+        raise DFlashError(f"{sorted(cfg.generate.engine_args)} are vLLM engine arguments, which the "
+                          f"{cfg.generate.backend!r} backend does not read; allowed: generate.backend=vllm, or no "
+                          "engine_args", field="generate.engine_args")
     if ev.ngram_min > ev.ngram_max:
         raise DFlashError(f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
                           field="evaluate.ngram_min")
@@ -602,6 +606,24 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the last would win unseen)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str | bytes) -> Any:
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 (a safe loader)
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one `a.b.c=value` override in place; the value is parsed as YAML (`1`, `true`, `[1]`)."""
     if "=" not in assignment:
@@ -613,7 +635,11 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise DFlashError(f"{key} is not a section", field=path)
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[keys[-1]] = _load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise DFlashError(f"{raw!r} is not a YAML value ({str(e).splitlines()[0]}); quote a string, "
+                          "write a list as [a, b]", field=f"--set {'.'.join(keys)}") from None
 
 
 def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -633,7 +659,7 @@ def read_settings(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     if path in seen:
         raise DFlashError(f"`base` files form a loop: {' -> '.join(seen + (path,))}", file=path, field="base")
     try:
-        loaded = yaml.safe_load(storage.read_bytes(path)) or {}
+        loaded = _load_yaml(storage.read_bytes(path)) or {}
     except yaml.YAMLError as e:
         raise DFlashError(f"invalid YAML: {e}", file=path) from None
     if not isinstance(loaded, dict):
@@ -652,6 +678,8 @@ def read_settings(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Build the run config from an optional YAML file (path or URI) and dotted overrides."""
+    if path is not None and not str(path).strip():
+        raise DFlashError("is empty (an unset variable?): give a config file, or leave --config out", field="--config")
     data = read_settings(path) if path else {}
     for assignment in overrides:
         apply_override(data, assignment)

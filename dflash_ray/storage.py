@@ -75,8 +75,14 @@ def _s3_client(pid: int):  # keyed by pid: a client must not cross a fork
     import boto3
     from botocore.config import Config
 
-    attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))
-    return boto3.client("s3", config=Config(retries={"mode": "standard", "total_max_attempts": attempts}))
+    raw = os.environ.get("AWS_MAX_ATTEMPTS", str(DEFAULT_MAX_ATTEMPTS))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise DFlashError(f"{raw!r}: allowed: a whole number of tries >= 1", field="AWS_MAX_ATTEMPTS (environment)")
+    try:
+        return boto3.client("s3", config=Config(retries={"mode": "standard", "total_max_attempts": int(raw)}))
+    except ValueError as e:  # botocore's check of the environment's endpoint, region and the like
+        raise DFlashError(f"the S3 client refuses the environment's settings: {e}",
+                          field="AWS_ENDPOINT_URL / AWS_REGION (environment)") from None
 
 
 def s3_client():

@@ -578,3 +578,17 @@ def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(tar
         drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
                                                              "train.num_layers=2"]))
     assert "layer_types" in str(e.value) and "train" in str(e.value)
+
+
+def test_token_ids_past_the_targets_embedding_are_a_clear_error_not_a_restart_loop(target, tmp_path):
+    """Data tokenized for another model (ids past the target's table): the target names the file,
+    record and field at once, an error of the input (no restart repeats it)."""
+    from dflash_ray.errors import DFlashError
+
+    part = str(tmp_path / "part-0.parquet")
+    rows = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}, {"input_ids": [5, 600, 7], "loss_mask": [0, 1, 1]}]
+    pq.write_table(pa.Table.from_pylist(rows), part)
+    feats = TargetWorker(target, [0, 1, 2], load_config(None, SETTINGS).train)
+    with pytest.raises(DFlashError, match="token id 600 is past the target's 512-entry embedding") as e:
+        feats.features([(part, 0), (part, 1)])
+    assert (e.value.file, e.value.record, e.value.field) == (part, 2, "input_ids")

@@ -139,14 +139,27 @@ def _check_columns(uri: str, names: set[str]) -> None:
                       f"{', '.join(sorted(names)) or 'none'})", file=uri, field=missing[0])
 
 
+def _check_types(uri: str, schema: pa.Schema) -> None:
+    """`input_ids` a list of integers, `loss_mask` a list of integers or booleans: floats (a token id
+    of 1.7, a mask of 0.5), strings or scalars are refused before any value is read or cast."""
+    for name, ok, allowed in (("input_ids", pa.types.is_integer, "integers"),
+                              ("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t),
+                               "integers 0/1 or booleans")):
+        kind = schema.field(name).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not ok(kind.value_type):
+            raise DFlashError(f"holds {kind}, not a list of {allowed} per sample", file=uri, field=name)
+
+
 def open_tokenized(uri: str) -> TokenizedData:
-    """The files of the tokenized dataset at `uri`, each checked for the required columns."""
+    """The files of the tokenized dataset at `uri`, each checked for the required columns and their types."""
     uri = str(uri)
     files, made_by = _data_files(uri)
     columns = set(REQUIRED) | set(OPTIONAL)
     for f in files:
-        names = set(_schema(f).names)
+        schema = _schema(f)
+        names = set(schema.names)
         _check_columns(f, names)
+        _check_types(f, schema)
         columns &= names
     return TokenizedData(uri, files, frozenset(columns), made_by)
 

@@ -15,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dflash_ray import storage
 from dflash_ray.config import RunConfig, apply_override, config_from_dict, merge_settings, read_settings
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages.pipeline import run_pipeline
@@ -60,6 +59,8 @@ def demo_config(path: str | None, overrides: list[str]) -> RunConfig:
     data: dict[str, Any] = {}
     for assignment in DEMO_SETTINGS:
         apply_override(data, assignment)
+    if path is not None and not path.strip():
+        raise DFlashError("is empty (an unset variable?): give a config file, or leave --config out", field="--config")
     if path:
         data = merge_settings(data, read_settings(path))
     for assignment in overrides:
@@ -73,11 +74,10 @@ def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str
     import dataclasses
 
     work = str(Path(workdir).absolute())
-    storage.delete_tree(storage.join(work, "train"))
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
         cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2))
     try:
-        return {**run_pipeline(cfg, progress=progress), "stage": "demo"}
+        return {**run_pipeline(cfg, progress=progress, fresh_training=True), "stage": "demo"}
     except DFlashError as e:
         e.summary["stage"] = "demo"
         raise

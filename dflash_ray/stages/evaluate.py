@@ -114,8 +114,15 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
     tokenizer = load_tokenizer(tokenizer_name or target_uri)
     # transformers types its wrapped `to` as if unbound (the model first)
+    try:
+        drafter = load_drafter(drafter_dir).to(device, dtype).eval()
+    except ValueError as e:  # no drafter family's config.json, or weights that do not fit it
+        raise DFlashError(f"not a drafter this project exports: {e}", file=drafter_uri) from None
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-    drafter = load_drafter(drafter_dir).to(device, dtype).eval()
+    rows_of_embedding = target.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows_of_embedding:
+        raise DFlashError(f"the tokenizer has {len(tokenizer)} ids, past the target's {rows_of_embedding}-entry "
+                          "embedding: it is not the target's", field="--tokenizer")
     embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
     eos = set(stop_token_ids(tokenizer))
     # the n-gram baseline drafts as many tokens a step as the drafter does

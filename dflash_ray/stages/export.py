@@ -27,6 +27,7 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
                           file=out_dir)
     if not storage.is_s3(out_dir) and storage.local_path(out_dir).exists() and not storage.local_path(out_dir).is_dir():
         raise DFlashError("is a file, not a folder: nothing was exported; choose a folder", file=out_dir)
+    _check_replaceable(out_dir)
     try:
         if not shards.is_sharded(checkpoint):  # a drafter folder, or a whole-file checkpoint of an earlier version
             verified = _verify_whole_files(checkpoint)
@@ -40,6 +41,29 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
             else "resume the training run to write a new checkpoint"
         raise DFlashError(f"{e}; nothing was exported: {hint}") from None
     return {**export_drafter(drafter, out_dir, dtype), "checkpoint": checkpoint, "verified_files": verified}
+
+
+def _check_replaceable(out_dir: str) -> None:
+    """An export writes `config.json` and `model.safetensors`: into a folder holding them, only when
+    they are an earlier drafter export (a re-export); a user's own files of those names are never
+    replaced. Other files in the folder are left alone."""
+    import json
+
+    from dflash_ray.drafter import families
+
+    config = storage.join(out_dir, "config.json")
+    weights = storage.join(out_dir, "model.safetensors")
+    if storage.exists(config):
+        try:
+            families.of_architecture(json.loads(storage.read_text(config)).get("architectures") or [])
+            return
+        except (ValueError, AttributeError):  # not JSON, not a mapping, or no drafter's architecture
+            pass
+        raise DFlashError("holds a config.json that is no drafter export: nothing was exported or replaced; "
+                          "choose an empty folder", file=config)
+    if storage.exists(weights):
+        raise DFlashError("holds a model.safetensors without a drafter's config.json: nothing was exported or "
+                          "replaced; choose an empty folder", file=weights)
 
 
 def _verify_whole_files(folder: str) -> int:

@@ -79,13 +79,19 @@ PLAN_PARTS = {"prompts": "the prompts' content (--prompts was rewritten since)",
 
 
 def read_progress(output: str) -> dict[str, Any] | None:
+    uri = storage.join(output, PROGRESS)
     try:
-        return json.loads(storage.read_text(storage.join(output, PROGRESS)))
+        progress = json.loads(storage.read_text(uri))
     except FileNotFoundError:
         return None
     except json.JSONDecodeError as e:
         raise DFlashError(f"corrupt generation progress ({e}); delete it to generate every shard again",
-                          file=storage.join(output, PROGRESS)) from None
+                          file=uri) from None
+    if not isinstance(progress, dict) or not isinstance(progress.get("done"), dict) or not all(
+            isinstance(e, dict) and {"completions", "rows", "prompts"} <= set(e) for e in progress["done"].values()):
+        raise DFlashError("not a generation progress file (a mapping with `done` shards); delete it to generate "
+                          "every shard again", file=uri)
+    return progress
 
 
 def _finished_shards(output: str, plan: dict[str, str]) -> dict[int, dict[str, Any]]:
@@ -120,6 +126,21 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
     return {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "resources": on_node(cfg.node_resource),
             "runtime_env": {"env_vars": env}}
+
+
+def check_room(cfg: GenerateConfig, nodes: list[dict[str, float]]) -> None:
+    """Refuse, before any actor starts, a generator that no node of the cluster can ever hold (its
+    engine would wait for resources that never come). Skipped with autoscaling: nodes may be added."""
+    options = engine_options(cfg)
+    need = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **(options["resources"] or {})}
+    need = {k: v for k, v in need.items() if v}
+    if cfg.autoscale.enabled or any(all(n.get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
+        return
+    asked = ", ".join(f"{v:g} {k}" for k, v in sorted(need.items()))
+    have = "; ".join(", ".join(f"{n.get(k, 0.0):g} {k}" for k in sorted(need)) for n in nodes) or "no node"
+    raise DFlashError(f"one generator needs {asked} on one node; the cluster's nodes have {have}: no node can "
+                      "hold it. Lower generate.generator_cpus (or generator_gpus), or add a node that can",
+                      field="generate.generator_cpus")
 
 
 def request_nodes(cfg: GenerateConfig, generators: int) -> None:
@@ -258,15 +279,16 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                "shards": len(units), "shards_run": len(todo), "length_warning": length_warning}
     committed = manifest.read_manifest(output) is not None
     if not todo and committed:
-        return {**summary, **_totals(done), "generators_started": 0, "restarts": 0,
-                "seconds": round(time.time() - started, 1), "tokens_per_s": None}
+        return _nonempty({**summary, **_totals(done), "generators_started": 0, "restarts": 0,
+                          "seconds": round(time.time() - started, 1), "tokens_per_s": None}, output)
     if todo:
         check_model(model)
+    connect(cfg.ray)
+    check_room(gcfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     with writer.claim(output, "completions") as held:  # one run writes here; another is refused
         if committed:  # the old dataset stops being complete now
             storage.delete(storage.join(output, manifest.MANIFEST))
 
-        connect(cfg.ray)
         try:
             ray.get_actor(gcfg.name, namespace=NAMESPACE)
             raise DFlashError(f"a generation named {gcfg.name!r} is running on this cluster; set another "
@@ -315,7 +337,17 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
                        seconds_lost=final["seconds_lost"])
         held.check()
         _commit(output, units, done, summary, cfg)
-        return summary
+        return _nonempty(summary, output)
+
+
+def _nonempty(summary: dict[str, Any], output: str) -> dict[str, Any]:
+    """The summary of a generation that kept some answer; none kept is an error (nothing to train on)."""
+    if summary["completions"] == 0:
+        kinds = ", ".join(f"{k}: {v}" for k, v in summary["rejected_kinds"].items()) or "none counted"
+        raise DFlashError(f"no completions: every one of {summary['rejected']} answers was rejected ({kinds}); "
+                          "see the rejected file. Answers cut at generate.max_tokens are rejected unless "
+                          "generate.truncated=keep", file=output).with_summary(summary)
+    return summary
 
 
 def _totals(done: dict[int, dict[str, Any]]) -> dict[str, Any]:

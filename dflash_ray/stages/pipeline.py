@@ -31,6 +31,9 @@ def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, 
 
     train_schema = schema.COMPLETIONS if answered else schema.PROMPTS
     rows = manifest.read_rows(prompts, list(train_schema.names), 10**9)
+    if eval_count >= len(rows):
+        raise DFlashError(f"{eval_count} prompts kept aside for evaluation out of {len(rows)}: none would be left "
+                          "to train on; allowed: fewer than the prompts", field="pipeline.eval_prompts")
     order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
     held = {r["id"] for r in order[:eval_count]}
     for out, part, table_schema in ((eval_out, [r for r in rows if r["id"] in held], schema.PROMPTS),
@@ -43,9 +46,45 @@ def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, 
     return len(rows) - len(held)
 
 
-def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+TRAINING_FILES = {"metrics.jsonl", "metrics.png", "evaluation.png"}  # what a training run writes beside
+TRAINING_DIRS = {"checkpoints", "profile"}  # its checkpoints and traces
+
+
+def clear_training(folder: str, cfg: RunConfig) -> None:
+    """Delete an earlier training run's output at `folder` (to train afresh), only when all it holds
+    is what training writes; anything else is named and nothing is deleted."""
+    from dflash_ray.train import drafters
+
+    names = {name for name, _ in drafters.expand(cfg) if name}
+    files = storage.list_files(folder) + storage.skipped_files(folder)
+    unknown = [storage.basename(f) for f in files if storage.basename(f) not in TRAINING_FILES]
+    unknown += [storage.basename(d) + "/" for d in storage.list_dirs(folder)
+                if storage.basename(d) not in TRAINING_DIRS | names]
+    if unknown:
+        raise DFlashError(f"holds {', '.join(sorted(unknown)[:10])}, which no training run wrote: nothing was deleted; "
+                          "move them, or choose another workdir", file=folder)
+    storage.delete_tree(folder)
+
+
+def with_target_tokenizer(cfg: RunConfig) -> RunConfig:
+    """The pipeline trains the target's drafter on the target's own token ids: the prompts and
+    tokenize stages use the target's tokenizer unless a config names one."""
+    import dataclasses
+
+    from dflash_ray.config import PromptsConfig, TokenizeConfig
+
+    target = cfg.pipeline.target
+    if cfg.tokenize.tokenizer == TokenizeConfig().tokenizer:
+        cfg = dataclasses.replace(cfg, tokenize=dataclasses.replace(cfg.tokenize, tokenizer=target))
+    if cfg.prompts.tokenizer == PromptsConfig().tokenizer:
+        cfg = dataclasses.replace(cfg, prompts=dataclasses.replace(cfg.prompts, tokenizer=target))
+    return cfg
+
+
+def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool = False) -> dict[str, Any]:
     """prompts → (eval prompts kept aside) → generate → tokenize → validate → train → evaluate the
-    untrained and trained drafter → export, every output under `pipeline.workdir`."""
+    untrained and trained drafter → export, every output under `pipeline.workdir`. `fresh_training`:
+    an earlier training output in the workdir is deleted first (after every setting is checked)."""
     from dflash_ray.chaos import Injector
     from dflash_ray.stages.prompts import run_prompts
     from dflash_ray.stages.validate import run_validate
@@ -56,8 +95,11 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     for key in ("inputs", "workdir", "target"):
         if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
+    cfg = with_target_tokenizer(cfg)
     # refused settings fail before the prompts stage, not at generation or in training
     preflight(cfg, generating=not pcfg.responses)
+    if fresh_training:
+        clear_training(storage.join(pcfg.workdir, "train"), cfg)
     work = pcfg.workdir
     started = time.time()
     timings: dict[str, float] = {}

@@ -45,10 +45,22 @@ def cluster_gpus(uri: str) -> tuple[int, int]:
         types = cfg["available_node_types"]
     except (yaml.YAMLError, KeyError, TypeError) as e:
         raise DFlashError(f"not a cluster launcher config: {e}", file=uri) from None
+    if not isinstance(types, dict):
+        raise DFlashError("not a cluster launcher config: `available_node_types` must map names to node types",
+                          file=uri, field="available_node_types")
     gen = train = 0
     for name, node in types.items():
-        resources = node.get("resources") or {}
-        gpus = int(resources.get("GPU", 0)) * int(node.get("max_workers", 0))
+        where = f"available_node_types.{name}"
+        resources = node.get("resources") if isinstance(node, dict) else None
+        if not isinstance(resources, dict):
+            raise DFlashError("a node type needs a `resources` mapping", file=uri, field=where)
+        try:
+            gpus, workers = int(resources.get("GPU", 0)), int(node.get("max_workers", 0))
+        except (TypeError, ValueError):
+            raise DFlashError("GPU and max_workers must be whole numbers", file=uri, field=where) from None
+        if gpus < 0 or workers < 0:
+            raise DFlashError("GPU and max_workers cannot be negative", file=uri, field=where)
+        gpus *= workers
         if resources.get("gen_node"):
             gen += gpus
         if resources.get("train_node"):
@@ -69,11 +81,17 @@ def _config_from_json(text: str, where: str):
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise DFlashError("not a model config.json: it needs a `model_type`", file=where, field="model_type")
     try:
-        return AutoConfig.for_model(**data)
-    except (ValueError, KeyError, TypeError) as e:
+        config = AutoConfig.for_model(**data)
+    except Exception as e:  # transformers' own validation of the fields (its error types vary by version)
         reason = str(e).split(". Should contain")[0]  # not transformers' list of every model type
         raise DFlashError(f"not a model config.json transformers knows: {reason}", file=where,
                           field="model_type") from None
+    text_config = getattr(config, "text_config", None) or config
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        value = getattr(text_config, key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DFlashError(f"{value!r}: a model's sizes are whole numbers >= 1", file=where, field=key)
+    return config
 
 
 def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Iterator, cast
 import torch
 from torch import nn
 
+from dflash_ray.errors import DFlashError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -138,7 +140,8 @@ def embedding_rows(target_dir: str | Path, rows: list[int]) -> torch.Tensor:
     weight_map = _weight_map(target_dir)
     name = next((k for k in sorted(weight_map) if _is_embedding(k)), None)
     if name is None:
-        raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")
+        raise DFlashError("no embed_tokens weight: not a language model's checkpoint (a drafter folder?); give the "
+                          "target model", file=str(target_dir))
     with safe_open(target_dir / weight_map[name], "pt") as f:
         table = f.get_slice(name)
         return torch.cat([table[r:r + 1] for r in rows]).float()
@@ -163,6 +166,7 @@ def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Ten
     tensors = read_tensors(target_dir, lambda k: _is_embedding(k) or k.endswith("lm_head.weight"))
     embed = next((v for k, v in sorted(tensors.items()) if k.endswith("embed_tokens.weight")), None)
     if embed is None:
-        raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")
+        raise DFlashError("no embed_tokens weight: not a language model's checkpoint (a drafter folder?); give the "
+                          "target model", file=str(target_dir))
     head = next((v for k, v in tensors.items() if k.endswith("lm_head.weight")), embed)
     return embed, head

@@ -25,6 +25,8 @@ checkpoint, up to `max_restarts`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import socket
 import time
@@ -111,7 +113,8 @@ CHECKPOINT_THREAD = "checkpoint"  # a drafter actor's concurrency group for its 
 OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
                "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers",
                "collective_timeout_s", "fault_step", "min_bus_bandwidth", "feature_transport",
-               "allow_slow_target", "num_streams"}  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
+               "allow_slow_target", "profile_steps",
+               "num_streams"}  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
 
 
 @dataclass
@@ -298,7 +301,10 @@ class Coordinator:
                 continue
             state = states[0]
             saved = state["config"]["train"]
-            changed = [f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k) != now[k]]
+            # a setting newer than the checkpoint counts at its default (what the older run did)
+            default = dataclasses.asdict(type(self.cfg.train)())
+            changed = [f"train.{k}" for k in sorted(now)
+                       if k not in OPERATIONAL and saved.get(k, default.get(k)) != now[k]]
             changed += [f"{name} (checkpoint: {state.get(name)}, now: {value})"
                         for name, value in (("data", self.data), ("target", self.target)) if state.get(name) != value]
             if state.get("data_print", self.data_print) != self.data_print:

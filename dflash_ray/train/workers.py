@@ -105,7 +105,16 @@ class TargetWorker:
         from dflash_ray.target.capture import target_outputs
 
         start = time.perf_counter()
-        ids, mask, attn = pad_batch([self.reader.row(uri, row) for uri, row in samples])
+        rows = [self.reader.row(uri, row) for uri, row in samples]
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for (uri, row), sample in zip(samples, rows):  # an id past the table: data of another tokenizer
+            if sample["input_ids"] and max(sample["input_ids"]) >= vocab:
+                from dflash_ray.errors import DFlashError
+
+                raise DFlashError(f"token id {max(sample['input_ids'])} is past the target's {vocab}-entry "
+                                  "embedding: the data was tokenized for another model; tokenize it with the "
+                                  "target's tokenizer", file=uri, record=row + 1, field="input_ids")
+        ids, mask, attn = pad_batch(rows)
         device = self.place.device
         # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`):
         # distillation's top-k, and the last hidden states a family's loss turns into the whole distribution

@@ -1,0 +1,240 @@
+"""Bad inputs, settings and faults a user meets first: each is one line naming the file, record or
+field (exit 2), nothing of the user's is deleted or replaced, and nothing succeeds on garbage."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dflash_ray import manifest
+from dflash_ray.cli import main
+from dflash_ray.config import load_config
+from dflash_ray.errors import DFlashError
+from dflash_ray.registry import SMOLLM2
+
+
+def _error(capsys) -> str:
+    return capsys.readouterr().err
+
+
+def test_the_demo_never_deletes_a_users_files_in_its_workdir(tmp_path, capsys):
+    """An earlier demo's training output is cleared only after every setting is checked, and only
+    when it holds nothing but what training writes."""
+    from dflash_ray.stages.pipeline import clear_training
+
+    work = tmp_path / "project"
+    (work / "train").mkdir(parents=True)
+    (work / "train" / "notes.md").write_text("irreplaceable")
+    # a refused setting: nothing is touched
+    assert main(["demo", "--workdir", str(work), "--set", "generate.max_tokens=100000", "--json"]) == 2
+    assert (work / "train" / "notes.md").read_text() == "irreplaceable"
+    cfg = load_config()
+    with pytest.raises(DFlashError, match="notes.md, which no training run wrote: nothing was deleted"):
+        clear_training(str(work / "train"), cfg)
+    assert (work / "train" / "notes.md").exists()
+    # what a training run wrote goes whole
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    clear_training(str(run), cfg)
+    assert not run.exists()
+
+
+def test_export_never_replaces_a_users_files(tmp_path, tiny_qwen3_dir, capsys):
+    from transformers import AutoConfig
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+
+    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1,
+                      num_target_features=3)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt", dtype=torch.float32)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"keep": 1}')
+    (mine / "notes.txt").write_text("precious")
+    assert main(["export", str(tmp_path / "ckpt"), str(mine)]) == 2
+    assert "config.json that is no drafter export" in _error(capsys)
+    assert (mine / "config.json").read_text() == '{"keep": 1}' and not (mine / "model.safetensors").exists()
+    weights_only = tmp_path / "weights"
+    weights_only.mkdir()
+    (weights_only / "model.safetensors").write_bytes(b"user's")
+    assert main(["export", str(tmp_path / "ckpt"), str(weights_only)]) == 2
+    assert (weights_only / "model.safetensors").read_bytes() == b"user's"
+    # an earlier export is replaced (a re-export), other files beside it stay
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 0
+    (out / "README.md").write_text("mine")
+    assert main(["export", str(tmp_path / "ckpt"), str(out), "--dtype", "float32"]) == 0
+    assert (out / "README.md").read_text() == "mine"
+
+
+def test_every_repeated_input_is_read(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
+    a.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"}]}) + "\n"
+                         for i in range(3)))
+    b.write_text(json.dumps([{"messages": [{"role": "user", "content": "another one?"}]}]))
+    assert main(["prompts", "--input", str(a), "--input", str(b), "--output", str(tmp_path / "out"),
+                 "--set", f"prompts.tokenizer={SMOLLM2}", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["input_files"] == 2 and summary["prompts"] == 4
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--set", "train.lr=[1"], "--set train.lr"),  # not YAML
+    (["--config", ""], "--config"),  # an unset variable: not the defaults in silence
+    (["--set", "generate.backend=transformers", "--set", "generate.engine_args={max_num_seqs: 4}"],
+     "generate.engine_args"),  # read by vLLM alone
+])
+def test_settings_that_would_be_misread_are_refused(args, field, capsys):
+    assert main(["plan", *args, "--json"]) == 2
+    summary = json.loads(capsys.readouterr().out)
+    assert not summary["ok"] and f"field '{field}'" in summary["error"]
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    assert main(["plan", "--config", str(path)]) == 2
+    assert "the key 'lr' is given twice" in _error(capsys)
+
+
+@pytest.mark.parametrize("ids, mask, field", [
+    ([[1.7, 2.2, 3.9]] * 4, [[0, 1, 1]] * 4, "input_ids"),  # float ids: cast silently before
+    ([[1, 2, 3]] * 4, [[0.0, 0.5, 1.0]] * 4, "loss_mask"),  # a half mask counted as 0 before
+    ([["a", "b", "c"]] * 4, [[0, 1, 1]] * 4, "input_ids"),
+    ([1, 2, 3, 4], [0, 1, 1, 1], "input_ids"),  # a scalar per sample
+])
+def test_token_columns_of_the_wrong_type_are_refused_by_validate_and_train(ids, mask, field, tmp_path, capsys):
+    from dflash_ray.train.schedule import dataset_samples
+
+    path = str(tmp_path / "data.parquet")
+    pq.write_table(pa.table({"input_ids": ids, "loss_mask": mask}), path)
+    assert main(["validate", "--input", path, "--tokenizer", SMOLLM2]) == 2
+    assert f"field '{field}'" in _error(capsys)
+    with pytest.raises(DFlashError) as e:  # what training reads, before any actor starts
+        dataset_samples(path)
+    assert e.value.field == field and e.value.file == path
+
+
+def test_tokenize_refuses_a_tokenizer_that_is_not_the_one_that_generated_the_answers(tmp_path):
+    from dflash_ray.data import schema
+    from dflash_ray.stages.prompts import shard_bytes
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    folder = str(tmp_path / "completions")
+    row = {k: None for k in schema.COMPLETIONS.names}
+    row.update(id="a", source="x", messages=[{"role": "user", "content": "hi"}], text="hello",
+               prompt_token_ids=[1, 2], output_token_ids=[3, 4])
+    (tmp_path / "completions").mkdir()
+    (tmp_path / "completions" / "completions-00000.parquet").write_bytes(shard_bytes([row], schema.COMPLETIONS))
+    manifest.write_manifest(folder, kind="completions", files=[{"name": "completions-00000.parquet", "rows": 1}],
+                            summary={"model": SMOLLM2})
+    with pytest.raises(DFlashError, match=f"generated by {SMOLLM2}, whose tokenizer is not 'qwen3'") as e:
+        run_tokenize(folder, str(tmp_path / "tokenized"), load_config(None, ["tokenize.tokenizer=qwen3"]))
+    assert e.value.field == "tokenize.tokenizer"
+
+
+def test_the_pipeline_tokenizes_with_its_targets_tokenizer_unless_told():
+    from dflash_ray.stages.pipeline import with_target_tokenizer
+
+    cfg = with_target_tokenizer(load_config(None, [f"pipeline.target={SMOLLM2}"]))
+    assert cfg.tokenize.tokenizer == cfg.prompts.tokenizer == SMOLLM2
+    told = with_target_tokenizer(load_config(None, [f"pipeline.target={SMOLLM2}", "tokenize.tokenizer=other"]))
+    assert told.tokenize.tokenizer == "other"
+
+
+def test_keeping_every_prompt_aside_is_refused_naming_the_setting(tmp_path):
+    from dflash_ray.stages.pipeline import split_prompts
+    from dflash_ray.stages.prompts import run_prompts
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}?"}]}) + "\n" for i in range(3)))
+    run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(None, [f"prompts.tokenizer={SMOLLM2}"]),
+                progress=False)
+    with pytest.raises(DFlashError) as e:
+        split_prompts(str(tmp_path / "prompts"), str(tmp_path / "train"), str(tmp_path / "eval"), 3, 0)
+    assert e.value.field == "pipeline.eval_prompts"
+
+
+def test_a_generation_that_kept_no_answer_is_an_error_and_a_generator_no_node_holds_is_refused():
+    from dflash_ray.stages.generate import _nonempty, check_room
+
+    summary = {"completions": 0, "rejected": 2, "rejected_kinds": {"truncated": 2}}
+    with pytest.raises(DFlashError, match="no completions: every one of 2 answers was rejected"):
+        _nonempty(summary, "out")
+    assert _nonempty({**summary, "completions": 1}, "out")["completions"] == 1
+    gcfg = load_config(None, ["generate.generator_cpus=4"]).generate
+    with pytest.raises(DFlashError) as e:
+        check_room(gcfg, [{"CPU": 2.0}])
+    assert e.value.field == "generate.generator_cpus"
+    check_room(gcfg, [{"CPU": 2.0}, {"CPU": 8.0}])  # one node that can
+    check_room(load_config(None, ["generate.generator_cpus=4", "generate.autoscale.enabled=true"]).generate,
+               [{"CPU": 2.0}])  # nodes may be added
+
+
+@pytest.mark.parametrize("body", ["[1, 2]", '{"shards_done": "x"}', '{"done": {"0": 5}}'])
+def test_status_on_a_progress_file_of_another_shape_names_it(body, tmp_path, capsys):
+    (tmp_path / "_progress.json").write_text(body)
+    assert main(["status", "--output", str(tmp_path)]) == 2
+    assert "not a generation progress file" in _error(capsys)
+
+
+@pytest.mark.parametrize("megabytes", ["1e-9", "inf", "nan"])
+def test_netcheck_refuses_a_size_it_cannot_measure(megabytes, capsys):
+    assert main(["netcheck", "--megabytes", megabytes, "--iters", "1"]) == 2
+    assert "--megabytes" in _error(capsys)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("available_node_types:\n  a: 5\n", "available_node_types.a"),
+    ("available_node_types: [1, 2]\n", "available_node_types"),
+    ("available_node_types:\n  g: {max_workers: 2, resources: {GPU: eight, gen_node: 1}}\n", "available_node_types.g"),
+    ("available_node_types:\n  g: {max_workers: -2, resources: {GPU: 8, gen_node: 1}}\n", "available_node_types.g"),
+])
+def test_plan_names_the_bad_entry_of_a_cluster_file(text, field, tmp_path, capsys):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    assert main(["plan", "--cluster", str(path)]) == 2
+    assert f"cluster.yaml: field '{field}'" in _error(capsys)
+
+
+@pytest.mark.parametrize("change, field", [({"hidden_size": "big"}, "model_type"), ({"num_hidden_layers": 0},
+                                           "num_hidden_layers"), ({"hidden_size": -64}, "hidden_size")])
+def test_plan_names_the_bad_field_of_a_target_config(change, field, tmp_path, capsys):
+    body = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 100, **change}
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps(body))
+    assert main(["plan", "--set", f"plan.target_config={path}"]) == 2
+    assert f"target.json: field '{field}'" in _error(capsys)
+
+
+def test_bad_s3_settings_in_the_environment_name_the_variable(monkeypatch):
+    from dflash_ray import storage
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "abc")
+    with pytest.raises(DFlashError, match="AWS_MAX_ATTEMPTS"):
+        storage._s3_client(-1)  # a key no cached client has
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "notaurl")
+    with pytest.raises(DFlashError, match="AWS_ENDPOINT_URL"):
+        storage._s3_client(-2)
+
+
+def test_an_unexpected_failure_says_it_is_a_bug(monkeypatch, capsys):
+    from dflash_ray.stages import plan
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an invariant broke")
+
+    monkeypatch.setattr(plan, "run_plan", broken)
+    assert main(["plan", "--json"]) == 1
+    out = capsys.readouterr()
+    assert "This is a bug in dflash-ray, not in your input" in out.err and "Traceback" in out.err
+    assert json.loads(out.out) == {"stage": "plan", "ok": False, "error": "RuntimeError: an invariant broke",
+                                   "bug": True, "exit_code": 1}
