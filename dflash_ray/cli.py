@@ -142,6 +142,12 @@ def _cmd_pipeline(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_pipeline(cfg, progress=not args.json)
 
 
+def _cmd_onesample(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.stages.onesample import run_onesample
+
+    return run_onesample(args.target, cfg, engine=args.engine)
+
+
 def _cmd_netcheck(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.stages.netcheck import run_netcheck
 
@@ -278,6 +284,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="DIR", help="write evaluation.png there: acceptance by draft position "
                    "and by prompt source, the drafter beside prompt lookup")
     p.set_defaults(run=_cmd_evaluate)
+
+    p = sub.add_parser("onesample", parents=[common],
+                       help="overfit a drafter of the train settings on one answer; serving must accept it whole")
+    p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: vLLM's acceptance must agree too")
+    p.set_defaults(run=_cmd_onesample)
 
     p = sub.add_parser("pipeline", parents=[common], help="every stage in order on one config (pipeline.*)")
     p.add_argument("--input", nargs="+", action="extend", metavar="URI", help="raw datasets (pipeline.inputs)")

@@ -292,6 +292,18 @@ PLAN_GPUS = ("H100", "H200", "B200")  # `simulate.GPUS`: their memory and peaks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OneSampleConfig:
+    """`dflash-ray onesample`: a drafter of the run's `train` settings overfit on one answer of the
+    target's, then served on its prompt: any correct train → export → serve chain accepts whole blocks."""
+    prompt: str = ""  # "": a bundled question; the target answers it greedily
+    blocks: int = 4  # the answer's length in whole blocks (after the prefill's token): what the drafter memorizes
+    steps: int = 400  # training steps at most, stopping once every drafted token is predicted right
+    lr: float = 3e-3
+    min_share: float = 0.9  # pass: drafts accepted per block >= this x the drafts per block, output lossless
+    vllm_tolerance: float = 0.05  # with --engine vllm: vLLM's acceptance within this share of ours
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     seed: int = 0
     ray: RayConfig = field(default_factory=RayConfig)
@@ -305,6 +317,7 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    onesample: OneSampleConfig = field(default_factory=OneSampleConfig)
 
     def __post_init__(self):
         check(self)  # also when a command line flag replaces a field (`dataclasses.replace`)
@@ -380,6 +393,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
     "plan.generation_tokens_per_s_per_gpu": _above(0), "plan.training_tokens_per_s_per_gpu": _at_least(0),
     "plan.memory_headroom": _within(0, 1, low_open=True),
+    "onesample.blocks": _at_least(1), "onesample.steps": _at_least(1),
+    "onesample.lr": _above(0), "onesample.min_share": _within(0, 1, low_open=True),
+    "onesample.vllm_tolerance": _within(0, 1, low_open=True),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # settings that were `train`'s own and are now a family's (`train.family`)

@@ -29,7 +29,8 @@ INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_e
 # The files that take longest, longest first: `make test` runs two files at a time (pytest-xdist,
 # a file to a worker, in this order), and a long file started last would finish alone.
 LONGEST_FIRST = ("test_train.py", "test_chaos.py", "test_train_guards.py", "test_vllm_export.py", "test_job_submit.py",
-                 "test_generate_actors.py", "test_tokenize_validate.py", "test_responses.py", "test_autoscale.py",
+                 "test_generate_actors.py", "test_tokenize_validate.py", "test_responses.py", "test_onesample.py",
+                 "test_autoscale.py",
                  "test_engine_memory.py", "test_speculative.py", "test_trackers.py", "test_gpu_check.py", "test_plan.py")
 
 

@@ -35,7 +35,7 @@ def _acceptance(llm, before: tuple[float, float]) -> tuple[dict, tuple[float, fl
 
 
 def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: int, dtype: str = "float32",
-        num_speculative_tokens: int = 15, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+        num_speculative_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     import torch
 
     from dflash_ray.config import GenerateConfig
@@ -50,9 +50,12 @@ def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: 
         kwargs["disable_log_stats"] = False  # get_metrics() needs the stat loggers
         from dflash_ray.drafter.families import of_architecture
 
-        archs = json.loads(open(f"{drafter}/config.json").read()).get("architectures", [])
-        kwargs["speculative_config"] = {"method": of_architecture(archs).vllm_method, "model": drafter,
-                                        "num_speculative_tokens": num_speculative_tokens}
+        config = json.loads(open(f"{drafter}/config.json").read())
+        family = of_architecture(config.get("architectures", []))
+        # the drafts of one block, as this project's decoding proposes them (`None`: the block's)
+        drafts = num_speculative_tokens or config["block_size"] - family.first_prediction
+        kwargs["speculative_config"] = {"method": family.vllm_method, "model": drafter,
+                                        "num_speculative_tokens": drafts}
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.25
     else:  # bytes for the prompts at once, within what this NUMA node has free
