@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python -m bench.engine_start --json
 	$(BIN)/python -m bench.simulate --json
 	$(BIN)/python -m bench.balance --json
+	$(BIN)/python -m bench.onesample --json
 	$(BIN)/python -m bench.stream --json
 	$(BIN)/python -m bench.handoff --json
 	$(BIN)/python -m bench.checkpoint --json
