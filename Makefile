@@ -23,10 +23,12 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# pyflakes and pycodestyle's rules over the package, the kernels, the benchmarks, tests and tools,
-# then mypy over the package ([tool.ruff] and [tool.mypy] of pyproject.toml)
+# pyflakes and pycodestyle's rules and ruff's formatting over the package, the kernels, the benchmarks,
+# tests and tools, then mypy over the package ([tool.ruff] and [tool.mypy] of pyproject.toml);
+# `ruff format dflash_ray kernels bench tests tools jobs` formats a change
 lint: setup
 	$(BIN)/ruff check dflash_ray kernels bench tests tools jobs
+	$(BIN)/ruff format --check dflash_ray kernels bench tests tools jobs
 	$(BIN)/mypy dflash_ray
 
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds.

@@ -34,8 +34,15 @@ def _drafter(hidden: int, layers: int):
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.model import DFlashDrafter
 
-    target = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=8,
-                         num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512), head_dim=128)
+    target = Qwen3Config(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=8,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=max(1, hidden // 512),
+        head_dim=128,
+    )
     torch.manual_seed(0)
     return DFlashDrafter(from_target(target, mask_token_id=500, num_layers=layers, target_layer_ids=[0, 1]))
 
@@ -44,7 +51,7 @@ def _gather_whole(drafter, opt, rank: int) -> bytes:
     """Every tensor gathered whole onto rank 0's host and serialized there (the former path)."""
     from dflash_ray.train.sharding import full
 
-    keep = (lambda t: full(t.detach()).cpu() if rank == 0 else (full(t.detach()), None)[1])
+    keep = lambda t: full(t.detach()).cpu() if rank == 0 else (full(t.detach()), None)[1]
     weights = {n: keep(t) for n, t in drafter.state_dict().items()}
     state = {n: {k: keep(v) for k, v in opt.state[p].items()} for n, p in drafter.named_parameters()}
     if rank:
@@ -58,8 +65,9 @@ def _rank(rank: int, port: int, args, results) -> None:
     from dflash_ray.train import shards
     from dflash_ray.train.sharding import optimizer_bytes, shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600)
+    )
     torch.set_num_threads(1)
     drafter = _drafter(args.hidden, args.layers)
     shard(drafter, "cpu", dist.group.WORLD, torch.float32)
@@ -103,13 +111,19 @@ def main() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = mp.Manager().dict()
     mp.spawn(_rank, args=(_free_port(), args, results), nprocs=2, join=True)
-    held = {case: statistics.median(max(results[r]["seconds"][case][i] for r in (0, 1))
-                                    for i in range(args.iters)) for case in ("whole_to_rank0", "sharded_async")}
+    held = {
+        case: statistics.median(max(results[r]["seconds"][case][i] for r in (0, 1)) for i in range(args.iters))
+        for case in ("whole_to_rank0", "sharded_async")
+    }
     whole = sum(results[r]["local_bytes"] for r in (0, 1))
-    row = {"bench": "checkpoint", "case": f"2_ranks_hidden{args.hidden}_x{args.layers}_layers_{whole / 1e9:.2f}GB",
-           "whole_to_rank0_s": round(held["whole_to_rank0"], 3), "sharded_async_s": round(held["sharded_async"], 3),
-           "whole_over_sharded": round(held["whole_to_rank0"] / held["sharded_async"], 2),
-           "largest_file_over_state": round(max(results[r]["file_bytes"] for r in (0, 1)) / whole, 3)}
+    row = {
+        "bench": "checkpoint",
+        "case": f"2_ranks_hidden{args.hidden}_x{args.layers}_layers_{whole / 1e9:.2f}GB",
+        "whole_to_rank0_s": round(held["whole_to_rank0"], 3),
+        "sharded_async_s": round(held["sharded_async"], 3),
+        "whole_over_sharded": round(held["whole_to_rank0"] / held["sharded_async"], 2),
+        "largest_file_over_state": round(max(results[r]["file_bytes"] for r in (0, 1)) / whole, 3),
+    }
     print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()))
 
 

@@ -45,15 +45,24 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
     feats = target_outputs(target, seqs, layer_ids)[0]
     mask = torch.ones_like(seqs)
     held = slice(32, 40)  # rows 0..31 train
-    variants = {"dflash": ("dflash", {}), "drop": ("dflash2", {"rule": "drop", "detach_selector": True}),
-                "swap": ("dflash2", {"rule": "swap", "detach_selector": True}),
-                "drop_undetached": ("dflash2", {"rule": "drop", "detach_selector": False})}
+    variants = {
+        "dflash": ("dflash", {}),
+        "drop": ("dflash2", {"rule": "drop", "detach_selector": True}),
+        "swap": ("dflash2", {"rule": "swap", "detach_selector": True}),
+        "drop_undetached": ("dflash2", {"rule": "drop", "detach_selector": False}),
+    }
     variants = {k: v for k, v in variants.items() if k not in skip}
     results = {}
     for name, (family_name, options) in variants.items():
-        cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=layer_ids, block_size=8,
-                          family=family_name,
-                          settings={"selector_rank": 32, "selector_top_k": 8} if family_name == "dflash2" else None)
+        cfg = from_target(
+            target.config,
+            mask_token_id=511,
+            num_layers=1,
+            target_layer_ids=layer_ids,
+            block_size=8,
+            family=family_name,
+            settings={"selector_rank": 32, "selector_top_k": 8} if family_name == "dflash2" else None,
+        )
         family = families.get(family_name)
         torch.manual_seed(seed)
         drafter = family.build(cfg)
@@ -61,14 +70,24 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
         g = torch.Generator().manual_seed(seed)
         for _ in range(steps):
             rows = torch.randperm(32, generator=g)[:8]  # the same minibatches for every variant
-            out = family.forward_loss(drafter, embed, head, feats[rows], seqs[rows], mask[rows], num_anchors=16,
-                                      generator=g, **options)
+            out = family.forward_loss(
+                drafter, embed, head, feats[rows], seqs[rows], mask[rows], num_anchors=16, generator=g, **options
+            )
             opt.zero_grad()
             out.loss.loss.backward()
             opt.step()
         with torch.no_grad():
-            out = family.forward_loss(drafter, embed, head, feats[held], seqs[held], mask[held], num_anchors=64,
-                                      generator=torch.Generator().manual_seed(1), **options)
+            out = family.forward_loss(
+                drafter,
+                embed,
+                head,
+                feats[held],
+                seqs[held],
+                mask[held],
+                num_anchors=64,
+                generator=torch.Generator().manual_seed(1),
+                **options,
+            )
         results[name] = {"heldout_tau": round(float(out.tau.mean()), 3)}
         print(name, results[name], flush=True)
         if family_name == "dflash2":
@@ -77,8 +96,12 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
                 from dflash_ray.drafter.step import attention_masks
                 import torch.nn.functional as F
 
-                h = drafter(feats[held], F.embedding(blk.token_ids, embed), blk.positions,
-                            attention_masks(drafter, blk.anchors, seqs.shape[1], "sdpa"))
+                h = drafter(
+                    feats[held],
+                    F.embedding(blk.token_ids, embed),
+                    blk.positions,
+                    attention_masks(drafter, blk.anchors, seqs.shape[1], "sdpa"),
+                )
                 ids = dflash2.top_candidates(h.reshape(-1, cfg.hidden_size), head, cfg.settings.selector_top_k)
                 valid = blk.weights.reshape(-1) > 0
                 found = (ids == blk.labels.reshape(-1, 1)).any(-1)

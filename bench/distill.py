@@ -44,8 +44,10 @@ def main() -> None:
     # the demo's settings with its one-layer DFlash drafter (the one measured in bench/RESULTS.md); the
     # target worker sends its top-k whenever any variant distills
     base = demo_config(None, [*DFLASH_SETTINGS, "train.torch_threads=2", *args.set])
-    cfgs = {name: demo_config(None, [*DFLASH_SETTINGS, "train.torch_threads=2", *args.set, f"train.distill={share}"])
-            for name, share in VARIANTS.items()}
+    cfgs = {
+        name: demo_config(None, [*DFLASH_SETTINGS, "train.torch_threads=2", *args.set, f"train.distill={share}"])
+        for name, share in VARIANTS.items()
+    }
     samples = dataset_samples(storage.join(args.workdir, "tokenized"))
     schedule = Schedule(samples, 1, args.batch, base.train.seed)
     dcfg = drafter_config(SMOLLM2, base)
@@ -58,17 +60,28 @@ def main() -> None:
     for name, worker in drafters.items():
         with tempfile.TemporaryDirectory() as tmp:
             save_drafter(worker.drafter.cpu(), tmp, dtype=torch.float32)
-            out = run_evaluate(tmp, SMOLLM2, storage.join(args.workdir, "prompts-eval"), base,
-                               reference_cache=references)
-        rows[name] = {"drafter": name, "distill": VARIANTS[name], "steps": args.steps, "batch": args.batch,
-                      "samples": len(samples), "prompts": out["prompts"], "tau": out["tau"],
-                      "tau_sampled": out["tau_sampled"], "sampling": out["sampling"], "tau_ngram": out["tau_ngram"],
-                      "lossless": out["lossless"]}
+            out = run_evaluate(
+                tmp, SMOLLM2, storage.join(args.workdir, "prompts-eval"), base, reference_cache=references
+            )
+        rows[name] = {
+            "drafter": name,
+            "distill": VARIANTS[name],
+            "steps": args.steps,
+            "batch": args.batch,
+            "samples": len(samples),
+            "prompts": out["prompts"],
+            "tau": out["tau"],
+            "tau_sampled": out["tau_sampled"],
+            "sampling": out["sampling"],
+            "tau_ngram": out["tau_ngram"],
+            "lossless": out["lossless"],
+        }
         print(json.dumps(rows[name]), flush=True)
     for name in ("distill", "mix"):
         for key in ("tau", "tau_sampled"):
-            print(json.dumps({"ratio": f"{name}_over_hard_{key}",
-                              "value": round(rows[name][key] / rows["hard"][key], 4)}))
+            print(
+                json.dumps({"ratio": f"{name}_over_hard_{key}", "value": round(rows[name][key] / rows["hard"][key], 4)})
+            )
 
 
 if __name__ == "__main__":

@@ -49,23 +49,35 @@ def main() -> None:
     target = resolve(SMOLLM2)
     work = tempfile.mkdtemp(prefix="bench-drafters-")
     _data(f"{work}/data", args.steps, args.seq_len)
-    base = ["train.num_streams=1", "train.actor_cpus=0.5", "train.torch_threads=1", "train.num_layers=1",
-            "train.num_anchors=64", f"train.checkpoint_every={args.steps}", "train.epochs=1",
-            "train.distill_top_k=16"]
+    base = [
+        "train.num_streams=1",
+        "train.actor_cpus=0.5",
+        "train.torch_threads=1",
+        "train.num_layers=1",
+        "train.num_anchors=64",
+        f"train.checkpoint_every={args.steps}",
+        "train.epochs=1",
+        "train.distill_top_k=16",
+    ]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     both = json.dumps([{"name": "dflash"}, {"name": "dspark", **DSPARK}]).replace('"', "")
     together, summary = _run(target, f"{work}/data", f"{work}/together", base + [f"train.drafters={both}"])
     alone_dflash, _ = _run(target, f"{work}/data", f"{work}/dflash", base)
-    alone_dspark, _ = _run(target, f"{work}/data", f"{work}/dspark",
-                           base + [f"train.{k}={v}" for k, v in DSPARK.items()])
+    alone_dspark, _ = _run(
+        target, f"{work}/data", f"{work}/dspark", base + [f"train.{k}={v}" for k, v in DSPARK.items()]
+    )
     ray.shutdown()
     step_together = _step_s(f"{work}/together/dflash")
     step_separate = _step_s(f"{work}/dflash") + _step_s(f"{work}/dspark")
-    row = {"case": f"smollm2_seq{args.seq_len}_{summary['step']}steps_dflash+dspark_1layer",
-           "together_s": round(together, 1), "separate_s": round(alone_dflash + alone_dspark, 1),
-           "wall_separate_over_together": round((alone_dflash + alone_dspark) / together, 2),
-           "step_s_together": round(step_together, 3), "step_s_separate": round(step_separate, 3),
-           "step_separate_over_together": round(step_separate / step_together, 2)}
+    row = {
+        "case": f"smollm2_seq{args.seq_len}_{summary['step']}steps_dflash+dspark_1layer",
+        "together_s": round(together, 1),
+        "separate_s": round(alone_dflash + alone_dspark, 1),
+        "wall_separate_over_together": round((alone_dflash + alone_dspark) / together, 2),
+        "step_s_together": round(step_together, 3),
+        "step_s_separate": round(step_separate, 3),
+        "step_separate_over_together": round(step_separate / step_together, 2),
+    }
     print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()))
 
 

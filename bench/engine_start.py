@@ -21,9 +21,22 @@ import time
 def _one(target: str, prompts_file: str, multiprocessing: str) -> float:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target,
-                           "--prompts-json", prompts_file, "--max-tokens", "16"],
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ray.drafter.vllm_check",
+            "--target",
+            target,
+            "--prompts-json",
+            prompts_file,
+            "--max-tokens",
+            "16",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if "VLLM_RESULT " not in done.stdout:
         raise SystemExit(done.stderr[-3000:])
     return time.perf_counter() - start
@@ -52,8 +65,10 @@ def main() -> None:
     if args.json:
         print(json.dumps({"bench": "engine_start", "seconds": seconds, "own_over_in_process": ratio}))
     else:
-        print(f"own_over_in_process {ratio}  (best of {args.rounds}: {best['own_process']:.1f} s against "
-              f"{best['in_process']:.1f} s)")
+        print(
+            f"own_over_in_process {ratio}  (best of {args.rounds}: {best['own_process']:.1f} s against "
+            f"{best['in_process']:.1f} s)"
+        )
 
 
 if __name__ == "__main__":

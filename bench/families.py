@@ -21,10 +21,16 @@ from dflash_ray import storage
 
 # the published shapes of DFlash2 and DSpark (blocks of 8 and 7, top-16 selector) with the
 # low-rank parts scaled to a small drafter of a 576-wide target; DFlash keeps its block 16 (the demo's before)
-FAMILIES = [{"name": "dflash", "drafter": "dflash", "block_size": 16},
-            {"name": "dflash2", "drafter": "dflash2", "block_size": 8,
-             "family": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16, "selector_rank": 64}},
-            {"name": "dspark", "drafter": "dspark", "block_size": 7, "family": {"markov_rank": 64}}]
+FAMILIES = [
+    {"name": "dflash", "drafter": "dflash", "block_size": 16},
+    {
+        "name": "dflash2",
+        "drafter": "dflash2",
+        "block_size": 8,
+        "family": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16, "selector_rank": 64},
+    },
+    {"name": "dspark", "drafter": "dspark", "block_size": 7, "family": {"markov_rank": 64}},
+]
 
 
 def plot(results: dict[str, dict], path: str) -> None:
@@ -33,14 +39,23 @@ def plot(results: dict[str, dict], path: str) -> None:
     from dflash_ray.plots import png_figure
 
     with png_figure(2, (11, 3.6)) as (_, axes, buf):
-        for ax, key, title in zip(axes, ("acceptance_by_position", "acceptance_by_position_sampled"),
-                                  ("greedy", "sampled")):
+        for ax, key, title in zip(
+            axes, ("acceptance_by_position", "acceptance_by_position_sampled"), ("greedy", "sampled")
+        ):
             for name, result in results.items():
                 rates = result[key]
-                ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates],
-                        marker="o", label=f"{name} (tau {result['tau_trained' if title == 'greedy' else 'tau_trained_sampled']})")
-            ax.set(title=f"acceptance by draft position, {title}", xlabel="draft position",
-                   ylabel="accepted | every earlier one accepted", ylim=(0, 1))
+                ax.plot(
+                    range(1, len(rates) + 1),
+                    [r if r is not None else float("nan") for r in rates],
+                    marker="o",
+                    label=f"{name} (tau {result['tau_trained' if title == 'greedy' else 'tau_trained_sampled']})",
+                )
+            ax.set(
+                title=f"acceptance by draft position, {title}",
+                xlabel="draft position",
+                ylabel="accepted | every earlier one accepted",
+                ylim=(0, 1),
+            )
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -60,23 +75,43 @@ def main() -> None:
 
     teams = json.dumps(FAMILIES).replace('"', "")
     # 2 streams of a target and three drafter actors on the demo's 2 CPUs
-    cfg = demo_config(None, [f"train.drafters={teams}", f"train.num_layers={args.num_layers}", "train.actor_cpus=0.25",
-                             f"evaluate.max_new_tokens={args.max_new_tokens}",
-                             "pipeline.min_tau_gain=0", "pipeline.beat_ngram=false", "pipeline.vllm_evaluate=false"])
+    cfg = demo_config(
+        None,
+        [
+            f"train.drafters={teams}",
+            f"train.num_layers={args.num_layers}",
+            "train.actor_cpus=0.25",
+            f"evaluate.max_new_tokens={args.max_new_tokens}",
+            "pipeline.min_tau_gain=0",
+            "pipeline.beat_ngram=false",
+            "pipeline.vllm_evaluate=false",
+        ],
+    )
     summary = run_demo(args.workdir, cfg, progress=not args.json)
     base = summary["drafters"]["dflash"]["tau_trained"]
     rows = []
     for name, result in summary["drafters"].items():
-        metrics = [json.loads(x) for x in storage.read_text(storage.join(summary["workdir"], "train", name,
-                                                                         "metrics.jsonl")).splitlines()]
+        metrics = [
+            json.loads(x)
+            for x in storage.read_text(storage.join(summary["workdir"], "train", name, "metrics.jsonl")).splitlines()
+        ]
         params = sum(p.numel() for p in load_drafter(result["drafter"]).parameters())
-        rows.append({"family": name, "steps": summary["training_steps"], "new_tokens": args.max_new_tokens,
-                     "tau": result["tau_trained"], "tau_sampled": result["tau_trained_sampled"],
-                     "tau_ngram": result["tau_ngram"], "tau_over_dflash": round(result["tau_trained"] / base, 3),
-                     "tau_untrained": result["tau_untrained"],
-                     "step_s": round(statistics.median(m["step_seconds"] for m in metrics[2:]), 3),
-                     "params_m": round(params / 1e6, 2), "acceptance_by_position": result["acceptance_by_position"],
-                     "acceptance_by_position_sampled": result["acceptance_by_position_sampled"]})
+        rows.append(
+            {
+                "family": name,
+                "steps": summary["training_steps"],
+                "new_tokens": args.max_new_tokens,
+                "tau": result["tau_trained"],
+                "tau_sampled": result["tau_trained_sampled"],
+                "tau_ngram": result["tau_ngram"],
+                "tau_over_dflash": round(result["tau_trained"] / base, 3),
+                "tau_untrained": result["tau_untrained"],
+                "step_s": round(statistics.median(m["step_seconds"] for m in metrics[2:]), 3),
+                "params_m": round(params / 1e6, 2),
+                "acceptance_by_position": result["acceptance_by_position"],
+                "acceptance_by_position_sampled": result["acceptance_by_position_sampled"],
+            }
+        )
     figure = storage.join(summary["workdir"], "families.png")
     plot(summary["drafters"], figure)
     for row in rows:

@@ -50,15 +50,22 @@ def main() -> None:
     storage.write_bytes(f"{work}/prompts.parquet", shard_bytes(manifest.read_rows(f"{work}/all", None, args.prompts)))
     prompts = f"{work}/prompts.parquet"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    common = [f"generate.max_tokens={args.max_tokens}", "generate.max_model_len=2048", "generate.truncated=keep",
-              f"generate.shard_size={args.shard_size}", "generate.temperature=0.6"]
+    common = [
+        f"generate.max_tokens={args.max_tokens}",
+        "generate.max_model_len=2048",
+        "generate.truncated=keep",
+        f"generate.shard_size={args.shard_size}",
+        "generate.temperature=0.6",
+    ]
     cases = {
         "vllm_1": _case(prompts, work, "vllm1", common + ["generate.generators=1"]),
         "vllm_2": _case(prompts, work, "vllm2", common + ["generate.generators=2"]),
-        "vllm_1_bf16": _case(prompts, work, "vllm1-bf16", common + ["generate.generators=1",
-                                                                    "generate.dtype=bfloat16"]),
-        "transformers_1": _case(prompts, work, "hf1", common + ["generate.generators=1",
-                                                                "generate.backend=transformers"]),
+        "vllm_1_bf16": _case(
+            prompts, work, "vllm1-bf16", common + ["generate.generators=1", "generate.dtype=bfloat16"]
+        ),
+        "transformers_1": _case(
+            prompts, work, "hf1", common + ["generate.generators=1", "generate.backend=transformers"]
+        ),
     }
     ray.shutdown()
     result = {

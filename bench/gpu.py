@@ -52,8 +52,9 @@ def _map_kernels() -> None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        spec = importlib.util.spec_from_file_location("dflash_ray.kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        spec = importlib.util.spec_from_file_location(
+            "dflash_ray.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["dflash_ray.kernels"] = module
         spec.loader.exec_module(module)
@@ -97,21 +98,66 @@ class Sizes:
 
 # Qwen3.6-27B's width (hidden 5120, 32/8 heads of 128, intermediate 17408, vocabulary 248,320) with
 # six target layers; the reference drafter: 5 layers (4 sliding + 1 full, window 2048), 512 anchors.
-FULL_SIZES = Sizes(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, vocab=248320,
-                   target_layers=6, layer_ids=[1, 2, 3, 4, 5], drafter_layers=5,
-                   layer_types=[SLIDING] * 4 + [FULL], sliding_window=2048, anchors=512, seq_len=3072,
-                   lengths=[2100, 2222, 2345, 2500, 2560, 2700, 2850, 2999, 3072], length_bucket=512, steps=4,
-                   warmup=2, spec_hidden=1024, spec_vocab=32000, spec_tokens=64, spec_train_steps=100,
-                   # Qwen3.6-27B's layer shapes: 3 Gated-DeltaNet layers (16 key / 48 value heads of 128)
-                   # and 1 full-attention layer (24/4 heads of 256), hidden 5120, intermediate 17408
-                   hybrid=dict(num_layers=4, hidden_size=5120, intermediate_size=17408, num_heads=24,
-                               num_kv_heads=4, head_dim=256, linear_key_heads=16, linear_value_heads=48,
-                               linear_head_dim=128))
-TINY_SIZES = Sizes(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, target_layers=4,
-                   layer_ids=[0, 1, 2], drafter_layers=2, layer_types=[SLIDING, FULL], sliding_window=32,
-                   anchors=16, seq_len=96, lengths=[40, 47, 55, 61, 64, 70, 77, 85, 90, 96], length_bucket=32,
-                   steps=2, warmup=1, spec_hidden=64, spec_vocab=512, spec_tokens=24, spec_train_steps=30,
-                   hybrid=dict(num_layers=4, hidden_size=64, vocab_size=512))
+FULL_SIZES = Sizes(
+    hidden=5120,
+    intermediate=17408,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab=248320,
+    target_layers=6,
+    layer_ids=[1, 2, 3, 4, 5],
+    drafter_layers=5,
+    layer_types=[SLIDING] * 4 + [FULL],
+    sliding_window=2048,
+    anchors=512,
+    seq_len=3072,
+    lengths=[2100, 2222, 2345, 2500, 2560, 2700, 2850, 2999, 3072],
+    length_bucket=512,
+    steps=4,
+    warmup=2,
+    spec_hidden=1024,
+    spec_vocab=32000,
+    spec_tokens=64,
+    spec_train_steps=100,
+    # Qwen3.6-27B's layer shapes: 3 Gated-DeltaNet layers (16 key / 48 value heads of 128)
+    # and 1 full-attention layer (24/4 heads of 256), hidden 5120, intermediate 17408
+    hybrid=dict(
+        num_layers=4,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_heads=24,
+        num_kv_heads=4,
+        head_dim=256,
+        linear_key_heads=16,
+        linear_value_heads=48,
+        linear_head_dim=128,
+    ),
+)
+TINY_SIZES = Sizes(
+    hidden=64,
+    intermediate=128,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    vocab=512,
+    target_layers=4,
+    layer_ids=[0, 1, 2],
+    drafter_layers=2,
+    layer_types=[SLIDING, FULL],
+    sliding_window=32,
+    anchors=16,
+    seq_len=96,
+    lengths=[40, 47, 55, 61, 64, 70, 77, 85, 90, 96],
+    length_bucket=32,
+    steps=2,
+    warmup=1,
+    spec_hidden=64,
+    spec_vocab=512,
+    spec_tokens=24,
+    spec_train_steps=30,
+    hybrid=dict(num_layers=4, hidden_size=64, vocab_size=512),
+)
 
 
 def _sync(device: str) -> None:
@@ -165,9 +211,12 @@ def check_fused_ce(sz: Sizes, device: str) -> dict:
     soft_p = torch.rand(N, 32, generator=g)
     soft_probs = torch.cat([torch.full((N, 1), 0.5), soft_p / soft_p.sum(1, keepdim=True) * 0.5], 1).to(device)
     results = {}
-    for name, fn, soft in (("naive", naive_loss, ()), ("fused", fused_linear_weighted_ce, ()),
-                           ("naive_soft", naive_loss, (soft_ids, soft_probs)),
-                           ("fused_soft", fused_linear_weighted_ce, (soft_ids, soft_probs))):
+    for name, fn, soft in (
+        ("naive", naive_loss, ()),
+        ("fused", fused_linear_weighted_ce, ()),
+        ("naive_soft", naive_loss, (soft_ids, soft_probs)),
+        ("fused_soft", fused_linear_weighted_ce, (soft_ids, soft_probs)),
+    ):
         h = hidden.clone().requires_grad_(True)
 
         def run(h=h, fn=fn, soft=soft):
@@ -178,21 +227,34 @@ def check_fused_ce(sz: Sizes, device: str) -> dict:
 
         peak = _peak(run, device)
         loss = run()
-        results[name] = {"loss": loss.detach(), "grad": h.grad.detach().clone(), "peak": peak,
-                         "seconds": _timed(run, device)}
+        results[name] = {
+            "loss": loss.detach(),
+            "grad": h.grad.detach().clone(),
+            "peak": peak,
+            "seconds": _timed(run, device),
+        }
     n, f = results["naive"], results["fused"]
     loss_err, grad_err = _rel(f["loss"], n["loss"]), _rel(f["grad"], n["grad"])
     soft_loss_err = _rel(results["fused_soft"]["loss"], results["naive_soft"]["loss"])
     soft_grad_err = _rel(results["fused_soft"]["grad"], results["naive_soft"]["grad"])
     tol = (1e-3, 3e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
     ok = loss_err < tol[0] and grad_err < tol[1] and soft_loss_err < tol[0] and soft_grad_err < tol[1]
-    return {"check": "fused_ce", "ok": ok, "rows": N, "vocab": sz.vocab,
-            "triton": _use_triton(hidden), "loss_rel_err": loss_err, "grad_rel_err": grad_err,
-            "soft_loss_rel_err": soft_loss_err, "soft_grad_rel_err": soft_grad_err,
-            "time_ratio_fused_soft_over_fused": results["fused_soft"]["seconds"] / f["seconds"],
-            "peak_bytes_naive": n["peak"], "peak_bytes_fused": f["peak"],
-            "peak_memory_ratio_naive_over_fused": n["peak"] / f["peak"] if f["peak"] else None,
-            "time_ratio_naive_over_fused": n["seconds"] / f["seconds"]}
+    return {
+        "check": "fused_ce",
+        "ok": ok,
+        "rows": N,
+        "vocab": sz.vocab,
+        "triton": _use_triton(hidden),
+        "loss_rel_err": loss_err,
+        "grad_rel_err": grad_err,
+        "soft_loss_rel_err": soft_loss_err,
+        "soft_grad_rel_err": soft_grad_err,
+        "time_ratio_fused_soft_over_fused": results["fused_soft"]["seconds"] / f["seconds"],
+        "peak_bytes_naive": n["peak"],
+        "peak_bytes_fused": f["peak"],
+        "peak_memory_ratio_naive_over_fused": n["peak"] / f["peak"] if f["peak"] else None,
+        "time_ratio_naive_over_fused": n["seconds"] / f["seconds"],
+    }
 
 
 def _anchors(sz: Sizes, device: str, seq_len: int | None = None, padded: int | None = None) -> torch.Tensor:
@@ -201,7 +263,7 @@ def _anchors(sz: Sizes, device: str, seq_len: int | None = None, padded: int | N
 
     seq_len = seq_len or sz.seq_len
     mask = torch.zeros(1, padded or seq_len, dtype=torch.long)
-    mask[:, seq_len // 4:seq_len] = 1
+    mask[:, seq_len // 4 : seq_len] = 1
     anchors, _ = sample_anchors(mask, sz.anchors, torch.Generator().manual_seed(0))
     return anchors.to(device)
 
@@ -233,8 +295,10 @@ def check_flex_attention(sz: Sizes, device: str) -> dict:
     for layer_type in (FULL, SLIDING):
         dense = dense_mask(anchors, sz.seq_len, sz.block, layer_type, sz.sliding_window)
         block = flex_block_mask(anchors, sz.seq_len, sz.block, layer_type, sz.sliding_window)
-        runs = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
-                "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True)}
+        runs = {
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
+            "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True),
+        }
         res = {}
         for name, attn in runs.items():
             q, k, v = (t.clone().requires_grad_(cuda) for t in (q0, k0, v0))
@@ -248,8 +312,11 @@ def check_flex_attention(sz: Sizes, device: str) -> dict:
                 return o
 
             o = step()
-            res[name] = {"out": o.detach(), "grads": [t.grad for t in (q, k, v)] if cuda else [],
-                         "seconds": _timed(step, device)}
+            res[name] = {
+                "out": o.detach(),
+                "grads": [t.grad for t in (q, k, v)] if cuda else [],
+                "seconds": _timed(step, device),
+            }
         tag = "full" if layer_type == FULL else "sliding"
         out[f"{tag}_out_rel_err"] = _rel(res["flex"]["out"], res["sdpa"]["out"])
         if cuda:
@@ -262,18 +329,31 @@ def check_flex_attention(sz: Sizes, device: str) -> dict:
         padded = bucket_length(seq_len, sz.length_bucket)
         anchors = _anchors(sz, device, seq_len, padded)
         q = q0.clone().requires_grad_(cuda)
-        k, v = (torch.randn(1, sz.kv_heads, padded + Q, sz.head_dim, generator=g).to(device, dtype)
-                .requires_grad_(cuda) for _ in range(2))
+        k, v = (
+            torch.randn(1, sz.kv_heads, padded + Q, sz.head_dim, generator=g).to(device, dtype).requires_grad_(cuda)
+            for _ in range(2)
+        )
         for layer_type in (FULL, SLIDING):
-            o = flex(q, k, v, block_mask=flex_block_mask(anchors, padded, sz.block, layer_type, sz.sliding_window),
-                     enable_gqa=True)
+            o = flex(
+                q,
+                k,
+                v,
+                block_mask=flex_block_mask(anchors, padded, sz.block, layer_type, sz.sliding_window),
+                enable_gqa=True,
+            )
             if cuda:
                 o.backward(dout)
     shapes = {bucket_length(n, sz.length_bucket) for n in sz.lengths + [sz.seq_len]}
     per_shape = 2 if cuda else 1  # on the GPU the block mask is compiled too
     now_graphs, now_breaks = _graphs_and_breaks()
-    out.update(lengths=len(set(sz.lengths)), length_bucket=sz.length_bucket, shapes=len(shapes),
-               compiled_graphs=now_graphs - graphs, graph_breaks=now_breaks - breaks, graphs_per_shape=per_shape)
+    out.update(
+        lengths=len(set(sz.lengths)),
+        length_bucket=sz.length_bucket,
+        shapes=len(shapes),
+        compiled_graphs=now_graphs - graphs,
+        graph_breaks=now_breaks - breaks,
+        graphs_per_shape=per_shape,
+    )
     out["ok"] = ok and out["compiled_graphs"] <= per_shape * len(shapes) and out["graph_breaks"] == 0
     return out
 
@@ -284,8 +364,15 @@ def _dataset(folder: Path, sz: Sizes, lengths: list[int], name: str = "part-0") 
     import pyarrow.parquet as pq
 
     g = torch.Generator().manual_seed(2)
-    table = pa.Table.from_pylist([{"input_ids": torch.randint(0, sz.vocab - 2, (n,), generator=g).tolist(),
-                                   "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)} for n in lengths])
+    table = pa.Table.from_pylist(
+        [
+            {
+                "input_ids": torch.randint(0, sz.vocab - 2, (n,), generator=g).tolist(),
+                "loss_mask": [0] * (n // 4) + [1] * (n - n // 4),
+            }
+            for n in lengths
+        ]
+    )
     path = folder / f"{name}.parquet"
     pq.write_table(table, path)
     return str(path)
@@ -304,18 +391,41 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
 
     cuda = device.startswith("cuda")
     started = time.perf_counter()
-    target = tiny_qwen3(tmp / "target", num_layers=sz.target_layers, hidden_size=sz.hidden, vocab_size=sz.vocab,
-                        intermediate_size=sz.intermediate, num_heads=sz.heads, num_kv_heads=sz.kv_heads,
-                        head_dim=sz.head_dim, device=device, dtype="bfloat16" if cuda else "float32")
+    target = tiny_qwen3(
+        tmp / "target",
+        num_layers=sz.target_layers,
+        hidden_size=sz.hidden,
+        vocab_size=sz.vocab,
+        intermediate_size=sz.intermediate,
+        num_heads=sz.heads,
+        num_kv_heads=sz.kv_heads,
+        head_dim=sz.head_dim,
+        device=device,
+        dtype="bfloat16" if cuda else "float32",
+    )
     if cuda:
         torch.cuda.empty_cache()
     built = time.perf_counter() - started
-    cfg = TrainConfig(actor_gpus=1 if cuda else 0, num_anchors=sz.anchors, num_layers=sz.drafter_layers,
-                      layer_types=sz.layer_types, sliding_window=sz.sliding_window, target_layer_ids=sz.layer_ids,
-                      init="random", colocate=True, torch_threads=torch.get_num_threads(),
-                      length_bucket=sz.length_bucket)
-    dcfg = from_target(AutoConfig.from_pretrained(target), mask_token_id=sz.vocab - 1, num_layers=sz.drafter_layers,
-                       target_layer_ids=sz.layer_ids, layer_types=sz.layer_types, sliding_window=sz.sliding_window)
+    cfg = TrainConfig(
+        actor_gpus=1 if cuda else 0,
+        num_anchors=sz.anchors,
+        num_layers=sz.drafter_layers,
+        layer_types=sz.layer_types,
+        sliding_window=sz.sliding_window,
+        target_layer_ids=sz.layer_ids,
+        init="random",
+        colocate=True,
+        torch_threads=torch.get_num_threads(),
+        length_bucket=sz.length_bucket,
+    )
+    dcfg = from_target(
+        AutoConfig.from_pretrained(target),
+        mask_token_id=sz.vocab - 1,
+        num_layers=sz.drafter_layers,
+        target_layer_ids=sz.layer_ids,
+        layer_types=sz.layer_types,
+        sliding_window=sz.sliding_window,
+    )
     worker = ColocatedWorker(target, sz.layer_ids, json.dumps(to_hf_config(dcfg, torch.bfloat16)), "random", cfg, 0, 1)
     total = sz.warmup + sz.steps
     worker.set_total_steps(total)
@@ -329,7 +439,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
         stats.append(worker.train_samples(step, [(data, step % 2)]))
         _sync(device)
         walls.append(time.perf_counter() - start)
-    timed, wall = stats[sz.warmup:], sum(walls[sz.warmup:]) / sz.steps
+    timed, wall = stats[sz.warmup :], sum(walls[sz.warmup :]) / sz.steps
 
     def mean(key):
         return sum(s[key] for s in timed) / len(timed)
@@ -337,8 +447,10 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     # steps over sequences of many lengths: the attention shapes they meet, the graphs compiled for them
     varied = _dataset(tmp, sz, sz.lengths, name="varied")
     shapes = set()  # (context length, query count) as each attention layer receives them
-    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a: shapes.add((a[1].shape[1], a[0].shape[1])))
-             for layer in worker.drafter.layers]
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda m, a: shapes.add((a[1].shape[1], a[0].shape[1])))
+        for layer in worker.drafter.layers
+    ]
     graphs, breaks = _graphs_and_breaks()
     for i in range(len(sz.lengths)):
         worker.train_samples(total + i, [(varied, i)])
@@ -346,9 +458,14 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     for hook in hooks:
         hook.remove()
     buckets = {bucket_length(n, sz.length_bucket) for n in sz.lengths}
-    shape_stats = {"lengths": len(set(sz.lengths)), "length_bucket": sz.length_bucket, "buckets": len(buckets),
-                   "attention_shapes": len(shapes), "compiled_graphs": now_graphs - graphs,
-                   "graph_breaks": now_breaks - breaks}
+    shape_stats = {
+        "lengths": len(set(sz.lengths)),
+        "length_bucket": sz.length_bucket,
+        "buckets": len(buckets),
+        "attention_shapes": len(shapes),
+        "compiled_graphs": now_graphs - graphs,
+        "graph_breaks": now_breaks - breaks,
+    }
     shapes_ok = len(shapes) <= len(buckets) and now_breaks == breaks and now_graphs - graphs <= 2 * len(buckets)
 
     # with distillation the target also runs its last layers and its head over the response positions
@@ -375,33 +492,62 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     drafter_params = sum(p.numel() for p in worker.drafter.parameters())
     head_params = worker.head.numel()
     # the plan's simulation of this very step (fake tensors, the same code), beside what was measured
-    sim = simulate_check(hidden=sz.hidden, intermediate=sz.intermediate, heads=sz.heads, kv_heads=sz.kv_heads,
-                         head_dim=sz.head_dim, vocab=sz.vocab, target_layers=sz.target_layers, layer_ids=sz.layer_ids,
-                         drafter_layers=sz.drafter_layers, sliding_window=sz.sliding_window, anchors=sz.anchors,
-                         seq_len=sz.seq_len, length_bucket=sz.length_bucket)
+    sim = simulate_check(
+        hidden=sz.hidden,
+        intermediate=sz.intermediate,
+        heads=sz.heads,
+        kv_heads=sz.kv_heads,
+        head_dim=sz.head_dim,
+        vocab=sz.vocab,
+        target_layers=sz.target_layers,
+        layer_ids=sz.layer_ids,
+        drafter_layers=sz.drafter_layers,
+        sliding_window=sz.sliding_window,
+        anchors=sz.anchors,
+        seq_len=sz.seq_len,
+        length_bucket=sz.length_bucket,
+    )
     flops = sim["tflops_per_step"] * 1e12
     losses = [s["loss"] for s in stats]
     finite = all(map(torch.isfinite, torch.tensor(losses + [s["loss"] for s in distilled])))
-    return {"check": "train_step", "ok": finite and timed[-1]["grad_norm"] > 0 and shapes_ok, **shape_stats,
-            "device": place.device, "dtype": str(place.dtype).removeprefix("torch."), "attention": place.attention,
-            "seq_len": sz.seq_len, "anchors": sz.anchors, "drafter_layers": sz.drafter_layers,
-            "target_params_run": target_params, "drafter_params": drafter_params, "head_params": head_params,
-            "step_seconds": wall, "tokens_per_s": sz.seq_len / wall,
-            "target_seconds": mean("target_seconds"), "drafter_seconds": mean("drafter_seconds") - mean("optimizer_seconds"),
-            "optimizer_seconds": mean("optimizer_seconds"), "first_step_seconds": walls[0],
-            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "simulated_peak_bytes": sim["peak_gb"] * 1e9, "simulated_step_seconds": sim["step_seconds"],
-            "model_tflops_per_step": flops / 1e12,
-            "mfu": flops / wall / (peak_tflops * 1e12) if cuda else None, "peak_tflops": peak_tflops,
-            "losses": [round(x, 4) for x in losses], "target_build_seconds": built,
-            "distill_target_seconds": sum(s["target_seconds"] for s in distilled) / len(distilled),
-            "distill_drafter_seconds": sum(s["drafter_seconds"] for s in distilled) / len(distilled),
-            "distill_loss": distilled[-1]["loss"],
-            "feature_bytes": feats.numel() * feats.element_size(), "feature_to_host_seconds": to_host_s,
-            "feature_to_device_seconds": to_device_s, "feature_to_pinned_host_seconds": to_pinned_s,
-            "feature_pinned_to_device_seconds": pinned_to_device_s,
-            "feature_host_trip_share_of_step": (to_host_s + to_device_s) / wall,
-            "feature_pinned_trip_share_of_step": (to_pinned_s + pinned_to_device_s) / wall}
+    return {
+        "check": "train_step",
+        "ok": finite and timed[-1]["grad_norm"] > 0 and shapes_ok,
+        **shape_stats,
+        "device": place.device,
+        "dtype": str(place.dtype).removeprefix("torch."),
+        "attention": place.attention,
+        "seq_len": sz.seq_len,
+        "anchors": sz.anchors,
+        "drafter_layers": sz.drafter_layers,
+        "target_params_run": target_params,
+        "drafter_params": drafter_params,
+        "head_params": head_params,
+        "step_seconds": wall,
+        "tokens_per_s": sz.seq_len / wall,
+        "target_seconds": mean("target_seconds"),
+        "drafter_seconds": mean("drafter_seconds") - mean("optimizer_seconds"),
+        "optimizer_seconds": mean("optimizer_seconds"),
+        "first_step_seconds": walls[0],
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "simulated_peak_bytes": sim["peak_gb"] * 1e9,
+        "simulated_step_seconds": sim["step_seconds"],
+        "model_tflops_per_step": flops / 1e12,
+        "mfu": flops / wall / (peak_tflops * 1e12) if cuda else None,
+        "peak_tflops": peak_tflops,
+        "losses": [round(x, 4) for x in losses],
+        "target_build_seconds": built,
+        "distill_target_seconds": sum(s["target_seconds"] for s in distilled) / len(distilled),
+        "distill_drafter_seconds": sum(s["drafter_seconds"] for s in distilled) / len(distilled),
+        "distill_loss": distilled[-1]["loss"],
+        "feature_bytes": feats.numel() * feats.element_size(),
+        "feature_to_host_seconds": to_host_s,
+        "feature_to_device_seconds": to_device_s,
+        "feature_to_pinned_host_seconds": to_pinned_s,
+        "feature_pinned_to_device_seconds": pinned_to_device_s,
+        "feature_host_trip_share_of_step": (to_host_s + to_device_s) / wall,
+        "feature_pinned_trip_share_of_step": (to_pinned_s + pinned_to_device_s) / wall,
+    }
 
 
 def check_hybrid_target(sz: Sizes, device: str, tmp: Path) -> dict:
@@ -437,11 +583,18 @@ def check_hybrid_target(sz: Sizes, device: str, tmp: Path) -> dict:
     row_err = max(_rel(batch[0], alone[0][0]), _rel(batch[1, :short], alone[1][0]))
     tokens = sum(seconds) / sum(seconds.values())
     finite = bool(torch.isfinite(batch).all())
-    return {"check": "hybrid_target", "ok": finite and row_err < (2e-2 if cuda else 1e-4), "device": device,
-            "layers": model.config.layer_types, "hidden": model.config.hidden_size, "kernels": kernels,
-            "gated_deltanet": "fast kernels" if all(kernels.values()) else "torch fallback",
-            "tokens_per_s": tokens, "seconds_by_length": {str(k): round(v, 4) for k, v in seconds.items()},
-            "batch_row_rel_err": row_err}
+    return {
+        "check": "hybrid_target",
+        "ok": finite and row_err < (2e-2 if cuda else 1e-4),
+        "device": device,
+        "layers": model.config.layer_types,
+        "hidden": model.config.hidden_size,
+        "kernels": kernels,
+        "gated_deltanet": "fast kernels" if all(kernels.values()) else "torch fallback",
+        "tokens_per_s": tokens,
+        "seconds_by_length": {str(k): round(v, 4) for k, v in seconds.items()},
+        "batch_row_rel_err": row_err,
+    }
 
 
 def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
@@ -454,8 +607,15 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     from dflash_ray.target.capture import load_embed_and_head, target_features
     from dflash_ray.tiny_models import tiny_qwen3
 
-    path = tiny_qwen3(tmp / "spec", num_layers=4, hidden_size=sz.spec_hidden, vocab_size=sz.spec_vocab, seed=3,
-                      num_heads=max(4, sz.spec_hidden // 128), num_kv_heads=2)
+    path = tiny_qwen3(
+        tmp / "spec",
+        num_layers=4,
+        hidden_size=sz.spec_hidden,
+        vocab_size=sz.spec_vocab,
+        seed=3,
+        num_heads=max(4, sz.spec_hidden // 128),
+        num_kv_heads=2,
+    )
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     embed, head = (t.to(device, torch.float32) for t in load_embed_and_head(path))
     cfg = from_target(target.config, mask_token_id=sz.spec_vocab - 1, num_layers=1, target_layer_ids=[0, 1, 2])
@@ -479,9 +639,15 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     spec = [speculative_decode(target, drafter, embed, head, p, sz.spec_tokens, set()) for p in prompts]
     equal = [s.token_ids == r.token_ids for s, r in zip(spec, refs)]
     steps = [a for s in spec for a in s.acceptance]
-    return {"check": "speculative", "ok": all(equal), "device": str(target.device), "prompts": len(prompts),
-            "equal_outputs": sum(equal), "tau": sum(steps) / len(steps),
-            "speedup": sum(r.seconds for r in refs) / sum(s.seconds for s in spec)}
+    return {
+        "check": "speculative",
+        "ok": all(equal),
+        "device": str(target.device),
+        "prompts": len(prompts),
+        "equal_outputs": sum(equal),
+        "tau": sum(steps) / len(steps),
+        "speedup": sum(r.seconds for r in refs) / sum(s.seconds for s in spec),
+    }
 
 
 def check_ray_free() -> dict:
@@ -501,17 +667,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"check": "setup", "ok": False, "error": "no CUDA device: use --device cpu --tiny"}))
         return 1
     sz = TINY_SIZES if args.tiny else FULL_SIZES
-    header = {"check": "setup", "ok": True, "device": args.device, "tiny": args.tiny, "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    header = {
+        "check": "setup",
+        "ok": True,
+        "device": args.device,
+        "tiny": args.tiny,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+    }
     print(json.dumps(header), flush=True)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        checks = {"fused_ce": lambda: check_fused_ce(sz, args.device),
-                  "flex_attention": lambda: check_flex_attention(sz, args.device),
-                  "train_step": lambda: check_train_step(sz, args.device, Path(tmp), args.peak_tflops),
-                  "hybrid_target": lambda: check_hybrid_target(sz, args.device, Path(tmp)),
-                  "speculative": lambda: check_speculative(sz, args.device, Path(tmp)),
-                  "ray_free": check_ray_free}
+        checks = {
+            "fused_ce": lambda: check_fused_ce(sz, args.device),
+            "flex_attention": lambda: check_flex_attention(sz, args.device),
+            "train_step": lambda: check_train_step(sz, args.device, Path(tmp), args.peak_tflops),
+            "hybrid_target": lambda: check_hybrid_target(sz, args.device, Path(tmp)),
+            "speculative": lambda: check_speculative(sz, args.device, Path(tmp)),
+            "ray_free": check_ray_free,
+        }
         for name, run in checks.items():
             if args.only and name not in args.only:
                 continue

@@ -23,8 +23,11 @@ import torch
 
 
 def _batch(tokens: int, hidden: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.randint(0, 1000, (1, tokens)), "loss_mask": torch.ones(1, tokens, dtype=torch.long),
-            "features": torch.randn(1, tokens, hidden, dtype=torch.bfloat16)}
+    return {
+        "input_ids": torch.randint(0, 1000, (1, tokens)),
+        "loss_mask": torch.ones(1, tokens, dtype=torch.long),
+        "features": torch.randn(1, tokens, hidden, dtype=torch.bfloat16),
+    }
 
 
 class Target:
@@ -99,11 +102,15 @@ def main() -> None:
     ray.shutdown()
     median = {k: statistics.median(v) for k, v in seconds.items()}
     mb = 2 * args.tokens * args.hidden / 1e6
-    row = {"bench": "handoff", "case": f"{args.tokens}tok_x_{args.hidden}_bf16_{mb:.0f}MB",
-           "object_store_s": round(median["object_store"], 4), "direct_s": round(median["direct"], 4),
-           "object_store_over_direct": round(median["object_store"] / median["direct"], 2),
-           "bytes_through_ray_object_store": through_ray["object_store"],
-           "bytes_through_ray_direct": through_ray["direct"]}
+    row = {
+        "bench": "handoff",
+        "case": f"{args.tokens}tok_x_{args.hidden}_bf16_{mb:.0f}MB",
+        "object_store_s": round(median["object_store"], 4),
+        "direct_s": round(median["direct"], 4),
+        "object_store_over_direct": round(median["object_store"] / median["direct"], 2),
+        "bytes_through_ray_object_store": through_ray["object_store"],
+        "bytes_through_ray_direct": through_ray["direct"],
+    }
     print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()))
 
 

@@ -24,7 +24,7 @@ def _inputs(n: int, hidden: int, vocab: int):
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, hidden, generator=g).requires_grad_()
-    head = torch.randn(vocab, hidden, generator=g) * hidden ** -0.5  # frozen, as in training
+    head = torch.randn(vocab, hidden, generator=g) * hidden**-0.5  # frozen, as in training
     labels = torch.randint(0, vocab, (n,), generator=g)
     k = torch.arange(n) % 16
     weights = torch.where(k > 0, torch.exp(-(k - 1) / 7.0), torch.zeros(()))
@@ -34,8 +34,10 @@ def _inputs(n: int, hidden: int, vocab: int):
 def _loss_fn(impl: str):
     if impl == "naive":
         from dflash_ray.drafter.loss import naive_loss
+
         return naive_loss
     from dflash_ray.kernels.fused_ce import fused_linear_weighted_ce
+
     return fused_linear_weighted_ce
 
 
@@ -97,19 +99,31 @@ def main() -> None:
     for hidden, vocab in CASES:
         res = {}
         for impl in ("fused", "naive"):
-            done = subprocess.run([sys.executable, "-m", "bench.loss", "--one", impl, str(args.positions), str(hidden), str(vocab)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.loss", "--one", impl, str(args.positions), str(hidden), str(vocab)],
+                capture_output=True,
+                text=True,
+            )
             res[impl] = json.loads(done.stdout) if done.returncode == 0 else None
         loss_err, grad_err = errors(args.error_positions, hidden, vocab)
-        row = {"case": f"N{args.positions}_H{hidden}_V{vocab}", "positions": args.positions, "hidden": hidden,
-               "vocab": vocab, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
-               "error_positions": args.error_positions}
+        row = {
+            "case": f"N{args.positions}_H{hidden}_V{vocab}",
+            "positions": args.positions,
+            "hidden": hidden,
+            "vocab": vocab,
+            "loss_rel_err": loss_err,
+            "grad_rel_err": grad_err,
+            "error_positions": args.error_positions,
+        }
         if res["naive"] and res["fused"]:
-            row.update(peak_memory_ratio=round(res["fused"]["peak_bytes"] / res["naive"]["peak_bytes"], 4),
-                       time_ratio=round(res["fused"]["seconds"] / res["naive"]["seconds"], 3),
-                       fused_peak_mb=round(res["fused"]["peak_bytes"] / 2**20),
-                       naive_peak_mb=round(res["naive"]["peak_bytes"] / 2**20),
-                       fused_s=round(res["fused"]["seconds"], 2), naive_s=round(res["naive"]["seconds"], 2))
+            row.update(
+                peak_memory_ratio=round(res["fused"]["peak_bytes"] / res["naive"]["peak_bytes"], 4),
+                time_ratio=round(res["fused"]["seconds"] / res["naive"]["seconds"], 3),
+                fused_peak_mb=round(res["fused"]["peak_bytes"] / 2**20),
+                naive_peak_mb=round(res["naive"]["peak_bytes"] / 2**20),
+                fused_s=round(res["fused"]["seconds"], 2),
+                naive_s=round(res["naive"]["seconds"], 2),
+            )
         else:
             row["note"] = "the naive reference ran out of memory" if res["fused"] else "failed"
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))

@@ -20,30 +20,63 @@ from pathlib import Path
 MEASURED = {"peak_gb": 54.5, "step_seconds": 0.369, "gpu": "H200", "date": "2026-11-30"}
 
 
-def check_config(folder: Path, *, hidden: int = 5120, intermediate: int = 17408, heads: int = 32,
-                 kv_heads: int = 8, head_dim: int = 128, vocab: int = 248320, target_layers: int = 6,
-                 layer_ids: list[int] | None = None, drafter_layers: int = 5, sliding_window: int = 2048,
-                 anchors: int = 512, seq_len: int = 3072, length_bucket: int = 512):
+def check_config(
+    folder: Path,
+    *,
+    hidden: int = 5120,
+    intermediate: int = 17408,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    vocab: int = 248320,
+    target_layers: int = 6,
+    layer_ids: list[int] | None = None,
+    drafter_layers: int = 5,
+    sliding_window: int = 2048,
+    anchors: int = 512,
+    seq_len: int = 3072,
+    length_bucket: int = 512,
+):
     """The GPU check's colocated stream as a run config (its target's config.json written to
     `folder`): one GPU, the drafter after the target's forward, a quarter of each sequence prompt."""
     from transformers import Qwen3Config
 
     from dflash_ray.config import load_config
 
-    target = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=target_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, tie_word_embeddings=True)
+    target = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=target_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=True,
+    )
     path = folder / "config.json"
     path.write_text(json.dumps(target.to_dict()))
     layer_ids = layer_ids or list(range(1, target_layers))
     types = ["sliding_attention"] * (drafter_layers - 1) + ["full_attention"]
-    return load_config(None, [f"plan.target_config={path}", "train.colocate=true", "train.num_streams=1",
-                              "train.actor_gpus=1", f"train.num_layers={drafter_layers}",
-                              f"train.layer_types={json.dumps(types)}", f"train.sliding_window={sliding_window}",
-                              f"train.target_layer_ids={json.dumps(layer_ids)}", "train.init=random",
-                              f"train.num_anchors={anchors}", f"train.length_bucket={length_bucket}",
-                              f"train.mask_token_id={vocab - 1}", f"tokenize.max_seq_len={seq_len}",
-                              f"generate.max_tokens={seq_len - seq_len // 4}", "generate.max_model_len=" + str(seq_len)])
+    return load_config(
+        None,
+        [
+            f"plan.target_config={path}",
+            "train.colocate=true",
+            "train.num_streams=1",
+            "train.actor_gpus=1",
+            f"train.num_layers={drafter_layers}",
+            f"train.layer_types={json.dumps(types)}",
+            f"train.sliding_window={sliding_window}",
+            f"train.target_layer_ids={json.dumps(layer_ids)}",
+            "train.init=random",
+            f"train.num_anchors={anchors}",
+            f"train.length_bucket={length_bucket}",
+            f"train.mask_token_id={vocab - 1}",
+            f"tokenize.max_seq_len={seq_len}",
+            f"generate.max_tokens={seq_len - seq_len // 4}",
+            "generate.max_model_len=" + str(seq_len),
+        ],
+    )
 
 
 def simulate_check(**shape) -> dict:
@@ -55,8 +88,12 @@ def simulate_check(**shape) -> dict:
         hf, _ = target_config(cfg)
         longest, _ = samples(cfg)
         stream = simulate_roles(cfg, hf, longest)["stream"]
-    return {"peak_gb": stream["memory_gb"]["total"], "memory_gb": stream["memory_gb"],
-            "step_seconds": stream["step_seconds"], "tflops_per_step": round(stream["flops_per_step"] / 1e12, 1)}
+    return {
+        "peak_gb": stream["memory_gb"]["total"],
+        "memory_gb": stream["memory_gb"],
+        "step_seconds": stream["step_seconds"],
+        "tflops_per_step": round(stream["flops_per_step"] / 1e12, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     sim = simulate_check()
-    ratios = {"peak_memory_simulated_over_measured": round(sim["peak_gb"] / MEASURED["peak_gb"], 3),
-              "step_time_simulated_over_measured": round(sim["step_seconds"] / MEASURED["step_seconds"], 3)}
+    ratios = {
+        "peak_memory_simulated_over_measured": round(sim["peak_gb"] / MEASURED["peak_gb"], 3),
+        "step_time_simulated_over_measured": round(sim["step_seconds"] / MEASURED["step_seconds"], 3),
+    }
     for name, value in ratios.items():
         print(f"{name}: {value}")
     if args.json:

@@ -35,20 +35,41 @@ def main() -> None:
     from dflash_ray.registry import SMOLLM2, resolve
 
     work = tempfile.mkdtemp(prefix="bench-spec-")
-    cfg = load_config(None, [f"evaluate.num_prompts={args.prompts}", f"evaluate.max_new_tokens={args.max_new_tokens}",
-                             f"prompts.tokenizer={SMOLLM2}"])
+    cfg = load_config(
+        None,
+        [
+            f"evaluate.num_prompts={args.prompts}",
+            f"evaluate.max_new_tokens={args.max_new_tokens}",
+            f"prompts.tokenizer={SMOLLM2}",
+        ],
+    )
     run_prompts(bundled_inputs(small=True), f"{work}/prompts", cfg, progress=False)
     drafter_dir = args.drafter
     if drafter_dir is None:
         target_cfg = AutoConfig.from_pretrained(resolve(SMOLLM2))
         torch.manual_seed(0)
         drafter_dir = f"{work}/untrained"
-        save_drafter(DFlashDrafter(from_target(target_cfg, mask_token_id=49151, num_layers=1)), drafter_dir,
-                     dtype=torch.float32)
+        save_drafter(
+            DFlashDrafter(from_target(target_cfg, mask_token_id=49151, num_layers=1)), drafter_dir, dtype=torch.float32
+        )
     summary = run_evaluate(drafter_dir, SMOLLM2, f"{work}/prompts", cfg)
-    row = {"case": "smollm2_greedy_cpu", "drafter": args.drafter or "untrained", **{
-        k: summary[k] for k in ("prompts", "tokens", "tau", "tau_ngram", "tokens_per_s", "target_tokens_per_s",
-                                "speedup", "lossless")}}
+    row = {
+        "case": "smollm2_greedy_cpu",
+        "drafter": args.drafter or "untrained",
+        **{
+            k: summary[k]
+            for k in (
+                "prompts",
+                "tokens",
+                "tau",
+                "tau_ngram",
+                "tokens_per_s",
+                "target_tokens_per_s",
+                "speedup",
+                "lossless",
+            )
+        },
+    }
     print(json.dumps(row) if args.json else "\n".join(f"{k:>20}: {v}" for k, v in row.items()))
 
 

@@ -42,9 +42,14 @@ def main() -> None:
     train_side_by_side(target, drafters, schedule, args.steps, "train both")
     held = [target.features([s]) for s in heldout]
     tau = {mode: statistics.fmean(t for b in held for t in worker.evaluate(b)) for mode, worker in drafters.items()}
-    row = {"case": f"smollm2_{len(train)}samples_{args.steps}steps", "steps": args.steps, "heldout": len(heldout),
-           "heldout_tau_random": round(tau["random"], 3), "heldout_tau_target": round(tau["target"], 3),
-           "target_over_random": round(tau["target"] / tau["random"], 3)}
+    row = {
+        "case": f"smollm2_{len(train)}samples_{args.steps}steps",
+        "steps": args.steps,
+        "heldout": len(heldout),
+        "heldout_tau_random": round(tau["random"], 3),
+        "heldout_tau_target": round(tau["target"], 3),
+        "target_over_random": round(tau["target"] / tau["random"], 3),
+    }
     print(json.dumps(row) if args.json else "\n".join(f"{k:>20}: {v}" for k, v in row.items()))
 
 

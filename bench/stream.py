@@ -19,14 +19,38 @@ import time
 
 SHORT = "Answer with a single word, nothing else: {}"
 LONG = "Write a long, detailed essay of many paragraphs about this: {}"
-TOPICS = ["the colour of the sky", "rivers", "the moon", "bread", "winter", "a lighthouse", "chess", "bees",
-          "volcanoes", "trains", "the ocean", "libraries", "mountains", "coffee", "clocks", "gardens"]
+TOPICS = [
+    "the colour of the sky",
+    "rivers",
+    "the moon",
+    "bread",
+    "winter",
+    "a lighthouse",
+    "chess",
+    "bees",
+    "volcanoes",
+    "trains",
+    "the ocean",
+    "libraries",
+    "mountains",
+    "coffee",
+    "clocks",
+    "gardens",
+]
 
 
 def _rows(n: int, long_every: int) -> list[dict]:
-    return [{"id": f"p{i}", "source": "bench", "tools": None,
-             "messages": [{"role": "user", "content": (LONG if i % long_every == 0 else SHORT).format(
-                 TOPICS[i % len(TOPICS)])}]} for i in range(n)]
+    return [
+        {
+            "id": f"p{i}",
+            "source": "bench",
+            "tools": None,
+            "messages": [
+                {"role": "user", "content": (LONG if i % long_every == 0 else SHORT).format(TOPICS[i % len(TOPICS)])}
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def _lock_step(gen, shards: list[list[dict]]) -> list:
@@ -39,7 +63,7 @@ def _lock_step(gen, shards: list[list[dict]]) -> list:
     for rows in shards:
         convs = [Conversation.of(r) for r in rows]
         for start in range(0, len(convs), size):
-            part = convs[start:start + size]
+            part = convs[start : start + size]
             outs += generate(gen.engine, [gen.render(c.prompt()) for c in part], [c.seed(gen.cfg.seed) for c in part])
     return [len(o.token_ids) for o in outs]
 
@@ -79,27 +103,43 @@ def main() -> None:
     from dflash_ray.generation.shard import ShardGenerator
     from dflash_ray.registry import SMOLLM2, load_tokenizer, resolve
 
-    cfg = GenerateConfig(max_tokens=args.max_tokens, max_model_len=1024, temperature=0.6,
-                         batch_size=args.batch_size, truncated="keep")
+    cfg = GenerateConfig(
+        max_tokens=args.max_tokens, max_model_len=1024, temperature=0.6, batch_size=args.batch_size, truncated="keep"
+    )
     model = resolve(SMOLLM2)
     gen = ShardGenerator(load_tokenizer(model), VLLMEngine(model, cfg), cfg, SMOLLM2, "bench")
     rows = _rows(args.prompts, args.long_every)
-    shards = [rows[i:i + args.shard_size] for i in range(0, len(rows), args.shard_size)]
-    _lock_step(gen, [rows[:args.batch_size]])  # warm-up, not timed
+    shards = [rows[i : i + args.shard_size] for i in range(0, len(rows), args.shard_size)]
+    _lock_step(gen, [rows[: args.batch_size]])  # warm-up, not timed
     lock, lock_s = _timed(_lock_step, gen, shards)
     full, full_s = _timed(_kept_full, gen, shards)
-    cases = {"lock_step": {"output_tokens": sum(lock), "seconds": round(lock_s, 1),
-                           "tokens_per_s": round(sum(lock) / lock_s, 1)},
-             "kept_full": {"output_tokens": sum(full), "seconds": round(full_s, 1),
-                           "tokens_per_s": round(sum(full) / full_s, 1)}}
+    cases = {
+        "lock_step": {
+            "output_tokens": sum(lock),
+            "seconds": round(lock_s, 1),
+            "tokens_per_s": round(sum(lock) / lock_s, 1),
+        },
+        "kept_full": {
+            "output_tokens": sum(full),
+            "seconds": round(full_s, 1),
+            "tokens_per_s": round(sum(full) / full_s, 1),
+        },
+    }
     ranked = sorted(full)
     result = {
         "kept_full_over_lock_step": round(cases["kept_full"]["tokens_per_s"] / cases["lock_step"]["tokens_per_s"], 2),
         "same_answer_lengths": sorted(lock) == ranked,  # same seeds: the same answers, either way
-        "answer_tokens": {"p50": ranked[len(ranked) // 2], "p90": ranked[int(len(ranked) * 0.9)],
-                          "max": ranked[-1], "mean": round(sum(ranked) / len(ranked), 1)},
-        "prompts": args.prompts, "batch_size": args.batch_size, "shard_size": args.shard_size,
-        "max_tokens": args.max_tokens, "cases": cases,
+        "answer_tokens": {
+            "p50": ranked[len(ranked) // 2],
+            "p90": ranked[int(len(ranked) * 0.9)],
+            "max": ranked[-1],
+            "mean": round(sum(ranked) / len(ranked), 1),
+        },
+        "prompts": args.prompts,
+        "batch_size": args.batch_size,
+        "shard_size": args.shard_size,
+        "max_tokens": args.max_tokens,
+        "cases": cases,
     }
     if args.json:
         print(json.dumps(result))

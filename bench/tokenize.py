@@ -23,9 +23,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SEED_TOKENS_PER_S_PER_WORKER = 1.87e9 / (6.5 * 60) / 128  # 37.5K: the seed run, 128 workers
-WORDS = ("the model reasons about each step before it answers so the drafter learns the target's own "
-         "distribution of thinking tokens and code like def f(x): return x * 2 or math like 17 * 23 = 391 "
-         "with lists, tables, proofs and short chat replies in several languages: bonjour, hola, ciao").split()
+WORDS = (
+    "the model reasons about each step before it answers so the drafter learns the target's own "
+    "distribution of thinking tokens and code like def f(x): return x * 2 or math like 17 * 23 = 391 "
+    "with lists, tables, proofs and short chat replies in several languages: bonjour, hola, ciao"
+).split()
 
 
 def synthetic_completions(n: int, seed: int = 0) -> pa.Table:
@@ -35,9 +37,18 @@ def synthetic_completions(n: int, seed: int = 0) -> pa.Table:
     def text(lo, hi):
         return " ".join(rng.choice(WORDS, size=int(rng.integers(lo, hi))).tolist())
 
-    rows = [{"id": f"s{i:07d}", "source": "synthetic",
-             "messages": [{"role": "user", "content": text(20, 400)}], "tools": None,
-             "reasoning": text(200, 2000), "text": text(50, 650), "finish_reason": "stop"} for i in range(n)]
+    rows = [
+        {
+            "id": f"s{i:07d}",
+            "source": "synthetic",
+            "messages": [{"role": "user", "content": text(20, 400)}],
+            "tools": None,
+            "reasoning": text(200, 2000),
+            "text": text(50, 650),
+            "finish_reason": "stop",
+        }
+        for i in range(n)
+    ]
     return pa.Table.from_pylist(rows)
 
 
@@ -99,18 +110,27 @@ def main() -> None:
 
     assert summary["tokens"] == base_tokens, (summary["tokens"], base_tokens)
     tps, base_tps = base_tokens / ray_s, base_tokens / base_s
-    result = {"case": "tokenize_chat_template", "samples": args.samples, "tokens": base_tokens,
-              "cores": num_cpus, "tokens_per_s": round(tps), "baseline_tokens_per_s": round(base_tps),
-              "ratio": round(tps / base_tps, 3), "tokens_per_s_per_core": round(tps / num_cpus),
-              "seed_tokens_per_s_per_worker": round(SEED_TOKENS_PER_S_PER_WORKER),
-              "per_core_vs_seed": round(tps / num_cpus / SEED_TOKENS_PER_S_PER_WORKER, 3)}
+    result = {
+        "case": "tokenize_chat_template",
+        "samples": args.samples,
+        "tokens": base_tokens,
+        "cores": num_cpus,
+        "tokens_per_s": round(tps),
+        "baseline_tokens_per_s": round(base_tps),
+        "ratio": round(tps / base_tps, 3),
+        "tokens_per_s_per_core": round(tps / num_cpus),
+        "seed_tokens_per_s_per_worker": round(SEED_TOKENS_PER_S_PER_WORKER),
+        "per_core_vs_seed": round(tps / num_cpus / SEED_TOKENS_PER_S_PER_WORKER, 3),
+    }
     if args.json:
         print(json.dumps(result))
     else:
         print(f"ray data   : {result['tokens_per_s']:>10,} tokens/s ({ray_s:.1f} s)")
         print(f"single loop: {result['baseline_tokens_per_s']:>10,} tokens/s ({base_s:.1f} s)")
         print(f"ratio      : {result['ratio']}")
-        print(f"per core   : {result['tokens_per_s_per_core']:,} tokens/s (seed: {result['seed_tokens_per_s_per_worker']:,} per worker)")
+        print(
+            f"per core   : {result['tokens_per_s_per_core']:,} tokens/s (seed: {result['seed_tokens_per_s_per_worker']:,} per worker)"
+        )
 
 
 if __name__ == "__main__":

@@ -44,17 +44,27 @@ def main(argv: list[str] | None = None) -> int:
             messages = [m for m in json.loads(line)["messages"] if m["role"] != "assistant"]
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
             ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
-            out = model.generate(ids, do_sample=True, temperature=0.6, top_p=0.95, max_new_tokens=args.tokens,
-                                 pad_token_id=tok.eos_token_id)
-            probs = model(out).logits[0, ids.shape[1] - 1:-1].float().softmax(-1)  # the answer's positions
+            out = model.generate(
+                ids,
+                do_sample=True,
+                temperature=0.6,
+                top_p=0.95,
+                max_new_tokens=args.tokens,
+                pad_token_id=tok.eos_token_id,
+            )
+            probs = model(out).logits[0, ids.shape[1] - 1 : -1].float().softmax(-1)  # the answer's positions
             for k in args.k:
                 outside[k] += (1 - probs.topk(k, -1).values.sum(-1)).tolist()
     figures = {}
     for k, values in outside.items():
         t = torch.tensor(values)
-        figures[k] = {"positions": len(values), "mean": round(float(t.mean()), 4),
-                      "p50": round(float(t.quantile(0.5)), 4), "p90": round(float(t.quantile(0.9)), 4),
-                      "p99": round(float(t.quantile(0.99)), 4)}
+        figures[k] = {
+            "positions": len(values),
+            "mean": round(float(t.mean()), 4),
+            "p50": round(float(t.quantile(0.5)), 4),
+            "p90": round(float(t.quantile(0.9)), 4),
+            "p99": round(float(t.quantile(0.99)), 4),
+        }
         print(f"top{k}_mass_outside_mean: {figures[k]['mean']}")
     if args.json:
         print(json.dumps({"target": "smollm2-135m-instruct", "temperature_sampled": 0.6, "by_k": figures}))

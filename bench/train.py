@@ -26,9 +26,17 @@ def _data(folder: str, n: int, seq_len: int) -> None:
     from dflash_ray import manifest, storage
 
     g = torch.Generator().manual_seed(0)
-    rows = [{"id": f"s{i}", "source": "bench", "input_ids": torch.randint(100, 40000, (seq_len,), generator=g).tolist(),
-             "loss_mask": [0] * (seq_len // 8) + [1] * (seq_len - seq_len // 8), "seq_len": seq_len,
-             "truncated": False} for i in range(n)]
+    rows = [
+        {
+            "id": f"s{i}",
+            "source": "bench",
+            "input_ids": torch.randint(100, 40000, (seq_len,), generator=g).tolist(),
+            "loss_mask": [0] * (seq_len // 8) + [1] * (seq_len - seq_len // 8),
+            "seq_len": seq_len,
+            "truncated": False,
+        }
+        for i in range(n)
+    ]
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buf)
     storage.write_bytes(storage.join(folder, "part-0.parquet"), buf.getvalue())
@@ -42,9 +50,11 @@ def _stream(target: str, data: str, out: str, settings: list[str]) -> dict:
     cfg = load_config(None, settings)
     run_train(target, data, out, cfg, progress=False)
     metrics = [json.loads(x) for x in open(f"{out}/metrics.jsonl")][2:]  # warm-up steps left out
-    return {"steps_per_s": 1 / statistics.median(m["step_seconds"] for m in metrics),
-            "t_target": statistics.median(m["target_seconds"] for m in metrics),
-            "t_drafter": statistics.median(m["drafter_seconds"] for m in metrics)}
+    return {
+        "steps_per_s": 1 / statistics.median(m["step_seconds"] for m in metrics),
+        "t_target": statistics.median(m["target_seconds"] for m in metrics),
+        "t_drafter": statistics.median(m["drafter_seconds"] for m in metrics),
+    }
 
 
 def _fused(target: str, data: str, settings: list[str], steps: int) -> float:
@@ -86,21 +96,33 @@ def main() -> None:
     target = resolve(SMOLLM2)
     work = tempfile.mkdtemp(prefix="bench-train-")
     _data(f"{work}/data", args.steps, args.seq_len)
-    base = ["train.num_streams=1", "train.actor_cpus=1", "train.torch_threads=1", "train.num_layers=1",
-            "train.num_anchors=64", f"train.checkpoint_every={args.steps}", "train.epochs=1"]
+    base = [
+        "train.num_streams=1",
+        "train.actor_cpus=1",
+        "train.torch_threads=1",
+        "train.num_layers=1",
+        "train.num_anchors=64",
+        f"train.checkpoint_every={args.steps}",
+        "train.epochs=1",
+    ]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     pipelined = _stream(target, f"{work}/data", f"{work}/pipe", base + ["train.max_in_flight=1"])
     sequential = _stream(target, f"{work}/data", f"{work}/seq", base + ["train.max_in_flight=0"])
     ray.shutdown()
     fused = _fused(target, f"{work}/data", base, args.steps)
     ideal = 1 / max(pipelined["t_target"], pipelined["t_drafter"])
-    row = {"case": f"smollm2_seq{args.seq_len}_1layer_64anchors",
-           "t_target_s": round(pipelined["t_target"], 3), "t_drafter_s": round(pipelined["t_drafter"], 3),
-           "ideal_steps_per_s": round(ideal, 3), "pipelined_steps_per_s": round(pipelined["steps_per_s"], 3),
-           "sequential_steps_per_s": round(sequential["steps_per_s"], 3), "fused_steps_per_s": round(fused, 3),
-           "pipeline_efficiency": round(pipelined["steps_per_s"] / ideal, 3),
-           "sequential_efficiency": round(sequential["steps_per_s"] / ideal, 3),
-           "fused_ratio": round(pipelined["steps_per_s"] / fused, 3)}
+    row = {
+        "case": f"smollm2_seq{args.seq_len}_1layer_64anchors",
+        "t_target_s": round(pipelined["t_target"], 3),
+        "t_drafter_s": round(pipelined["t_drafter"], 3),
+        "ideal_steps_per_s": round(ideal, 3),
+        "pipelined_steps_per_s": round(pipelined["steps_per_s"], 3),
+        "sequential_steps_per_s": round(sequential["steps_per_s"], 3),
+        "fused_steps_per_s": round(fused, 3),
+        "pipeline_efficiency": round(pipelined["steps_per_s"] / ideal, 3),
+        "sequential_efficiency": round(sequential["steps_per_s"] / ideal, 3),
+        "fused_ratio": round(pipelined["steps_per_s"] / fused, 3),
+    }
     print(json.dumps(row) if args.json else "\n".join(f"{k:>24}: {v}" for k, v in row.items()))
 
 

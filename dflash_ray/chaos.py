@@ -24,8 +24,12 @@ if TYPE_CHECKING:
     from dflash_ray.config import ChaosConfig
 
 # a fault's kind -> what the actor class names of its victims contain
-VICTIMS = {"generator": ("Generator",), "tokenize": ("_TokenizeUnit",), "target": ("TargetWorker",),
-           "drafter": ("DrafterWorker", "ColocatedWorker")}
+VICTIMS = {
+    "generator": ("Generator",),
+    "tokenize": ("_TokenizeUnit",),
+    "target": ("TargetWorker",),
+    "drafter": ("DrafterWorker", "ColocatedWorker"),
+}
 KINDS = (*VICTIMS, "node")
 POLL_S = 0.2
 
@@ -51,8 +55,9 @@ def parse(cfg: ChaosConfig) -> list[tuple[str, float]]:
         except ValueError:
             seconds = -1.0
         if kind not in KINDS or not 0 <= seconds < float("inf"):  # nan and inf too: a fault that never fires
-            raise DFlashError(f"{entry!r}: allowed: KIND or KIND@SECONDS, KIND one of {list(KINDS)}",
-                              field=f"chaos.faults[{i}]")
+            raise DFlashError(
+                f"{entry!r}: allowed: KIND or KIND@SECONDS, KIND one of {list(KINDS)}", field=f"chaos.faults[{i}]"
+            )
         faults.append((kind, seconds))
     return faults
 
@@ -105,8 +110,11 @@ class Injector:
 
         # an actor still in its constructor (loading weights, an engine) is a victim too: a crash
         # there is as real as one mid-step, and a short-lived actor may never be idle alive
-        actors = [a for a in state.actors().values()
-                  if a["State"] == "ALIVE" or (a["State"] == "PENDING_CREATION" and a.get("Pid"))]
+        actors = [
+            a
+            for a in state.actors().values()
+            if a["State"] == "ALIVE" or (a["State"] == "PENDING_CREATION" and a.get("Pid"))
+        ]
         now = time.monotonic()
         for fault in pending:
             victims = self._victims(fault.kind, actors)
@@ -117,8 +125,9 @@ class Injector:
             if now - fault.seen_at < fault.delay_s:
                 continue
             name, node, pid = self.rng.choice(sorted(victims))
-            ray.remote(_signal).options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                node, soft=False)).remote(pid)
+            ray.remote(_signal).options(
+                num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(pid)
             fault.fired_at, fault.victim = now, name
             return  # one fault at a time: the next one sees the cluster it left
 
@@ -128,16 +137,27 @@ class Injector:
         import ray
 
         if kind != "node":
-            return [(f"{a['ActorClassName']} pid {a['Pid']}", a["Address"]["NodeID"], a["Pid"]) for a in actors
-                    if any(part in a["ActorClassName"] for part in VICTIMS[kind])]
-        busy = {a["Address"]["NodeID"] for a in actors if any(part in a["ActorClassName"]
-                                                              for parts in VICTIMS.values() for part in parts)}
-        return [(f"node {n['NodeManagerAddress']}", n["NodeID"], None) for n in ray.nodes()
-                if n["Alive"] and n["NodeID"] in busy and "node:__internal_head__" not in n["Resources"]]
+            return [
+                (f"{a['ActorClassName']} pid {a['Pid']}", a["Address"]["NodeID"], a["Pid"])
+                for a in actors
+                if any(part in a["ActorClassName"] for part in VICTIMS[kind])
+            ]
+        busy = {
+            a["Address"]["NodeID"]
+            for a in actors
+            if any(part in a["ActorClassName"] for parts in VICTIMS.values() for part in parts)
+        }
+        return [
+            (f"node {n['NodeManagerAddress']}", n["NodeID"], None)
+            for n in ray.nodes()
+            if n["Alive"] and n["NodeID"] in busy and "node:__internal_head__" not in n["Resources"]
+        ]
 
     def summary(self) -> dict[str, Any]:
         fired = [(f, at) for f in self.faults if (at := f.fired_at) is not None]
-        return {"planned": len(self.faults), "injected": len(fired),
-                "faults": [{"kind": f.kind, "victim": f.victim, "at_s": round(at - self.started, 1)}
-                           for f, at in fired],
-                "not_fired": [f.kind for f in self.faults if f.fired_at is None]}
+        return {
+            "planned": len(self.faults),
+            "injected": len(fired),
+            "faults": [{"kind": f.kind, "victim": f.victim, "at_s": round(at - self.started, 1)} for f, at in fired],
+            "not_fired": [f.kind for f in self.faults if f.fired_at is None],
+        }

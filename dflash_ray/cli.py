@@ -22,8 +22,9 @@ def _cmd_prompts(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     """`prompts`, and `responses` (the same stage, keeping each record's last answer)."""
     from dflash_ray.stages.prompts import run_prompts
 
-    return run_prompts(args.input or [], args.output, cfg, progress=not args.json,
-                       responses=args.command == "responses")
+    return run_prompts(
+        args.input or [], args.output, cfg, progress=not args.json, responses=args.command == "responses"
+    )
 
 
 def _cmd_selfprompt(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -102,8 +103,16 @@ def _cmd_export(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 def _cmd_evaluate(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     from dflash_ray.stages.evaluate import run_evaluate
 
-    return run_evaluate(args.drafter, args.target, args.prompts, cfg, heldout_uri=args.heldout, engine=args.engine,
-                        tokenizer_name=args.tokenizer, report_dir=args.report)
+    return run_evaluate(
+        args.drafter,
+        args.target,
+        args.prompts,
+        cfg,
+        heldout_uri=args.heldout,
+        engine=args.engine,
+        tokenizer_name=args.tokenizer,
+        report_dir=args.report,
+    )
 
 
 def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -115,13 +124,19 @@ def _cmd_train(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 
     for output in outputs(args.output, cfg):
         if not args.resume and checkpoint.complete_steps(output):
-            raise DFlashError("holds checkpoints of an earlier run: pass --resume to continue it, or choose "
-                              "another --output", file=storage.join(output, "checkpoints"))
+            raise DFlashError(
+                "holds checkpoints of an earlier run: pass --resume to continue it, or choose another --output",
+                file=storage.join(output, "checkpoints"),
+            )
         if args.resume and not checkpoint.complete_steps(output):
-            print(f"dflash-ray train: warning: --resume, but {output} holds no complete checkpoint: training "
-                  "starts at step 0", file=sys.stderr)
-    return run_train(args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step,
-                     progress=not args.json)
+            print(
+                f"dflash-ray train: warning: --resume, but {output} holds no complete checkpoint: training "
+                "starts at step 0",
+                file=sys.stderr,
+            )
+    return run_train(
+        args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step, progress=not args.json
+    )
 
 
 def _cmd_demo(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
@@ -164,8 +179,10 @@ def _cmd_plan(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_plan(cfg)
 
 
-INPUTS_HELP = ("JSONL/JSON/Parquet files or folders, hf://datasets/ORG/NAME[/CONFIG][@REVISION][:SPLIT]; "
-               "optional when the config has a mix (prompts.sources)")
+INPUTS_HELP = (
+    "JSONL/JSON/Parquet files or folders, hf://datasets/ORG/NAME[/CONFIG][@REVISION][:SPLIT]; "
+    "optional when the config has a mix (prompts.sources)"
+)
 
 
 class UsageError(Exception):
@@ -177,6 +194,7 @@ DRILLED = {"pipeline", "demo"}  # the commands `chaos.faults` acts in
 
 def _at_least(low: int):
     """An argparse type: a whole number of at least `low`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -185,6 +203,7 @@ def _at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
         return value
+
     return parse
 
 
@@ -197,8 +216,14 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--config", help="run config YAML (path or URI)")
-    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config field, e.g. --set tokenize.max_seq_len=2048")
+    common.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config field, e.g. --set tokenize.max_seq_len=2048",
+    )
     common.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
 
     parser = _Parser(prog="dflash-ray", description=__doc__.split("\n")[0])
@@ -209,8 +234,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="URI")
     p.set_defaults(run=_cmd_prompts)
 
-    p = sub.add_parser("responses", parents=[common],
-                       help="existing responses (the last assistant turns of chat datasets) as completions")
+    p = sub.add_parser(
+        "responses",
+        parents=[common],
+        help="existing responses (the last assistant turns of chat datasets) as completions",
+    )
     p.add_argument("--input", nargs="+", action="extend", metavar="URI", help=INPUTS_HELP)
     p.add_argument("--output", required=True, metavar="URI", help="a completions folder `dflash-ray tokenize` reads")
     p.set_defaults(run=_cmd_prompts)
@@ -235,8 +263,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="the generation's name (generate.name)")
     p.set_defaults(run=_cmd_scale)
 
-    for command, what in (("pause", "generators finish their shard and wait, engines loaded"),
-                          ("resume", "a paused generation goes on")):
+    for command, what in (
+        ("pause", "generators finish their shard and wait, engines loaded"),
+        ("resume", "a paused generation goes on"),
+    ):
         p = sub.add_parser(command, parents=[common], help=f"pause or resume a running generation: {what}")
         p.add_argument("--name", help="the generation's name (generate.name)")
         p.set_defaults(run=_cmd_pause)
@@ -253,9 +283,13 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_tokenize)
 
     p = sub.add_parser("validate", parents=[common], help="loss-mask statistics and the validation gate")
-    p.add_argument("--input", required=True, metavar="URI",
-                   help="tokenized dataset (input_ids, loss_mask): a Parquet file, a folder of Parquet files "
-                        "(from `dflash-ray tokenize` or not), or a Hugging Face `save_to_disk` folder")
+    p.add_argument(
+        "--input",
+        required=True,
+        metavar="URI",
+        help="tokenized dataset (input_ids, loss_mask): a Parquet file, a folder of Parquet files "
+        "(from `dflash-ray tokenize` or not), or a Hugging Face `save_to_disk` folder",
+    )
     p.add_argument("--report", metavar="DIR", help="write report.json, report.md and PNG histograms here")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the one that tokenized the data")
     p.set_defaults(run=_cmd_validate)
@@ -281,12 +315,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", metavar="URI", help="tokenized held-out set for the simulated tau")
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: also report vLLM's measured tau")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the target's own")
-    p.add_argument("--report", metavar="DIR", help="write evaluation.png there: acceptance by draft position "
-                   "and by prompt source, the drafter beside prompt lookup")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write evaluation.png there: acceptance by draft position "
+        "and by prompt source, the drafter beside prompt lookup",
+    )
     p.set_defaults(run=_cmd_evaluate)
 
-    p = sub.add_parser("onesample", parents=[common],
-                       help="overfit a drafter of the train settings on one answer; serving must accept it whole")
+    p = sub.add_parser(
+        "onesample",
+        parents=[common],
+        help="overfit a drafter of the train settings on one answer; serving must accept it whole",
+    )
     p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: vLLM's acceptance must agree too")
     p.set_defaults(run=_cmd_onesample)
@@ -297,9 +338,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", metavar="PATH", help="target model (pipeline.target)")
     p.set_defaults(run=_cmd_pipeline)
 
-    p = sub.add_parser("netcheck", parents=[common],
-                       help="all-reduce bus bandwidth between the training ranks, per node pair "
-                            "(train.min_bus_bandwidth)")
+    p = sub.add_parser(
+        "netcheck",
+        parents=[common],
+        help="all-reduce bus bandwidth between the training ranks, per node pair (train.min_bus_bandwidth)",
+    )
     p.add_argument("--megabytes", type=float, default=64.0, help="all-reduced by each rank (default 64)")
     p.add_argument("--iters", type=int, default=5, help="timed all-reduces per measurement (default 5)")
     p.set_defaults(run=_cmd_netcheck)
@@ -361,9 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
             if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
-                raise DFlashError(f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` "
-                                  "would run without a fault; drop the setting, or drill the pipeline",
-                                  field="chaos.faults")
+                raise DFlashError(
+                    f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` "
+                    "would run without a fault; drop the setting, or drill the pipeline",
+                    field="chaos.faults",
+                )
             summary = run(args, cfg)
         except FileNotFoundError as e:
             raise DFlashError("no such file or object", file=e.filename or str(e)) from None
@@ -374,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             raise DFlashError(f"{e.strerror or type(e).__name__}", file=e.filename) from None
         except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
-            raise Interrupted("interrupted: what this run had committed stays, nothing half-written is listed; "
-                              "the same command goes on (generation and training resume where they were)") from None
+            raise Interrupted(
+                "interrupted: what this run had committed stays, nothing half-written is listed; "
+                "the same command goes on (generation and training resume where they were)"
+            ) from None
         except DFlashError:
             raise
         except Exception as e:
@@ -383,11 +430,25 @@ def main(argv: list[str] | None = None) -> int:
                 raise DFlashError(f"S3: {e}") from None
             # not an error of the input or settings (each of those is a DFlashError): a bug, said as one
             traceback.print_exc()
-            print(f"dflash-ray {args.command}: internal error: {type(e).__name__}: {e}\nThis is a bug in dflash-ray, "
-                  "not in your input: please report it with the traceback above", file=sys.stderr)
+            print(
+                f"dflash-ray {args.command}: internal error: {type(e).__name__}: {e}\nThis is a bug in dflash-ray, "
+                "not in your input: please report it with the traceback above",
+                file=sys.stderr,
+            )
             if args.json:  # an unexpected failure still ends with a summary line
-                print(json.dumps({"stage": args.command, "ok": False, "error": f"{type(e).__name__}: {e}"[-4000:],
-                                  "bug": True, "exit_code": 1}), file=out, flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "stage": args.command,
+                            "ok": False,
+                            "error": f"{type(e).__name__}: {e}"[-4000:],
+                            "bug": True,
+                            "exit_code": 1,
+                        }
+                    ),
+                    file=out,
+                    flush=True,
+                )
             return 1
     except DFlashError as e:
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)

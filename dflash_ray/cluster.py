@@ -25,11 +25,13 @@ def connect(cfg: RayConfig, *, existing: bool = False) -> None:
         try:
             ray.init(address="auto", log_to_driver=False)
         except ConnectionError:
-            raise DFlashError("no Ray cluster is running here; set ray.address or RAY_ADDRESS",
-                              field="ray.address") from None
+            raise DFlashError(
+                "no Ray cluster is running here; set ray.address or RAY_ADDRESS", field="ray.address"
+            ) from None
         return
-    start_local(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
-                include_dashboard=cfg.include_dashboard)
+    start_local(
+        num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory, include_dashboard=cfg.include_dashboard
+    )
 
 
 def check_reachable(address: str, setting: str, within_s: float = 20.0) -> None:
@@ -47,8 +49,9 @@ def check_reachable(address: str, setting: str, within_s: float = 20.0) -> None:
     except ValueError:
         host, port = None, None
     if not host or not port:
-        raise DFlashError(f"{address!r} (from {setting}) is not an address: allowed: HOST:PORT, ray://HOST:PORT, "
-                          "or auto")
+        raise DFlashError(
+            f"{address!r} (from {setting}) is not an address: allowed: HOST:PORT, ray://HOST:PORT, or auto"
+        )
     deadline, error = time.monotonic() + within_s, None
     while time.monotonic() < deadline:
         try:
@@ -57,8 +60,10 @@ def check_reachable(address: str, setting: str, within_s: float = 20.0) -> None:
         except OSError as e:
             error = e
             time.sleep(1.0)  # a head that is still starting: a few more tries
-    raise DFlashError(f"no Ray cluster answers at {address} (from {setting}) after {within_s:g} s: {error}; "
-                      "start the head, fix the address, or unset it to start a local cluster")
+    raise DFlashError(
+        f"no Ray cluster answers at {address} (from {setting}) after {within_s:g} s: {error}; "
+        "start the head, fix the address, or unset it to start a local cluster"
+    )
 
 
 def on_node(resource: str) -> dict[str, float]:

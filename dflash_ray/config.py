@@ -36,6 +36,7 @@ class RayConfig:
 class SourceConfig:
     """One source of a dataset mix (`prompts.sources`). At most one of `count` and `weight`; neither:
     all of its prompts."""
+
     uri: str = ""  # a file, a folder, s3://, or hf://datasets/ORG/NAME[/CONFIG][@REVISION][:SPLIT]
     count: int | None = None  # prompts taken from it, after quarantine and dedup
     weight: float | None = None  # its share of prompts.mix_total, against the other weights
@@ -62,6 +63,7 @@ class PromptsConfig:
 class SelfPromptConfig:
     """Prompts the target writes itself (`dflash-ray selfprompt`; the pipeline when count > 0).
     The engine and its resources are generate's."""
+
     count: int = 0  # candidates to sample (fewer prompts remain after the drops)
     system: str = ""  # a system message opening each conversation; "": the template's default
     temperature: float = 1.0
@@ -76,6 +78,7 @@ class AutoscaleConfig:
     """Generators that follow the backlog: the pool sets their count from the shards queued and the
     measured seconds a shard takes, and asks the Ray autoscaler for their nodes. `dflash-ray scale`
     turns it off for the rest of the run."""
+
     enabled: bool = False
     min_generators: int = 1
     max_generators: int = 8
@@ -263,6 +266,7 @@ class PipelineConfig:
 class ChaosConfig:
     """A fault drill (dflash_ray/chaos.py): the pipeline kills these while it runs, and must finish as
     an undisturbed run would."""
+
     faults: list = field(default_factory=list)  # one per entry: generator, tokenize, target, drafter or node,
     # alone or as KIND@SECONDS (its own window)
     seed: int = 0  # which victims, and when
@@ -272,6 +276,7 @@ class ChaosConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanConfig:
     """What `dflash-ray plan` projects: the seed's workload on the cluster given here."""
+
     cluster: str = ""  # a cluster launcher YAML: GPUs of node types with gen_node / train_node resources
     generation_gpus: int = 32  # used when no cluster file is given
     training_gpus: int = 16
@@ -295,6 +300,7 @@ PLAN_GPUS = ("H100", "H200", "B200")  # `simulate.GPUS`: their memory and peaks
 class OneSampleConfig:
     """`dflash-ray onesample`: a drafter of the run's `train` settings overfit on one answer of the
     target's, then served on its prompt: any correct train → export → serve chain accepts whole blocks."""
+
     prompt: str = ""  # "": a bundled question; the target answers it greedily
     blocks: int = 4  # the answer's length in whole blocks (after the prefill's token): what the drafter memorizes
     steps: int = 400  # training steps at most, stopping once every drafted token is predicted right
@@ -326,8 +332,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-
 # -- ranges and cross-field rules: checked whenever a RunConfig is built, before anything runs ----------
+
 
 def _at_least(low: float) -> tuple[Any, str]:
     return (lambda v: v >= low), f">= {low}"
@@ -340,61 +346,116 @@ def _above(low: float) -> tuple[Any, str]:
 def _within(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> tuple[Any, str]:
     def ok(v):
         return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+
     return ok, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
 
 SHARE = _within(0, 1)
 # dotted field -> (test, allowed range); a None value (the field's "auto") is not tested
 RANGES: dict[str, tuple[Any, str]] = {
-    "ray.num_cpus": _at_least(1), "ray.object_store_memory": _at_least(1),
+    "ray.num_cpus": _at_least(1),
+    "ray.object_store_memory": _at_least(1),
     "prompts.max_prompt_tokens": _at_least(0),  # 0: no budget
-    "prompts.shard_size": _at_least(1), "prompts.mix_total": _at_least(0), "prompts.shuffle_buffer": _at_least(1),
-    "selfprompt.count": _at_least(0), "selfprompt.temperature": _at_least(0),
-    "selfprompt.top_p": _within(0, 1, low_open=True), "selfprompt.max_tokens": _at_least(1),
+    "prompts.shard_size": _at_least(1),
+    "prompts.mix_total": _at_least(0),
+    "prompts.shuffle_buffer": _at_least(1),
+    "selfprompt.count": _at_least(0),
+    "selfprompt.temperature": _at_least(0),
+    "selfprompt.top_p": _within(0, 1, low_open=True),
+    "selfprompt.max_tokens": _at_least(1),
     "selfprompt.min_chars": _at_least(0),
-    "generate.generators": _at_least(1), "generate.generator_cpus": _at_least(0),
-    "generate.generator_gpus": _at_least(0), "generate.shard_size": _at_least(1),
-    "generate.temperature": _at_least(0), "generate.top_p": _within(0, 1, low_open=True),
-    "generate.max_tokens": _at_least(1), "generate.samples_per_prompt": _at_least(1),
-    "generate.max_model_len": _at_least(1), "generate.tensor_parallel_size": _at_least(1),
-    "generate.memory_utilization": _within(0, 1, low_open=True), "generate.batch_size": _at_least(1),
-    "generate.repeat_max_period": _at_least(1), "generate.repeat_min_span": _at_least(1),
-    "generate.max_tool_calls": _at_least(0), "generate.lease_timeout_s": _above(0),
-    "generate.max_restarts": _at_least(0), "generate.autoscale.min_generators": _at_least(0),
-    "generate.autoscale.max_generators": _at_least(1), "generate.autoscale.drain_within_s": _above(0),
+    "generate.generators": _at_least(1),
+    "generate.generator_cpus": _at_least(0),
+    "generate.generator_gpus": _at_least(0),
+    "generate.shard_size": _at_least(1),
+    "generate.temperature": _at_least(0),
+    "generate.top_p": _within(0, 1, low_open=True),
+    "generate.max_tokens": _at_least(1),
+    "generate.samples_per_prompt": _at_least(1),
+    "generate.max_model_len": _at_least(1),
+    "generate.tensor_parallel_size": _at_least(1),
+    "generate.memory_utilization": _within(0, 1, low_open=True),
+    "generate.batch_size": _at_least(1),
+    "generate.repeat_max_period": _at_least(1),
+    "generate.repeat_min_span": _at_least(1),
+    "generate.max_tool_calls": _at_least(0),
+    "generate.lease_timeout_s": _above(0),
+    "generate.max_restarts": _at_least(0),
+    "generate.autoscale.min_generators": _at_least(0),
+    "generate.autoscale.max_generators": _at_least(1),
+    "generate.autoscale.drain_within_s": _above(0),
     "generate.autoscale.interval_s": _above(0),
-    "tokenize.max_seq_len": _at_least(2), "tokenize.batch_size": _at_least(1), "tokenize.concurrency": _at_least(1),
-    "validate.gate.max_mode_share": SHARE, "validate.gate.min_median_response": _at_least(0),
-    "validate.gate.max_no_loss_share": SHARE, "validate.gate.max_empty_thinking_share": SHARE,
-    "validate.num_examples": _at_least(0), "validate.num_feature_layers": _at_least(1),
+    "tokenize.max_seq_len": _at_least(2),
+    "tokenize.batch_size": _at_least(1),
+    "tokenize.concurrency": _at_least(1),
+    "validate.gate.max_mode_share": SHARE,
+    "validate.gate.min_median_response": _at_least(0),
+    "validate.gate.max_no_loss_share": SHARE,
+    "validate.gate.max_empty_thinking_share": SHARE,
+    "validate.num_examples": _at_least(0),
+    "validate.num_feature_layers": _at_least(1),
     "validate.hidden_size": _at_least(1),
-    "evaluate.num_prompts": _at_least(1), "evaluate.max_new_tokens": _at_least(1),
-    "evaluate.num_anchors": _at_least(1), "evaluate.num_heldout": _at_least(1),
-    "evaluate.ngram_min": _at_least(1), "evaluate.ngram_max": _at_least(1),
-    "evaluate.temperature": _at_least(0), "evaluate.top_p": _within(0, 1, low_open=True),
-    "train.num_streams": _at_least(1), "train.batch_size": _at_least(1), "train.epochs": _at_least(1),
-    "train.max_steps": _at_least(0), "train.num_anchors": _at_least(1), "train.lr": _above(0),
+    "evaluate.num_prompts": _at_least(1),
+    "evaluate.max_new_tokens": _at_least(1),
+    "evaluate.num_anchors": _at_least(1),
+    "evaluate.num_heldout": _at_least(1),
+    "evaluate.ngram_min": _at_least(1),
+    "evaluate.ngram_max": _at_least(1),
+    "evaluate.temperature": _at_least(0),
+    "evaluate.top_p": _within(0, 1, low_open=True),
+    "train.num_streams": _at_least(1),
+    "train.batch_size": _at_least(1),
+    "train.epochs": _at_least(1),
+    "train.max_steps": _at_least(0),
+    "train.num_anchors": _at_least(1),
+    "train.lr": _above(0),
     "train.length_bucket": _at_least(1),
-    "train.weight_decay": _at_least(0), "train.warmup_ratio": _within(0, 1, high_open=True),
-    "train.clip": _above(0), "train.num_layers": _at_least(1), "train.block_size": _at_least(2),
-    "train.sliding_window": _at_least(1), "train.loss_decay": _above(0), "train.num_target_features": _at_least(1),
-    "train.mask_token_id": _at_least(0), "train.actor_cpus": _above(0), "train.actor_gpus": _at_least(0),
-    "train.target_gpus": _at_least(0), "train.placement_timeout_s": _above(0),
-    "train.torch_threads": _at_least(1), "train.max_in_flight": _at_least(0), "train.heldout": _at_least(0),
-    "train.eval_every": _at_least(0), "train.checkpoint_every": _at_least(1), "train.keep_checkpoints": _at_least(1),
-    "train.distill": SHARE, "train.distill_top_k": _at_least(1),
-    "train.max_restarts": _at_least(0), "train.collective_timeout_s": _above(0), "train.fault_step": _at_least(0),
-    "train.min_bus_bandwidth": _at_least(0), "train.shard_window": _at_least(1),
+    "train.weight_decay": _at_least(0),
+    "train.warmup_ratio": _within(0, 1, high_open=True),
+    "train.clip": _above(0),
+    "train.num_layers": _at_least(1),
+    "train.block_size": _at_least(2),
+    "train.sliding_window": _at_least(1),
+    "train.loss_decay": _above(0),
+    "train.num_target_features": _at_least(1),
+    "train.mask_token_id": _at_least(0),
+    "train.actor_cpus": _above(0),
+    "train.actor_gpus": _at_least(0),
+    "train.target_gpus": _at_least(0),
+    "train.placement_timeout_s": _above(0),
+    "train.torch_threads": _at_least(1),
+    "train.max_in_flight": _at_least(0),
+    "train.heldout": _at_least(0),
+    "train.eval_every": _at_least(0),
+    "train.checkpoint_every": _at_least(1),
+    "train.keep_checkpoints": _at_least(1),
+    "train.distill": SHARE,
+    "train.distill_top_k": _at_least(1),
+    "train.max_restarts": _at_least(0),
+    "train.collective_timeout_s": _above(0),
+    "train.fault_step": _at_least(0),
+    "train.min_bus_bandwidth": _at_least(0),
+    "train.shard_window": _at_least(1),
     "train.length_group": _at_least(0),
-    "train.num_heads": _at_least(1), "train.num_kv_heads": _at_least(1),
-    "train.head_dim": _at_least(2), "train.intermediate_size": _at_least(1),
-    "pipeline.eval_prompts": _at_least(0), "chaos.within_s": _at_least(0),
-    "plan.generation_gpus": _at_least(1), "plan.training_gpus": _at_least(1), "plan.prompts": _at_least(1),
-    "plan.output_tokens": _above(0), "plan.train_tokens": _above(0), "plan.epochs": _at_least(1),
-    "plan.generation_tokens_per_s_per_gpu": _above(0), "plan.training_tokens_per_s_per_gpu": _at_least(0),
+    "train.num_heads": _at_least(1),
+    "train.num_kv_heads": _at_least(1),
+    "train.head_dim": _at_least(2),
+    "train.intermediate_size": _at_least(1),
+    "pipeline.eval_prompts": _at_least(0),
+    "chaos.within_s": _at_least(0),
+    "plan.generation_gpus": _at_least(1),
+    "plan.training_gpus": _at_least(1),
+    "plan.prompts": _at_least(1),
+    "plan.output_tokens": _above(0),
+    "plan.train_tokens": _above(0),
+    "plan.epochs": _at_least(1),
+    "plan.generation_tokens_per_s_per_gpu": _above(0),
+    "plan.training_tokens_per_s_per_gpu": _at_least(0),
     "plan.memory_headroom": _within(0, 1, low_open=True),
-    "onesample.blocks": _at_least(1), "onesample.steps": _at_least(1),
-    "onesample.lr": _above(0), "onesample.min_share": _within(0, 1, low_open=True),
+    "onesample.blocks": _at_least(1),
+    "onesample.steps": _at_least(1),
+    "onesample.lr": _above(0),
+    "onesample.min_share": _within(0, 1, low_open=True),
     "onesample.vllm_tolerance": _within(0, 1, low_open=True),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -417,15 +478,23 @@ def check(cfg: RunConfig) -> None:
             raise DFlashError(f"{value!r} is out of range; allowed: {allowed}", field=dotted)
     ev, tr, auto = cfg.evaluate, cfg.train, cfg.generate.autoscale
     if auto.min_generators > auto.max_generators:
-        raise DFlashError(f"{auto.min_generators} is above generate.autoscale.max_generators={auto.max_generators}; "
-                          "allowed: <= max_generators", field="generate.autoscale.min_generators")
+        raise DFlashError(
+            f"{auto.min_generators} is above generate.autoscale.max_generators={auto.max_generators}; "
+            "allowed: <= max_generators",
+            field="generate.autoscale.min_generators",
+        )
     if cfg.generate.backend != "vllm" and cfg.generate.engine_args:
-        raise DFlashError(f"{sorted(cfg.generate.engine_args)} are vLLM engine arguments, which the "
-                          f"{cfg.generate.backend!r} backend does not read; allowed: generate.backend=vllm, or no "
-                          "engine_args", field="generate.engine_args")
+        raise DFlashError(
+            f"{sorted(cfg.generate.engine_args)} are vLLM engine arguments, which the "
+            f"{cfg.generate.backend!r} backend does not read; allowed: generate.backend=vllm, or no "
+            "engine_args",
+            field="generate.engine_args",
+        )
     if ev.ngram_min > ev.ngram_max:
-        raise DFlashError(f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
-                          field="evaluate.ngram_min")
+        raise DFlashError(
+            f"{ev.ngram_min} is above evaluate.ngram_max={ev.ngram_max}; allowed: <= ngram_max",
+            field="evaluate.ngram_min",
+        )
     if cfg.plan.gpu not in PLAN_GPUS:
         raise DFlashError(f"{cfg.plan.gpu!r} is not one of {list(PLAN_GPUS)}", field="plan.gpu")
     from dflash_ray.drafter import families
@@ -435,24 +504,37 @@ def check(cfg: RunConfig) -> None:
     if tr.family:  # imports the family's module (torch): a run without settings of its own never does
         families.settings(tr.drafter, tr.family, "train.family")
     ids = tr.target_layer_ids
-    if ids is not None and (not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
-                            or any(a >= b for a, b in zip(ids, ids[1:]))):
-        raise DFlashError(f"{ids!r}: allowed: a non-empty, sorted list of unique non-negative layer indices",
-                          field="train.target_layer_ids")
+    if ids is not None and (
+        not ids
+        or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
+        or any(a >= b for a, b in zip(ids, ids[1:]))
+    ):
+        raise DFlashError(
+            f"{ids!r}: allowed: a non-empty, sorted list of unique non-negative layer indices",
+            field="train.target_layer_ids",
+        )
     if tr.layer_types is not None:
         bad = [t for t in tr.layer_types if t not in LAYER_TYPES]
         if bad:
             raise DFlashError(f"unknown {bad}; allowed entries: {list(LAYER_TYPES)}", field="train.layer_types")
         if len(tr.layer_types) != tr.num_layers:
-            raise DFlashError(f"{len(tr.layer_types)} entries for train.num_layers={tr.num_layers}; allowed: one "
-                              "per drafter layer", field="train.layer_types")
+            raise DFlashError(
+                f"{len(tr.layer_types)} entries for train.num_layers={tr.num_layers}; allowed: one per drafter layer",
+                field="train.layer_types",
+            )
     if tr.target_gpus is not None and tr.target_gpus > 1:
         if tr.target_gpus != int(tr.target_gpus) or tr.actor_gpus <= 0:
-            raise DFlashError(f"{tr.target_gpus} GPUs spread a target over whole GPUs beside GPU drafters; "
-                              "allowed: a whole number with train.actor_gpus > 0", field="train.target_gpus")
+            raise DFlashError(
+                f"{tr.target_gpus} GPUs spread a target over whole GPUs beside GPU drafters; "
+                "allowed: a whole number with train.actor_gpus > 0",
+                field="train.target_gpus",
+            )
         if tr.colocate:
-            raise DFlashError("a target spread over several GPUs cannot share its actor with the drafter; "
-                              "allowed: train.colocate=false", field="train.target_gpus")
+            raise DFlashError(
+                "a target spread over several GPUs cannot share its actor with the drafter; "
+                "allowed: train.colocate=false",
+                field="train.target_gpus",
+            )
     from dflash_ray.train import drafters
 
     if not isinstance(tr.drafters, list):
@@ -461,15 +543,20 @@ def check(cfg: RunConfig) -> None:
     if tr.drafters:
         drafters.expand(cfg)  # each drafter's values in range
         if tr.colocate:
-            raise DFlashError("one colocated actor holds one drafter; allowed with train.drafters: "
-                              "train.colocate=false", field="train.colocate")
+            raise DFlashError(
+                "one colocated actor holds one drafter; allowed with train.drafters: train.colocate=false",
+                field="train.colocate",
+            )
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in tr.profile_steps):
-        raise DFlashError(f"{tr.profile_steps!r}: allowed: a list of steps >= 1 (the metrics' step numbers)",
-                          field="train.profile_steps")
+        raise DFlashError(
+            f"{tr.profile_steps!r}: allowed: a list of steps >= 1 (the metrics' step numbers)",
+            field="train.profile_steps",
+        )
     bad = [t for t in tr.trackers if t not in TRACKERS]
     if bad or len(set(tr.trackers)) < len(tr.trackers):
-        raise DFlashError(f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}",
-                          field="train.trackers")
+        raise DFlashError(
+            f"{tr.trackers!r}: allowed: a list of distinct entries of {list(TRACKERS)}", field="train.trackers"
+        )
     from dflash_ray import chaos
 
     chaos.parse(cfg.chaos)
@@ -477,8 +564,10 @@ def check(cfg: RunConfig) -> None:
     if bad_inputs:
         raise DFlashError(f"{bad_inputs!r}: allowed: a list of file or folder URIs", field="pipeline.inputs")
     if cfg.pipeline.responses and cfg.selfprompt.count > 0:
-        raise DFlashError("self-written prompts have no answers to train on without generation; allowed: 0 "
-                          "with pipeline.responses", field="selfprompt.count")
+        raise DFlashError(
+            "self-written prompts have no answers to train on without generation; allowed: 0 with pipeline.responses",
+            field="selfprompt.count",
+        )
     for i, uri in enumerate(cfg.pipeline.inputs):
         _check_uri(uri, f"pipeline.inputs[{i}]")
     _check_sources(cfg.prompts)
@@ -494,17 +583,22 @@ def check_lengths(cfg: RunConfig) -> str | None:
     """
     g, keep = cfg.generate, cfg.tokenize.max_seq_len
     if g.max_tokens > keep:
-        raise DFlashError(f"{g.max_tokens} generated tokens per answer, above tokenize.max_seq_len={keep} "
-                          "that training keeps: every longer answer's tail would be generated and thrown away; "
-                          f"allowed: <= {keep}, or raise tokenize.max_seq_len", field="generate.max_tokens")
+        raise DFlashError(
+            f"{g.max_tokens} generated tokens per answer, above tokenize.max_seq_len={keep} "
+            "that training keeps: every longer answer's tail would be generated and thrown away; "
+            f"allowed: <= {keep}, or raise tokenize.max_seq_len",
+            field="generate.max_tokens",
+        )
     budget = cfg.prompts.max_prompt_tokens or g.max_model_len
     longest = min(g.max_model_len, budget + g.max_tokens)
     if longest > keep:
-        return (f"generate.max_model_len={g.max_model_len} with "
-                f"prompts.max_prompt_tokens={cfg.prompts.max_prompt_tokens}"
-                f" and generate.max_tokens={g.max_tokens} lets a conversation reach {longest} tokens, above "
-                f"tokenize.max_seq_len={keep}: the tail of a long prompt's answer is generated and then cut "
-                f"(raise tokenize.max_seq_len to {longest}, or lower generate.max_model_len to {keep})")
+        return (
+            f"generate.max_model_len={g.max_model_len} with "
+            f"prompts.max_prompt_tokens={cfg.prompts.max_prompt_tokens}"
+            f" and generate.max_tokens={g.max_tokens} lets a conversation reach {longest} tokens, above "
+            f"tokenize.max_seq_len={keep}: the tail of a long prompt's answer is generated and then cut "
+            f"(raise tokenize.max_seq_len to {longest}, or lower generate.max_model_len to {keep})"
+        )
     return None
 
 
@@ -523,19 +617,26 @@ def _check_sources(p: PromptsConfig) -> None:
             raise DFlashError("empty; allowed: a file, folder, s3:// or hf://datasets/ URI", field=f"{where}.uri")
         _check_uri(source.uri, f"{where}.uri")
         if source.count is not None and source.weight is not None:
-            raise DFlashError(f"count={source.count} and weight={source.weight} both set; allowed: one of them "
-                              "(or neither: all of the source)", field=where)
+            raise DFlashError(
+                f"count={source.count} and weight={source.weight} both set; allowed: one of them "
+                "(or neither: all of the source)",
+                field=where,
+            )
         if source.count is not None and source.count < 1:
             raise DFlashError(f"{source.count} is out of range; allowed: >= 1", field=f"{where}.count")
         if source.weight is not None and source.weight <= 0:
             raise DFlashError(f"{source.weight} is out of range; allowed: > 0", field=f"{where}.weight")
         weighted |= source.weight is not None
     if weighted and p.mix_total == 0:
-        raise DFlashError("0 with weighted sources; allowed: the number of prompts they give together (>= 1)",
-                          field="prompts.mix_total")
+        raise DFlashError(
+            "0 with weighted sources; allowed: the number of prompts they give together (>= 1)",
+            field="prompts.mix_total",
+        )
     if p.mix_total and not weighted:
-        raise DFlashError(f"{p.mix_total} but no source in prompts.sources has a weight; allowed: 0, or give "
-                          "sources weights", field="prompts.mix_total")
+        raise DFlashError(
+            f"{p.mix_total} but no source in prompts.sources has a weight; allowed: 0, or give sources weights",
+            field="prompts.mix_total",
+        )
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -630,8 +731,9 @@ class _UniqueKeys(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -654,8 +756,10 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     try:
         node[keys[-1]] = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise DFlashError(f"{raw!r} is not a YAML value ({str(e).splitlines()[0]}); quote a string, "
-                          "write a list as [a, b]", field=f"--set {'.'.join(keys)}") from None
+        raise DFlashError(
+            f"{raw!r} is not a YAML value ({str(e).splitlines()[0]}); quote a string, write a list as [a, b]",
+            field=f"--set {'.'.join(keys)}",
+        ) from None
 
 
 def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

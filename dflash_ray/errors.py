@@ -10,8 +10,9 @@ class DFlashError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, file: str | None = None, record: int | str | None = None,
-                 field: str | None = None):
+    def __init__(
+        self, message: str, *, file: str | None = None, record: int | str | None = None, field: str | None = None
+    ):
         where = []
         if file is not None:
             where.append(str(file))
@@ -38,6 +39,7 @@ class MissingObject(DFlashError, FileNotFoundError):
 
 class Interrupted(DFlashError):
     """Ctrl-C: the run stopped cleanly; the message says where it can resume from."""
+
     exit_code = 130
 
 

@@ -21,8 +21,12 @@ from dflash_ray.errors import DFlashError
 
 MANIFEST = "_manifest.json"
 # the command that writes each kind of dataset: what to rerun when one of its files is damaged
-WRITTEN_BY = {"prompts": "prompts", "prompts-jsonl": "selfprompt", "completions": "generate (or responses)",
-              "tokenized": "tokenize"}
+WRITTEN_BY = {
+    "prompts": "prompts",
+    "prompts-jsonl": "selfprompt",
+    "completions": "generate (or responses)",
+    "tokenized": "tokenize",
+}
 
 
 def file_entry(data: bytes) -> dict[str, Any]:
@@ -35,8 +39,14 @@ def _hash_all(uris: list[str]) -> list[str]:
         return list(pool.map(storage.sha256, uris))
 
 
-def write_manifest(folder: str, *, kind: str, files: list[dict[str, Any]],
-                   summary: dict[str, Any], config: dict[str, Any] | None = None) -> str:
+def write_manifest(
+    folder: str,
+    *,
+    kind: str,
+    files: list[dict[str, Any]],
+    summary: dict[str, Any],
+    config: dict[str, Any] | None = None,
+) -> str:
     """Write the manifest of a finished dataset; `files` hold `name`, `rows` (and `bytes`, `sha256`
     when the writer has them: `file_entry`; otherwise the files are read back for them)."""
     for entry in files:
@@ -44,8 +54,7 @@ def write_manifest(folder: str, *, kind: str, files: list[dict[str, Any]],
     unhashed = [entry for entry in files if "sha256" not in entry]
     for entry, digest in zip(unhashed, _hash_all([storage.join(folder, e["name"]) for e in unhashed])):
         entry["sha256"] = digest
-    body = {"kind": kind, "created": time.time(), "files": files, "summary": summary,
-            "config": config or {}}
+    body = {"kind": kind, "created": time.time(), "files": files, "summary": summary, "config": config or {}}
     uri = storage.join(folder, MANIFEST)
     storage.write_text(uri, json.dumps(body, indent=1, sort_keys=True))
     return uri
@@ -64,8 +73,12 @@ def read_manifest(folder: str) -> dict[str, Any] | None:
 def fingerprint(uri: str) -> str:
     """What a dataset holds, in a few hex digits: its manifest's files with their checksums, or for
     a folder without one (the user's own) each file's name and size. Same path, new data: a new print."""
-    folder = storage.is_s3(uri) and not str(uri).endswith((".parquet", ".arrow")) or \
-        not storage.is_s3(uri) and storage.local_path(uri).is_dir()
+    folder = (
+        storage.is_s3(uri)
+        and not str(uri).endswith((".parquet", ".arrow"))
+        or not storage.is_s3(uri)
+        and storage.local_path(uri).is_dir()
+    )
     found = read_manifest(uri) if folder else None
     items: list[tuple[Any, ...]]
     if found is not None:
@@ -77,9 +90,12 @@ def fingerprint(uri: str) -> str:
 
 def _damaged(path: str, kind: Any, what: str) -> DFlashError:
     rerun = WRITTEN_BY.get(str(kind), "the stage that wrote it")
-    return DFlashError(f"{what}: the file changed after the run that wrote this {kind} dataset (corrupt, "
-                       f"truncated or replaced); nothing was read. Rerun `dflash-ray {rerun}` into a new "
-                       f"output, or restore the file", file=path)
+    return DFlashError(
+        f"{what}: the file changed after the run that wrote this {kind} dataset (corrupt, "
+        f"truncated or replaced); nothing was read. Rerun `dflash-ray {rerun}` into a new "
+        f"output, or restore the file",
+        file=path,
+    )
 
 
 def check(path: str, data: bytes, entry: dict[str, Any] | None, kind: Any = None) -> bytes:
@@ -132,8 +148,15 @@ def listed_rows(uri: str) -> dict[str, int]:
     return {storage.join(uri, e["name"]): int(e["rows"]) for e in (found or {}).get("files", []) if "rows" in e}
 
 
-def commit(folder: str, *, kind: str, files: list[dict[str, Any]], summary: dict[str, Any],
-           config: dict[str, Any] | None, prefix: str) -> str:
+def commit(
+    folder: str,
+    *,
+    kind: str,
+    files: list[dict[str, Any]],
+    summary: dict[str, Any],
+    config: dict[str, Any] | None,
+    prefix: str,
+) -> str:
     """Make a finished run the dataset: write its manifest (replacing an earlier run's in one
     atomic write), then delete the data files of earlier runs, named `{prefix}*` but not listed."""
     uri = write_manifest(folder, kind=kind, files=files, summary=summary, config=config)
@@ -163,8 +186,10 @@ def require_columns(uri: str, columns: list[str], what: str) -> None:
     if missing:
         kind = (read_manifest(uri) or {}).get("kind") if not str(uri).endswith(".parquet") else None
         held = f"a {kind} dataset" if kind else f"columns {names}"
-        raise DFlashError(f"{what} expects the column(s) {missing}, which this file lacks (it holds {held}): "
-                          "nothing was run", file=first)
+        raise DFlashError(
+            f"{what} expects the column(s) {missing}, which this file lacks (it holds {held}): nothing was run",
+            file=first,
+        )
 
 
 def read_rows(uri: str, columns: list[str] | None, limit: int) -> list[dict[str, Any]]:

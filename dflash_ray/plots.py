@@ -35,15 +35,26 @@ def acceptance_png(summary: dict) -> bytes:
         for rates, label, color in ((drafter, "drafter", COLOR), (lookup, "prompt lookup", "#c0504d")):
             ks = [k for k, r in enumerate(rates, 1) if r is not None]
             by_position.plot(ks, [rates[k - 1] for k in ks], marker="o", label=label, color=color)
-        by_position.set(xlabel="draft position", ylabel="accepted | reached", ylim=(0, 1.05),
-                        title="acceptance by draft position")
+        by_position.set(
+            xlabel="draft position", ylabel="accepted | reached", ylim=(0, 1.05), title="acceptance by draft position"
+        )
         by_position.legend()
         sources = sorted(summary["tau_per_source"])
         xs = range(len(sources))
-        by_source.bar([x - 0.2 for x in xs], [summary["tau_per_source"][s] or 0 for s in sources], 0.4,
-                      label="drafter", color=COLOR)
-        by_source.bar([x + 0.2 for x in xs], [summary["tau_ngram_per_source"].get(s) or 0 for s in sources], 0.4,
-                      label="prompt lookup", color="#c0504d")
+        by_source.bar(
+            [x - 0.2 for x in xs],
+            [summary["tau_per_source"][s] or 0 for s in sources],
+            0.4,
+            label="drafter",
+            color=COLOR,
+        )
+        by_source.bar(
+            [x + 0.2 for x in xs],
+            [summary["tau_ngram_per_source"].get(s) or 0 for s in sources],
+            0.4,
+            label="prompt lookup",
+            color="#c0504d",
+        )
         by_source.set_xticks(list(xs), sources, rotation=20, ha="right")
         by_source.set(ylabel="acceptance length (tau)", title="by prompt source")
         by_source.legend()

@@ -41,7 +41,8 @@ def check_compiled_shapes(cfg: RunConfig) -> None:
                 f"{lengths} padded lengths, x {per_length} (mask kinds x grad modes) = {lengths * per_length} compiled "
                 f"attention graphs, above the limit of {MAX_SHAPES}: the run would fail at a new length mid-run; "
                 f"allowed: train.length_bucket >= {least}, or a lower tokenize.max_seq_len",
-                field="train.length_bucket")
+                field="train.length_bucket",
+            )
 
 
 def preflight(cfg: RunConfig, *, generating: bool = True) -> list[str]:

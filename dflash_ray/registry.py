@@ -117,8 +117,10 @@ def resolve(name_or_path: str, *, need: str = "model") -> str:
     hub = HUB_ID.match(name_or_path)
     if hub:
         return _hub_snapshot(hub.group(1), hub.group(2), need)
-    raise DFlashError(f"not a short name ({', '.join(SHORT_NAMES)}), an existing path nor a Hugging Face "
-                      "Hub id (ORG/NAME)", file=name_or_path)
+    raise DFlashError(
+        f"not a short name ({', '.join(SHORT_NAMES)}), an existing path nor a Hugging Face Hub id (ORG/NAME)",
+        file=name_or_path,
+    )
 
 
 def _node_lock(name: str):
@@ -152,14 +154,20 @@ def _hub_snapshot(repo_id: str, revision: str | None, need: str) -> str:
     where = f"{repo_id}@{revision}" if revision else repo_id
     with _node_lock(f"hub--{repo_id}"):
         try:
-            return snapshot_download(repo_id, revision=revision,
-                                     allow_patterns=TOKENIZER_FILES if need == "tokenizer" else None)
+            return snapshot_download(
+                repo_id, revision=revision, allow_patterns=TOKENIZER_FILES if need == "tokenizer" else None
+            )
         except Exception as e:  # no such repo, gated, offline with nothing cached, no network
-            offline = " (HF_HUB_OFFLINE is set: the local Hugging Face cache must hold it)" \
-                if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0") else ""
-            raise DFlashError(f"no such local path, and the Hugging Face Hub cannot give {where}{offline}: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                              file=where) from None
+            offline = (
+                " (HF_HUB_OFFLINE is set: the local Hugging Face cache must hold it)"
+                if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+                else ""
+            )
+            raise DFlashError(
+                f"no such local path, and the Hugging Face Hub cannot give {where}{offline}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                file=where,
+            ) from None
 
 
 def config_dir(name_or_path: str) -> str:

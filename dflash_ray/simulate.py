@@ -43,8 +43,11 @@ class Gpu:
 
 
 # the peaks from the vendors' datasheets; memory as the driver reports it
-GPUS = {"H100": Gpu("H100", 85.5, 989.0, 3.35), "H200": Gpu("H200", 150.7, 989.0, 4.8),
-        "B200": Gpu("B200", 192.3, 2250.0, 8.0)}
+GPUS = {
+    "H100": Gpu("H100", 85.5, 989.0, 3.35),
+    "H200": Gpu("H200", 150.7, 989.0, 4.8),
+    "B200": Gpu("B200", 192.3, 2250.0, 8.0),
+}
 
 aten = torch.ops.aten
 
@@ -63,7 +66,8 @@ class _EveryEntryTrue(torch.utils._python_dispatch.TorchDispatchMode):
         if func is aten.nonzero.default:
             return _all_indices(args[0])
         if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-                i is not None and i.dtype == torch.bool for i in args[1]):
+            i is not None and i.dtype == torch.bool for i in args[1]
+        ):
             indices = []
             for i in args[1]:
                 indices.extend(_all_indices(i).unbind(-1) if i is not None and i.dtype == torch.bool else [i])
@@ -89,6 +93,7 @@ class _FlexKernel(torch.autograd.Function):
 
 class _Counted:
     """FLOPs of stood-in kernels the flop counter does not see."""
+
     flops = 0.0
 
 
@@ -155,11 +160,23 @@ def fake_module(build, mode, dtype: torch.dtype | None = None) -> nn.Module:
 def _categories(snapshot: dict) -> dict[str, float]:
     """A tracker's peak snapshot as GB by category, summed over devices; the FSDP tracker's finer
     kinds folded into the five a reader compares."""
-    fold = {"Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
-            "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
-            "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
-            "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
-            "Reduce Scatter": "temporaries", "Inputs": "inputs", "Other": "temporaries"}
+    fold = {
+        "Parameter": "parameters",
+        "Sharded Param": "parameters",
+        "Unsharded Param": "parameters",
+        "Buffer": "parameters",
+        "Gradient": "gradients",
+        "Sharded Grad": "gradients",
+        "Unsharded Grad": "gradients",
+        "Optstate": "optimizer",
+        "OptState": "optimizer",
+        "Activation": "activations",
+        "Temp": "temporaries",
+        "All Gather": "temporaries",
+        "Reduce Scatter": "temporaries",
+        "Inputs": "inputs",
+        "Other": "temporaries",
+    }
     out = dict.fromkeys(["parameters", "gradients", "optimizer", "activations", "temporaries", "inputs"], 0.0)
     for per_device in snapshot.values():
         for kind, nbytes in per_device.items():
@@ -175,8 +192,10 @@ def tensor_gb(*tensors: torch.Tensor) -> float:
 
 # -- the attention FLOPs the flex stand-in does not count ----------------------------------------
 
-def attention_pairs(seq_len: int, prompt_len: int, num_anchors: int, block_size: int, layer_type: str,
-                    sliding_window: int) -> float:
+
+def attention_pairs(
+    seq_len: int, prompt_len: int, num_anchors: int, block_size: int, layer_type: str, sliding_window: int
+) -> float:
     """Expected (query, key) pairs a block-attention layer computes for one sequence: anchors drawn
     uniformly over the response, each block's K queries seeing the anchor's context (its window of
     it in a sliding layer) and their own block."""
@@ -193,26 +212,39 @@ def attention_flops(drafter_cfg, seq_len: int, prompt_len: int, num_anchors: int
     twice that in the backward (the flop counter's own rule for attention)."""
     total = 0.0
     for layer_type in drafter_cfg.layer_types:
-        pairs = attention_pairs(seq_len, prompt_len, num_anchors, drafter_cfg.block_size, layer_type,
-                                drafter_cfg.sliding_window)
+        pairs = attention_pairs(
+            seq_len, prompt_len, num_anchors, drafter_cfg.block_size, layer_type, drafter_cfg.sliding_window
+        )
         total += 4 * pairs * drafter_cfg.num_heads * drafter_cfg.head_dim * (3 if backward else 1)
     return total
 
 
 # -- the roles ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Sample:
     """The batch a role steps on: `batch` sequences of `seq_len` tokens, the first `prompt_len` of
     each the prompt (the rest trained on)."""
+
     seq_len: int
     prompt_len: int
     batch: int = 1
 
 
-def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: int, world: int,
-                 tied_head: bool, teacher_k: int, distill: float, gamma: float | None,
-                 length_bucket: int) -> dict[str, Any]:
+def drafter_step(
+    drafter_cfg,
+    family_name: str,
+    sample: Sample,
+    *,
+    num_anchors: int,
+    world: int,
+    tied_head: bool,
+    teacher_k: int,
+    distill: float,
+    gamma: float | None,
+    length_bucket: int,
+) -> dict[str, Any]:
     """One training step of a drafter rank: its family's own forward and loss, the backward, the
     clipped gradients and AdamW, sharded with FSDP2 over `world` ranks (a fake process group) as a
     run shards it. Returns memory by category (GB), FLOPs and the simulator's own seconds."""
@@ -233,13 +265,14 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
         features = torch.empty(B, S, len(drafter_cfg.target_layer_ids) * H, dtype=torch.bfloat16)
         ids = torch.zeros(B, S, dtype=torch.long)
         mask = torch.ones(B, S, dtype=torch.long)
-        mask[:, :sample.prompt_len] = 0
+        mask[:, : sample.prompt_len] = 0
         teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
         if family.wants_target_distribution:  # the target's last hidden states
             teacher = torch.empty(B, S, H, dtype=torch.bfloat16)
         else:
-            teacher = (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) \
-                if teacher_k else None
+            teacher = (
+                (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) if teacher_k else None
+            )
         if group is not None:
             from dflash_ray.train.sharding import shard
 
@@ -251,9 +284,21 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
         flops = FlopCounterMode(display=False)
         with tracker, flops:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = family.forward_loss(drafter, embed, head, features, ids, mask, num_anchors=num_anchors,
-                                          generator=torch.Generator().manual_seed(0), attention="flex", gamma=gamma,
-                                          teacher=teacher, distill=distill, length_bucket=length_bucket)
+                out = family.forward_loss(
+                    drafter,
+                    embed,
+                    head,
+                    features,
+                    ids,
+                    mask,
+                    num_anchors=num_anchors,
+                    generator=torch.Generator().manual_seed(0),
+                    attention="flex",
+                    gamma=gamma,
+                    teacher=teacher,
+                    distill=distill,
+                    length_bucket=length_bucket,
+                )
             out.loss.loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
@@ -265,8 +310,12 @@ def drafter_step(drafter_cfg, family_name: str, sample: Sample, *, num_anchors: 
     memory["total"] = round(sum(memory.values()), 2)
     counted: float = flops.get_total_flops()  # one rank's own batch
     counted += attention_flops(drafter_cfg, S, sample.prompt_len, num_anchors, backward=True) * B
-    return {"memory_gb": memory, "flops_per_step": counted, "parameters": parameters,
-            "simulated_in_s": round(time.perf_counter() - started, 1)}
+    return {
+        "memory_gb": memory,
+        "flops_per_step": counted,
+        "parameters": parameters,
+        "simulated_in_s": round(time.perf_counter() - started, 1),
+    }
 
 
 @contextlib.contextmanager
@@ -291,8 +340,9 @@ def _fake_group(world: int):
         dist.destroy_process_group()
 
 
-def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: int,
-                   last: bool = False) -> dict[str, Any]:
+def target_forward(
+    target_config, layer_ids: list[int], sample: Sample, top_k: int, last: bool = False
+) -> dict[str, Any]:
     """The target's forward with the capture hooks (`capture.target_outputs`, the worker's own call)
     over the sample, in bf16, built from its config.json alone (transformers' own class); `top_k`:
     distillation's top-k, `last`: the last hidden states a DSpark drafter turns into the distribution."""
@@ -316,5 +366,8 @@ def target_forward(target_config, layer_ids: list[int], sample: Sample, top_k: i
             target_outputs(model, ids, layer_ids, attention_mask=attn, top_k=top_k, want_BS=want, last_hidden=last)
         memory = _categories(tracker.get_tracker_snapshot("peak"))
     memory["total"] = round(sum(memory.values()), 2)
-    return {"memory_gb": memory, "flops_per_step": flops.get_total_flops() + _Counted.flops,
-            "simulated_in_s": round(time.perf_counter() - started, 1)}
+    return {
+        "memory_gb": memory,
+        "flops_per_step": flops.get_total_flops() + _Counted.flops,
+        "simulated_in_s": round(time.perf_counter() - started, 1),
+    }

@@ -33,7 +33,7 @@ def is_s3(uri: str) -> bool:
 
 def local_path(uri: str) -> Path:
     uri = str(uri)
-    return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    return Path(uri[len("file://") :] if uri.startswith("file://") else uri)
 
 
 def overlaps(a: str, b: str) -> bool:
@@ -48,7 +48,7 @@ def overlaps(a: str, b: str) -> bool:
 
 
 def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = str(uri)[len(S3_PREFIX):].partition("/")
+    bucket, _, key = str(uri)[len(S3_PREFIX) :].partition("/")
     return bucket, key
 
 
@@ -81,8 +81,10 @@ def _s3_client(pid: int):  # keyed by pid: a client must not cross a fork
     try:
         return boto3.client("s3", config=Config(retries={"mode": "standard", "total_max_attempts": int(raw)}))
     except ValueError as e:  # botocore's check of the environment's endpoint, region and the like
-        raise DFlashError(f"the S3 client refuses the environment's settings: {e}",
-                          field="AWS_ENDPOINT_URL / AWS_REGION (environment)") from None
+        raise DFlashError(
+            f"the S3 client refuses the environment's settings: {e}",
+            field="AWS_ENDPOINT_URL / AWS_REGION (environment)",
+        ) from None
 
 
 def s3_client():
@@ -91,13 +93,31 @@ def s3_client():
 
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired", "InvalidClientTokenId"}
+_BAD_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+}
 # the service asks for fewer requests, or is briefly down: retried, and reported once the tries run out
-_OVERLOADED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
-               "RequestThrottled", "ServiceUnavailable", "503", "InternalError", "500"}
-CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an "
-                    "instance profile or IAM role provides credentials")
+_OVERLOADED = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestThrottled",
+    "ServiceUnavailable",
+    "503",
+    "InternalError",
+    "500",
+}
+CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an "
+    "instance profile or IAM role provides credentials"
+)
 
 
 def _endpoint() -> str:
@@ -129,21 +149,33 @@ def _bucket_exists(bucket: str) -> bool:
 
 def _no_bucket(uri: str) -> DFlashError:
     bucket, _ = split_s3(uri)
-    return DFlashError(f"S3 bucket '{bucket}' does not exist at {_endpoint()}: create it or correct the URI "
-                       "(AWS_ENDPOINT_URL selects a non-AWS S3 service)", file=uri)
+    return DFlashError(
+        f"S3 bucket '{bucket}' does not exist at {_endpoint()}: create it or correct the URI "
+        "(AWS_ENDPOINT_URL selects a non-AWS S3 service)",
+        file=uri,
+    )
 
 
 def _classify(uri: str, action: str, error: Exception) -> Exception | None:
     """The clear error for an S3 failure a retry cannot fix; None for any other."""
-    from botocore.exceptions import (ClientError, ConnectTimeoutError, EndpointConnectionError,
-                                     NoCredentialsError, PartialCredentialsError, ProxyConnectionError)
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ProxyConnectionError,
+    )
 
     bucket, _ = split_s3(uri)
     if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
         return DFlashError(f"no usable AWS credentials for S3 ({error}): {CREDENTIALS_HINT}", file=uri)
     if isinstance(error, (EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError)):
-        return DFlashError(f"the S3 endpoint {_endpoint()} does not answer ({error}): set AWS_ENDPOINT_URL to "
-                           "the S3 service's address (unset for AWS itself) and check the network", file=uri)
+        return DFlashError(
+            f"the S3 endpoint {_endpoint()} does not answer ({error}): set AWS_ENDPOINT_URL to "
+            "the S3 service's address (unset for AWS itself) and check the network",
+            file=uri,
+        )
     if not isinstance(error, ClientError):
         return None
     code = str(error.response.get("Error", {}).get("Code", ""))
@@ -152,17 +184,24 @@ def _classify(uri: str, action: str, error: Exception) -> Exception | None:
     if code in _MISSING:
         return _missing(uri)
     if code in _DENIED:
-        return DFlashError(f"access denied ({code}) by {_endpoint()}: the credentials in use need s3:{action} "
-                           f"on bucket '{bucket}' (grant it, or {CREDENTIALS_HINT} that hold it)", file=uri)
+        return DFlashError(
+            f"access denied ({code}) by {_endpoint()}: the credentials in use need s3:{action} "
+            f"on bucket '{bucket}' (grant it, or {CREDENTIALS_HINT} that hold it)",
+            file=uri,
+        )
     if code in _OVERLOADED:
         tries = int(error.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)) + 1
-        return DFlashError(f"{_endpoint()} still answered {code} after {tries} tries of s3:{action}: the service is "
-                           "overloaded or throttling this bucket; raise AWS_MAX_ATTEMPTS (now "
-                           f"{os.environ.get('AWS_MAX_ATTEMPTS', DEFAULT_MAX_ATTEMPTS)}) or send fewer requests at "
-                           "once (fewer generate.generators, a lower tokenize.concurrency)", file=uri)
+        return DFlashError(
+            f"{_endpoint()} still answered {code} after {tries} tries of s3:{action}: the service is "
+            "overloaded or throttling this bucket; raise AWS_MAX_ATTEMPTS (now "
+            f"{os.environ.get('AWS_MAX_ATTEMPTS', DEFAULT_MAX_ATTEMPTS)}) or send fewer requests at "
+            "once (fewer generate.generators, a lower tokenize.concurrency)",
+            file=uri,
+        )
     if code in _BAD_CREDENTIALS:
-        return DFlashError(f"the S3 service rejected the credentials ({code}): {CREDENTIALS_HINT}, valid "
-                           f"for {_endpoint()}", file=uri)
+        return DFlashError(
+            f"the S3 service rejected the credentials ({code}): {CREDENTIALS_HINT}, valid for {_endpoint()}", file=uri
+        )
     return None
 
 
@@ -314,7 +353,7 @@ def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], lis
         paginator = s3_client().get_paginator("list_objects_v2")
         with _s3_errors(prefix, "ListBucket"):
             for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
-                names += [obj["Key"][len(key):] for obj in page.get("Contents", [])]
+                names += [obj["Key"][len(key) :] for obj in page.get("Contents", [])]
     else:
         folder = local_path(prefix)
         if not folder.is_dir():
@@ -335,7 +374,7 @@ def list_dirs(prefix: str) -> list[str]:
         paginator = s3_client().get_paginator("list_objects_v2")
         with _s3_errors(prefix, "ListBucket"):
             for page in paginator.paginate(Bucket=bucket, Prefix=key, Delimiter="/"):
-                names += [p["Prefix"][len(key):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+                names += [p["Prefix"][len(key) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
     else:
         folder = local_path(prefix)
         names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
@@ -388,7 +427,8 @@ def arrow_filesystem(uri: str):
         if region:
             kwargs["region"] = region
         retry = pafs.AwsStandardS3RetryStrategy(
-            max_attempts=int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)))
+            max_attempts=int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))
+        )
         return pafs.S3FileSystem(retry_strategy=retry, **kwargs), f"{bucket}/{key}"
     return pafs.LocalFileSystem(), str(local_path(uri).absolute())
 

@@ -60,8 +60,15 @@ class Claim:
         self._thread = threading.Thread(target=self._renew, name=f"claim {folder}", daemon=True)
 
     def _body(self) -> str:
-        return json.dumps({"owner": self.owner, "kind": self.kind, "host": socket.gethostname(),
-                           "pid": os.getpid(), "heartbeat": time.time()})
+        return json.dumps(
+            {
+                "owner": self.owner,
+                "kind": self.kind,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat": time.time(),
+            }
+        )
 
     def _renew(self) -> None:
         while not self._stop.wait(RENEW_S):
@@ -75,8 +82,11 @@ class Claim:
         """Refuse to commit when another run has taken the folder meanwhile."""
         now = _read(self.uri)
         if (now or {}).get("owner") != self.owner:
-            raise DFlashError(f"another run took this output while this one ran ({_who(now)}); nothing was "
-                              "committed: rerun into a folder of its own", file=self.folder)
+            raise DFlashError(
+                f"another run took this output while this one ran ({_who(now)}); nothing was "
+                "committed: rerun into a folder of its own",
+                file=self.folder,
+            )
 
     def release(self) -> None:
         self._stop.set()
@@ -101,15 +111,21 @@ def claim(folder: str, kind: str, *, also: tuple[str, ...] = ()) -> Claim:
     """Claim `folder` for a run writing a `kind` dataset (`also`: other kinds it may replace)."""
     existing = manifest.read_manifest(folder)
     if existing is not None and existing.get("kind") not in (kind, *also):
-        raise DFlashError(f"holds a '{existing.get('kind')}' dataset (its {manifest.MANIFEST}); a {kind} run would "
-                          "replace it: give an output folder of its own", file=folder)
+        raise DFlashError(
+            f"holds a '{existing.get('kind')}' dataset (its {manifest.MANIFEST}); a {kind} run would "
+            "replace it: give an output folder of its own",
+            file=folder,
+        )
     c = Claim(folder, kind, uuid.uuid4().hex)
     held = _read(c.uri)
     if held is not None:
         fresh = time.time() - float(held.get("heartbeat", 0)) < TIMEOUT_S
         if fresh and _alive_here(held):
-            raise DFlashError(f"another run is writing this output ({_who(held)}); wait for it to end or give "
-                              f"another folder (a claim silent for {TIMEOUT_S:.0f} s is taken over)", file=folder)
+            raise DFlashError(
+                f"another run is writing this output ({_who(held)}); wait for it to end or give "
+                f"another folder (a claim silent for {TIMEOUT_S:.0f} s is taken over)",
+                file=folder,
+            )
         log.warning("taking over %s from a run that is gone (%s)", folder, _who(held))
         c.took_over = held
     storage.write_text(c.uri, c._body())

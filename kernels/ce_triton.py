@@ -14,8 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, stride, labels_ptr, weights_ptr, scale, loss_ptr, hit_ptr, V,
-                    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_rows_kernel(
+    logits_ptr,
+    stride,
+    labels_ptr,
+    weights_ptr,
+    scale,
+    loss_ptr,
+    hit_ptr,
+    V,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     base = logits_ptr + row * stride
     label = tl.load(labels_ptr + row)
@@ -48,13 +58,24 @@ def _ce_rows_kernel(logits_ptr, stride, labels_ptr, weights_ptr, scale, loss_ptr
             tl.store(base + offs, grad, mask=offs < V)
 
 
-def ce_rows(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, scale: float,
-            write_grad: bool, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def ce_rows(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, scale: float, write_grad: bool, block: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row weighted CE and top-1 hits of fp32 `logits` [c, V]; with `write_grad`, `logits`
     is overwritten by (softmax - onehot) * w * scale."""
     c, V = logits.shape
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     hit = torch.empty(c, dtype=torch.int8, device=logits.device)
-    _ce_rows_kernel[(c,)](logits, logits.stride(0), labels, weights.float().contiguous(), scale, loss, hit, V,
-                          WRITE_GRAD=write_grad, BLOCK=min(block, triton.next_power_of_2(V)))
+    _ce_rows_kernel[(c,)](
+        logits,
+        logits.stride(0),
+        labels,
+        weights.float().contiguous(),
+        scale,
+        loss,
+        hit,
+        V,
+        WRITE_GRAD=write_grad,
+        BLOCK=min(block, triton.next_power_of_2(V)),
+    )
     return loss, hit.bool()

@@ -21,13 +21,15 @@ import torch
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
+
 DEFAULT_CHUNK_BYTES = 256 * 1024**2
 
 
 class _FusedLinearWeightedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes: int, soft_ids_Nm=None,
-                soft_probs_Nm=None):
+    def forward(
+        ctx, hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes: int, soft_ids_Nm=None, soft_probs_Nm=None
+    ):
         N, V = hidden_NH.shape[0], head_VH.shape[0]
         wsum = weights_N.float().sum().clamp_min(1e-12)
         rows = (weights_N > 0).nonzero().flatten()
@@ -38,7 +40,7 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
         correct = torch.zeros(N, dtype=torch.bool, device=hidden_NH.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
         for start in range(0, rows.numel(), chunk):
-            idx = rows[start:start + chunk]
+            idx = rows[start : start + chunk]
             h = hidden_NH[idx]
             y = labels_N[idx]
             w = weights_N[idx].float()
@@ -95,11 +97,17 @@ class _FusedLinearWeightedCE(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def fused_linear_weighted_ce(hidden_NH: torch.Tensor, head_VH: torch.Tensor, labels_N: torch.Tensor,
-                             weights_N: torch.Tensor, soft_ids_Nm: torch.Tensor | None = None,
-                             soft_probs_Nm: torch.Tensor | None = None,
-                             max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_linear_weighted_ce(
+    hidden_NH: torch.Tensor,
+    head_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    weights_N: torch.Tensor,
+    soft_ids_Nm: torch.Tensor | None = None,
+    soft_probs_Nm: torch.Tensor | None = None,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * CE(hidden @ head.T, labels)) / sum(w), and top-1 hits [N] (False where w = 0).
     With soft targets (ids and probabilities [N, m], rows summing to 1) the CE is against them."""
-    return _FusedLinearWeightedCE.apply(hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes, soft_ids_Nm,
-                                        soft_probs_Nm)
+    return _FusedLinearWeightedCE.apply(
+        hidden_NH, head_VH, labels_N, weights_N, max_chunk_bytes, soft_ids_Nm, soft_probs_Nm
+    )

@@ -28,10 +28,23 @@ INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_e
 
 # The files that take longest, longest first: `make test` runs two files at a time (pytest-xdist,
 # a file to a worker, in this order), and a long file started last would finish alone.
-LONGEST_FIRST = ("test_train.py", "test_chaos.py", "test_train_guards.py", "test_vllm_export.py", "test_job_submit.py",
-                 "test_generate_actors.py", "test_tokenize_validate.py", "test_responses.py", "test_onesample.py",
-                 "test_autoscale.py",
-                 "test_engine_memory.py", "test_speculative.py", "test_trackers.py", "test_gpu_check.py", "test_plan.py")
+LONGEST_FIRST = (
+    "test_train.py",
+    "test_chaos.py",
+    "test_train_guards.py",
+    "test_vllm_export.py",
+    "test_job_submit.py",
+    "test_generate_actors.py",
+    "test_tokenize_validate.py",
+    "test_responses.py",
+    "test_onesample.py",
+    "test_autoscale.py",
+    "test_engine_memory.py",
+    "test_speculative.py",
+    "test_trackers.py",
+    "test_gpu_check.py",
+    "test_plan.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -69,8 +82,13 @@ def s3_endpoint():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "4"}
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_MAX_ATTEMPTS": "4",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield endpoint
@@ -98,8 +116,9 @@ def ray_cluster(s3_endpoint):
     import ray
 
     # "local": never the cluster a test started with `ray start` (ray.init alone would join it)
-    ray.init(address="local", num_cpus=2, object_store_memory=256 * 1024**2, include_dashboard=False,
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, object_store_memory=256 * 1024**2, include_dashboard=False, log_to_driver=False
+    )
     yield
     ray.shutdown()
 
@@ -158,8 +177,9 @@ def wait_for_nodes(address: str, env: dict, nodes: int, procs: list, timeout_s: 
     import time
 
     log = tempfile.TemporaryFile("w+")  # not a pipe: a retrying probe's warnings could fill one
-    probe = subprocess.Popen([sys.executable, "-c", _PROBE, address, str(nodes)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=log, text=True)
+    probe = subprocess.Popen(
+        [sys.executable, "-c", _PROBE, address, str(nodes)], env=env, stdout=subprocess.DEVNULL, stderr=log, text=True
+    )
     deadline = time.time() + timeout_s
     try:
         while probe.poll() is None:
@@ -225,32 +245,69 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
     from pathlib import Path
 
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0", **FAST_NODE_DEATH}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **FAST_NODE_DEATH,
+    }
     env.pop("RAY_ADDRESS", None)
 
     def own_ports():  # the session's other local cluster holds the default ones
-        return [f"--{name}-port={free_port()}" for name in (
-            "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
-            "node-manager", "object-manager")]
+        return [
+            f"--{name}-port={free_port()}"
+            for name in (
+                "dashboard-agent-listen",
+                "dashboard-agent-grpc",
+                "metrics-export",
+                "runtime-env-agent",
+                "node-manager",
+                "object-manager",
+            )
+        ]
 
     def start(args):
-        return subprocess.Popen([str(bin_dir / "ray"), "start", "--block", *args, *own_ports()], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [str(bin_dir / "ray"), "start", "--block", *args, *own_ports()],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     for attempt in range(3):
         port = free_port()
         address = f"127.0.0.1:{port}"
         temp = f"/tmp/ray2n-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
-        procs = [start(["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=0",
-                        '--resources={"head_node": 1}', "--include-dashboard=false", f"--temp-dir={temp}",
-                        f"--ray-client-server-port={free_port()}"])]
+        procs = [
+            start(
+                [
+                    "--head",
+                    "--node-ip-address=127.0.0.1",
+                    f"--port={port}",
+                    "--num-cpus=0",
+                    '--resources={"head_node": 1}',
+                    "--include-dashboard=false",
+                    f"--temp-dir={temp}",
+                    f"--ray-client-server-port={free_port()}",
+                ]
+            )
+        ]
         try:
             # the workers join a head that is up (one started earlier gives up on it)
             ok = wait_for_nodes(address, env, 1, procs)
             for ip, cpus, resources in workers if ok else []:  # one at a time: see above
-                procs.append(start([f"--address={address}", f"--node-ip-address={ip}", f"--num-cpus={cpus}",
-                                    f"--resources={json.dumps(resources)}"]))
+                procs.append(
+                    start(
+                        [
+                            f"--address={address}",
+                            f"--node-ip-address={ip}",
+                            f"--num-cpus={cpus}",
+                            f"--resources={json.dumps(resources)}",
+                        ]
+                    )
+                )
                 ok = wait_for_nodes(address, env, len(procs), procs)
                 if not ok:
                     break

@@ -45,11 +45,14 @@ def _parquet_bytes(table):
 
 # -- prompts ---------------------------------------------------------------------------------
 
+
 def test_json_array_with_one_broken_element_keeps_the_others(tmp_path):
     path = tmp_path / "chats.json"
-    path.write_text('[\n {"messages": [{"role": "user", "content": "one"}]},\n'
-                    ' {"messages": [{"role": "user", "content": "two"}, }]},\n'
-                    ' {"messages": [{"role": "user", "content": "three"}]}\n]\n')
+    path.write_text(
+        '[\n {"messages": [{"role": "user", "content": "one"}]},\n'
+        ' {"messages": [{"role": "user", "content": "two"}, }]},\n'
+        ' {"messages": [{"role": "user", "content": "three"}]}\n]\n'
+    )
     summary = run_prompts([str(path)], str(tmp_path / "out"), NO_BUDGET, progress=False)
     assert (summary["records"], summary["prompts"], summary["quarantined"]) == (3, 2, 1)
     (bad,) = _quarantine(tmp_path / "out")
@@ -78,7 +81,7 @@ def test_json_array_on_one_jsonl_line_yields_its_records(tmp_path):
 def test_corrupt_parquet_is_one_entry_and_the_other_files_go_on(tmp_path):
     good = _parquet_bytes(pa.Table.from_pylist([{"instruction": "Name a prime."}, {"instruction": "Name a color."}]))
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "bad.parquet").write_bytes(good[:len(good) // 2])
+    (tmp_path / "in" / "bad.parquet").write_bytes(good[: len(good) // 2])
     (tmp_path / "in" / "good.parquet").write_bytes(good)
     (tmp_path / "in" / "chats.jsonl").write_text(_lines(_chat("hi")))
     summary = run_prompts([str(tmp_path / "in")], str(tmp_path / "out"), NO_BUDGET, progress=False)
@@ -122,8 +125,9 @@ def test_no_prompts_out_exits_2_and_a_failed_rerun_keeps_the_previous_output(tmp
     run_prompts([str(good)], out, NO_BUDGET, progress=False)
     before = manifest.read_manifest(out)
 
-    code, summary, err = _cli(capsys, "prompts", "--input", str(bad), "--output", out,
-                              "--set", "prompts.max_prompt_tokens=0")
+    code, summary, err = _cli(
+        capsys, "prompts", "--input", str(bad), "--output", out, "--set", "prompts.max_prompt_tokens=0"
+    )
     assert code == 2 and summary["ok"] is False and summary["exit_code"] == 2
     assert "no prompts out of 3 records" in err and str(bad) in err
     assert summary["records"] == summary["quarantined"] == 3 and summary["prompts"] == 0
@@ -141,17 +145,31 @@ def test_no_prompts_out_exits_2_and_a_failed_rerun_keeps_the_previous_output(tmp
 
 # -- tokenize --------------------------------------------------------------------------------
 
+
 def _completion(i, **changes):
-    row = {"id": f"c{i}", "source": "s", "messages": [{"role": "user", "content": f"q{i}"}],
-           "text": "a", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5]}
+    row = {
+        "id": f"c{i}",
+        "source": "s",
+        "messages": [{"role": "user", "content": f"q{i}"}],
+        "text": "a",
+        "prompt_token_ids": [1, 2, 3],
+        "output_token_ids": [4, 5],
+    }
     return {**row, **changes}
 
 
 # one line per case that once aborted the Ray Data job: (line, kind, words the reason holds)
 BAD_COMPLETIONS = [
-    (_completion(10, messages=[{"content": "no role"}], prompt_token_ids=None, output_token_ids=None),
-     "missing_field", "messages[0].role"),
-    (_completion(11, tools="[{not json", prompt_token_ids=None, output_token_ids=None), "bad_field", "tools: not valid JSON"),
+    (
+        _completion(10, messages=[{"content": "no role"}], prompt_token_ids=None, output_token_ids=None),
+        "missing_field",
+        "messages[0].role",
+    ),
+    (
+        _completion(11, tools="[{not json", prompt_token_ids=None, output_token_ids=None),
+        "bad_field",
+        "tools: not valid JSON",
+    ),
     ({k: v for k, v in _completion(12).items() if k != "id"}, "missing_field", "id: missing"),
     (_completion(13, output_token_ids=[4, "five"]), "bad_field", "output_token_ids[1]: 'five'"),
     (_completion(14, prompt_token_ids=[1.5]), "bad_field", "prompt_token_ids[0]: 1.5"),
@@ -172,8 +190,11 @@ def test_tokenize_rejects_bad_rows_with_file_and_line_and_goes_on(ray_cluster, t
     out = str(tmp_path / "tokenized")
     cfg = load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"])
     summary = run_tokenize(str(folder), out, cfg)
-    assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (4 + len(BAD_COMPLETIONS) + 1, 4,
-                                                                               len(BAD_COMPLETIONS) + 1)
+    assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (
+        4 + len(BAD_COMPLETIONS) + 1,
+        4,
+        len(BAD_COMPLETIONS) + 1,
+    )
     rejected = [json.loads(x) for x in storage.read_text(summary["rejected_file"]).splitlines()]
     by_line = {r.get("line"): r for r in rejected if r["file"].endswith("a.jsonl")}
     for line, (_, kind, words) in enumerate(BAD_COMPLETIONS, start=5):
@@ -202,8 +223,9 @@ def test_a_listed_shard_that_cannot_be_read_counts_every_row_its_manifest_promis
     (folder / "completions-b.parquet").write_bytes(good[:-8] + b"\0" * 8)  # right size, footer gone
     files = [{"name": "completions-a.parquet", "rows": 1}, {"name": "completions-b.parquet", "rows": 32}]
     manifest.write_manifest(str(folder), kind="completions", summary={}, files=files)
-    summary = run_tokenize(str(folder), str(tmp_path / "tokenized"),
-                           load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"]))
+    summary = run_tokenize(
+        str(folder), str(tmp_path / "tokenized"), load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"])
+    )
     assert (summary["rows_in"], summary["rows_out"], summary["rejected"]) == (33, 1, 32)
     (lost,) = json.loads("[" + storage.read_text(summary["rejected_file"]).strip() + "]")
     assert lost["rows"] == 32 and lost["file"].endswith("completions-b.parquet") and "32 rows lost" in lost["reason"]
@@ -230,15 +252,41 @@ def test_every_stage_refuses_a_listed_file_whose_sha256_changed(tmp_path, capsys
     _flip_a_byte(prompts / listed["name"])
     completions = tmp_path / "completions"
     completions.mkdir()
-    (completions / "part-0.parquet").write_bytes(_parquet_bytes(pa.Table.from_pylist([_completion(i) for i in range(8)])))
-    manifest.write_manifest(str(completions), kind="completions", files=[{"name": "part-0.parquet", "rows": 8}],
-                            summary={})
+    (completions / "part-0.parquet").write_bytes(
+        _parquet_bytes(pa.Table.from_pylist([_completion(i) for i in range(8)]))
+    )
+    manifest.write_manifest(
+        str(completions), kind="completions", files=[{"name": "part-0.parquet", "rows": 8}], summary={}
+    )
     _flip_a_byte(completions / "part-0.parquet")
     for argv, name, rerun in (
-            (["tokenize", "--input", str(completions), "--output", str(tmp_path / "tok"),
-              "--set", "tokenize.tokenizer=smollm2-135m-instruct"], "part-0.parquet", "dflash-ray generate"),
-            (["generate", "--prompts", str(prompts), "--output", str(tmp_path / "gen"), "--model",
-              "smollm2-135m-instruct"], listed["name"], "dflash-ray prompts")):
+        (
+            [
+                "tokenize",
+                "--input",
+                str(completions),
+                "--output",
+                str(tmp_path / "tok"),
+                "--set",
+                "tokenize.tokenizer=smollm2-135m-instruct",
+            ],
+            "part-0.parquet",
+            "dflash-ray generate",
+        ),
+        (
+            [
+                "generate",
+                "--prompts",
+                str(prompts),
+                "--output",
+                str(tmp_path / "gen"),
+                "--model",
+                "smollm2-135m-instruct",
+            ],
+            listed["name"],
+            "dflash-ray prompts",
+        ),
+    ):
         code, summary, _ = _cli(capsys, *argv)
         assert code == 2 and name in summary["error"], summary
         assert "sha256 does not match" in summary["error"] and rerun in summary["error"], summary
@@ -248,20 +296,24 @@ def test_every_stage_refuses_a_listed_file_whose_sha256_changed(tmp_path, capsys
     tokenized.mkdir()
     rows = [{"input_ids": list(range(1, 65)), "loss_mask": [0] * 8 + [1] * 56, "seq_len": 64} for _ in range(32)]
     (tokenized / "part-0.parquet").write_bytes(_parquet_bytes(pa.Table.from_pylist(rows)))
-    manifest.write_manifest(str(tokenized), kind="tokenized", files=[{"name": "part-0.parquet", "rows": 32}],
-                            summary={})
+    manifest.write_manifest(
+        str(tokenized), kind="tokenized", files=[{"name": "part-0.parquet", "rows": 32}], summary={}
+    )
     assert open_tokenized(str(tokenized)).files and len(manifest.read_rows(str(tokenized), ["seq_len"], 99)) == 32
     _flip_a_byte(tokenized / "part-0.parquet")
     code, summary, _ = _cli(capsys, "validate", "--input", str(tokenized), "--tokenizer", "smollm2-135m-instruct")
     assert code == 2 and "part-0.parquet" in summary["error"] and "dflash-ray tokenize" in summary["error"]
-    for read in (lambda: open_tokenized(str(tokenized)),  # train's and the gate's reader
-                 lambda: manifest.read_rows(str(tokenized), ["seq_len"], 99)):  # evaluate's
+    for read in (
+        lambda: open_tokenized(str(tokenized)),  # train's and the gate's reader
+        lambda: manifest.read_rows(str(tokenized), ["seq_len"], 99),
+    ):  # evaluate's
         with pytest.raises(DFlashError, match="sha256 does not match") as e:
             read()
         assert e.value.file.endswith("part-0.parquet")
 
 
 # -- validate: the wrong thing given, and datasets of any layout -------------------------------
+
 
 def test_validate_on_records_names_the_file_and_the_command(tmp_path, capsys):
     jsonl = tmp_path / "completions.jsonl"
@@ -294,23 +346,39 @@ def seed_broken_samples(tokenizer, n=100):
     rng = np.random.default_rng(0)
     rows = []
     for i in range(n):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}: list words."}],
-                                               tokenize=False, add_generation_prompt=True)
-        reply = BROKEN_REPLY if i % 100 < 87 else (
-            f"<think>\n{' '.join(rng.choice(WORDS, 60))}\n</think>\n\n{' '.join(rng.choice(WORDS, 40))}<|im_end|>")
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Question {i}: list words."}], tokenize=False, add_generation_prompt=True
+        )
+        reply = (
+            BROKEN_REPLY
+            if i % 100 < 87
+            else (
+                f"<think>\n{' '.join(rng.choice(WORDS, 60))}\n</think>\n\n{' '.join(rng.choice(WORDS, 40))}<|im_end|>"
+            )
+        )
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         r = tokenizer(reply, add_special_tokens=False)["input_ids"]
-        rows.append({"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r), "seq_len": len(p) + len(r),
-                     "id": f"seed-{i}"})
+        rows.append(
+            {
+                "input_ids": p + r,
+                "loss_mask": [0] * len(p) + [1] * len(r),
+                "seq_len": len(p) + len(r),
+                "id": f"seed-{i}",
+            }
+        )
     assert sum(sum(r["loss_mask"]) == 6 for r in rows) == 87
     return rows
 
 
 def _seed_table(rows, ids_type):
-    return pa.table({"input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(ids_type)),
-                     "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(ids_type)),
-                     "seq_len": pa.array([r["seq_len"] for r in rows], pa.int64()),
-                     "id": [r["id"] for r in rows]})
+    return pa.table(
+        {
+            "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(ids_type)),
+            "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(ids_type)),
+            "seq_len": pa.array([r["seq_len"] for r in rows], pa.int64()),
+            "id": [r["id"] for r in rows],
+        }
+    )
 
 
 def _save_to_disk_layout(folder, table, shards=2):
@@ -323,13 +391,31 @@ def _save_to_disk_layout(folder, table, shards=2):
         with pa.ipc.new_stream(str(folder / name), part.schema) as writer:
             for batch in part.to_batches(max_chunksize=16):
                 writer.write_batch(batch)
-    (folder / "state.json").write_text(json.dumps({
-        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0" * 16, "_format_columns": None,
-        "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}))
-    (folder / "dataset_info.json").write_text(json.dumps({"features": {
-        "input_ids": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "Sequence"},
-        "loss_mask": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "Sequence"},
-        "seq_len": {"dtype": "int64", "_type": "Value"}, "id": {"dtype": "string", "_type": "Value"}}}))
+    (folder / "state.json").write_text(
+        json.dumps(
+            {
+                "_data_files": [{"filename": n} for n in names],
+                "_fingerprint": "0" * 16,
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_output_all_columns": False,
+                "_split": None,
+            }
+        )
+    )
+    (folder / "dataset_info.json").write_text(
+        json.dumps(
+            {
+                "features": {
+                    "input_ids": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "Sequence"},
+                    "loss_mask": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "Sequence"},
+                    "seq_len": {"dtype": "int64", "_type": "Value"},
+                    "id": {"dtype": "string", "_type": "Value"},
+                }
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -342,16 +428,25 @@ def seed_layouts(tmp_path_factory, qwen3_tokenizer):
     single.write_bytes(_parquet_bytes(_seed_table(rows, pa.int32())))
     (root / "folder").mkdir()
     for k in range(2):
-        (root / "folder" / f"part-{k}.parquet").write_bytes(_parquet_bytes(_seed_table(rows[k * 50:(k + 1) * 50],
-                                                                                        pa.int32())))
+        (root / "folder" / f"part-{k}.parquet").write_bytes(
+            _parquet_bytes(_seed_table(rows[k * 50 : (k + 1) * 50], pa.int32()))
+        )
     _save_to_disk_layout(root / "hf", _seed_table(rows, pa.int64()))
     return {"file": str(single), "folder": str(root / "folder"), "hf": str(root / "hf")}
 
 
 @pytest.mark.parametrize("layout", ["file", "folder", "hf"])
 def test_gate_fails_the_seed_dataset_in_any_layout(seed_layouts, layout, capsys, tmp_path):
-    code, summary, err = _cli(capsys, "validate", "--input", seed_layouts[layout], "--tokenizer", "qwen3",
-                              "--report", str(tmp_path / "report"))
+    code, summary, err = _cli(
+        capsys,
+        "validate",
+        "--input",
+        seed_layouts[layout],
+        "--tokenizer",
+        "qwen3",
+        "--report",
+        str(tmp_path / "report"),
+    )
     assert code == 3, err
     assert "max_mode_share" in summary["failed_rules"] and "min_median_response" in summary["failed_rules"]
     top = summary["stats"]["loss_mask_sum"]["most_common"][0]
@@ -376,6 +471,7 @@ def test_train_reads_every_layout(seed_layouts, layout):
 
 def test_the_gate_refuses_ids_past_the_vocabulary_a_wrong_seq_len_and_no_tokenizer(tmp_path, capsys):
     """What training cannot use stops at the gate, naming the file, record and field."""
+
     def dataset(name, rows):
         folder = tmp_path / name
         folder.mkdir()
@@ -388,8 +484,9 @@ def test_the_gate_refuses_ids_past_the_vocabulary_a_wrong_seq_len_and_no_tokeniz
     assert code == 2 and "token id 49152 is outside the tokenizer's vocabulary of 49152" in summary["error"]
     assert "record 2" in summary["error"] and "input_ids" in summary["error"]
     for name, row in (("null-id", {**ok, "input_ids": [1, None, 3, 4]}), ("null-row", {**ok, "loss_mask": None})):
-        code, summary, _ = _cli(capsys, "validate", "--input", dataset(name, [ok, ok, row]),
-                                "--tokenizer", "smollm2-135m-instruct")  # nulls slipped past as NaN before
+        code, summary, _ = _cli(
+            capsys, "validate", "--input", dataset(name, [ok, ok, row]), "--tokenizer", "smollm2-135m-instruct"
+        )  # nulls slipped past as NaN before
         assert code == 2 and "null" in summary["error"] and "record 3" in summary["error"], summary
     lying = dataset("lying", [ok, {**ok, "seq_len": 9}])
     code, summary, _ = _cli(capsys, "validate", "--input", lying, "--tokenizer", "smollm2-135m-instruct")

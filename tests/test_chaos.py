@@ -19,15 +19,34 @@ pytestmark = pytest.mark.integration
 
 def _settings(work, inputs):
     model, prompts = inputs
-    return [f"pipeline.inputs=[{prompts}]", f"pipeline.workdir={work}", f"pipeline.target={model}",
-            "pipeline.eval_prompts=2", "pipeline.vllm_evaluate=false", "generate.backend=transformers",
-            "generate.generators=2", "generate.generator_cpus=0.5", "generate.max_tokens=24",
-            "generate.truncated=keep", "generate.temperature=0", "generate.shard_size=2",
-            "generate.repeat_min_span=10000", "validate.gate.min_median_response=8",
-            "validate.gate.max_mode_share=1.0", "validate.gate.max_empty_thinking_share=1.0",
-            "train.num_streams=2", "train.epochs=4", "train.checkpoint_every=4", "train.num_anchors=4",
-            "train.heldout=0", "train.actor_cpus=0.25", "train.collective_timeout_s=60", "train.max_restarts=4",
-            "evaluate.max_new_tokens=4", "tokenize.concurrency=2"]
+    return [
+        f"pipeline.inputs=[{prompts}]",
+        f"pipeline.workdir={work}",
+        f"pipeline.target={model}",
+        "pipeline.eval_prompts=2",
+        "pipeline.vllm_evaluate=false",
+        "generate.backend=transformers",
+        "generate.generators=2",
+        "generate.generator_cpus=0.5",
+        "generate.max_tokens=24",
+        "generate.truncated=keep",
+        "generate.temperature=0",
+        "generate.shard_size=2",
+        "generate.repeat_min_span=10000",
+        "validate.gate.min_median_response=8",
+        "validate.gate.max_mode_share=1.0",
+        "validate.gate.max_empty_thinking_share=1.0",
+        "train.num_streams=2",
+        "train.epochs=4",
+        "train.checkpoint_every=4",
+        "train.num_anchors=4",
+        "train.heldout=0",
+        "train.actor_cpus=0.25",
+        "train.collective_timeout_s=60",
+        "train.max_restarts=4",
+        "evaluate.max_new_tokens=4",
+        "tokenize.concurrency=2",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +59,12 @@ def inputs(tmp_path_factory, qwen3_tokenizer):
     tiny_qwen3(model, num_layers=4, vocab_size=len(qwen3_tokenizer))
     qwen3_tokenizer.save_pretrained(model)
     prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]})
-                               + "\n" for i in range(18)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]}) + "\n"
+            for i in range(18)
+        )
+    )
     return model, prompts
 
 
@@ -73,7 +96,10 @@ def _same_as_calm(summary, work, calm):
     from conftest import checkpoint_weights
 
     calm_summary, calm_work = calm
-    for stage, columns in (("completions", ["id", "output_token_ids"]), ("tokenized", ["id", "input_ids", "loss_mask"])):
+    for stage, columns in (
+        ("completions", ["id", "output_token_ids"]),
+        ("tokenized", ["id", "input_ids", "loss_mask"]),
+    ):
         rows = _rows(work / stage, columns)
         assert len({r["id"] for r in rows}) == len(rows) == 16
         assert rows == _rows(calm_work / stage, columns), stage
@@ -94,8 +120,10 @@ def test_a_pipeline_whose_actors_are_killed_finishes_as_an_undisturbed_one(input
     # machine (an actor's start alone takes seconds; the training's 32 steps and the restart the
     # target's death costs outlast 9.7 s), so all four fire, wherever they land
     faults = ["generator@6", "tokenize@1", "target@8", "drafter@16"]
-    summary = run_pipeline(load_config(None, _settings(tmp_path, inputs) + [
-        f"chaos.faults=[{', '.join(faults)}]", "chaos.seed=3"]), progress=False)
+    summary = run_pipeline(
+        load_config(None, _settings(tmp_path, inputs) + [f"chaos.faults=[{', '.join(faults)}]", "chaos.seed=3"]),
+        progress=False,
+    )
     drill = summary["chaos"]
     assert drill["injected"] == drill["recovered"] == len(faults) and not drill["not_fired"], drill
     assert [f["kind"] for f in drill["faults"]] == [f.split("@")[0] for f in faults], drill
@@ -112,12 +140,33 @@ def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(t
     address, env = three_nodes
     out = str(tmp_path / "two-nodes")
     workers = {"127.0.0.2", "127.0.0.3"}
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json", "--stop-after-step", "3",
-            *[x for s in SETTINGS + [f"ray.address={address}", "train.node_resource=train_node",
-                                     "ray.head_resource=head_node", "train.actor_cpus=1",  # a node per stream
-                                     "train.min_bus_bandwidth=0.001"] for x in ("--set", s)]]
-    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=800)
+    args = [
+        "train",
+        "--data",
+        data,
+        "--target",
+        target,
+        "--output",
+        out,
+        "--json",
+        "--stop-after-step",
+        "3",
+        *[
+            x
+            for s in SETTINGS
+            + [
+                f"ray.address={address}",
+                "train.node_resource=train_node",
+                "ray.head_resource=head_node",
+                "train.actor_cpus=1",  # a node per stream
+                "train.min_bus_bandwidth=0.001",
+            ]
+            for x in ("--set", s)
+        ],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True, timeout=800
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["step"] == 3 and set(summary["stream_nodes"]) == workers, summary
@@ -131,11 +180,19 @@ def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(t
 def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(three_nodes, inputs, calm, tmp_path):
     """One worker's raylet is killed while the run uses it, and the run finishes on the other."""
     address, env = three_nodes
-    settings = _settings(tmp_path, inputs) + [f"ray.address={address}", "ray.head_resource=head_node",
-                                              "chaos.faults=[node@45]", "chaos.seed=1"]
-    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "pipeline", "--json",
-                           *[x for s in settings for x in ("--set", s)]],
-                          env=env, capture_output=True, text=True, timeout=1100)
+    settings = _settings(tmp_path, inputs) + [
+        f"ray.address={address}",
+        "ray.head_resource=head_node",
+        "chaos.faults=[node@45]",
+        "chaos.seed=1",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_ray.cli", "pipeline", "--json", *[x for s in settings for x in ("--set", s)]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     drill = summary["chaos"]

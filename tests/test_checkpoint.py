@@ -52,7 +52,9 @@ def test_rotation_keeps_the_newest(output):
     assert checkpoint.rotate(output, keep=2) == [0, 1, 2]
     assert checkpoint.complete_steps(output) == [3, 4]
     assert [storage.basename(d) for d in storage.list_dirs(storage.join(output, "checkpoints"))] == [
-        "step-00000003", "step-00000004"]
+        "step-00000003",
+        "step-00000004",
+    ]
 
 
 def _truncate(output, step, name, keep_bytes):

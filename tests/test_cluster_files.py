@@ -84,7 +84,8 @@ def test_rayjob_manifest_references_real_entrypoints_and_matching_versions():
     assert cluster["authOptions"]["mode"] == "token" and cluster["authOptions"]["secretName"]
     assert cluster["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
     node_types = [cluster["headGroupSpec"]["rayStartParams"]["resources"]] + [
-        g["rayStartParams"]["resources"] for g in cluster["workerGroupSpecs"]]
+        g["rayStartParams"]["resources"] for g in cluster["workerGroupSpecs"]
+    ]
     assert all(any(t in r for t in ("head_node", "gen_node", "train_node")) for r in node_types), node_types
     pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for pod in pods:
@@ -104,8 +105,18 @@ def test_every_job_entrypoint_runs_a_cli_subcommand_of_its_name():
 
     commands = set(_parser()._subparsers._group_actions[0].choices)
     jobs = {p.stem for p in (ROOT / "jobs").glob("*.py") if not p.stem.startswith("_")}
-    assert {"prompts", "generate", "tokenize", "validate", "train", "export", "evaluate", "pipeline",
-            "scale", "status"} <= jobs
+    assert {
+        "prompts",
+        "generate",
+        "tokenize",
+        "validate",
+        "train",
+        "export",
+        "evaluate",
+        "pipeline",
+        "scale",
+        "status",
+    } <= jobs
     for name in jobs:
         assert f'run("{name}")' in (ROOT / "jobs" / f"{name}.py").read_text() and name in commands, name
 
@@ -144,12 +155,15 @@ def test_no_package_pin_outside_pyproject():
 
 
 def test_pins_reads_the_pins_the_makefile_installs():
-    done = subprocess.run([sys.executable, "tools/pins.py", "extra", "cpu", "torch"], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
-    assert done.stdout.strip() == next(x for x in _project()["project"]["optional-dependencies"]["cpu"]
-                                       if x.startswith("torch=="))
-    done = subprocess.run([sys.executable, "tools/pins.py", "no-deps"], cwd=ROOT, capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "tools/pins.py", "extra", "cpu", "torch"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == next(
+        x for x in _project()["project"]["optional-dependencies"]["cpu"] if x.startswith("torch==")
+    )
+    done = subprocess.run(
+        [sys.executable, "tools/pins.py", "no-deps"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     assert done.stdout.split() == _project()["tool"]["dflash-ray"]["no-deps"]
 
 
@@ -161,10 +175,19 @@ def test_every_cli_stage_has_its_driver_in_stages_and_none_lives_elsewhere():
     from dflash_ray.cli import _parser
 
     commands = set(_parser()._subparsers._group_actions[0].choices)
-    home = {"scale": "generate", "pause": "generate", "resume": "generate", "status": "generate",
-            "responses": "prompts"}
+    home = {
+        "scale": "generate",
+        "pause": "generate",
+        "resume": "generate",
+        "status": "generate",
+        "responses": "prompts",
+    }
     stages = {p.stem for p in (ROOT / "dflash_ray" / "stages").glob("*.py") if p.stem != "__init__"}
     assert {home.get(c, c) for c in commands} <= stages, {home.get(c, c) for c in commands} - stages
-    outside = [f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "dflash_ray").rglob("*.py") if "stages" not in p.parts
-               for m in re.findall(r"^def (run_\w+)\(", p.read_text(), re.M)]
+    outside = [
+        f"{p.relative_to(ROOT)}: {m}"
+        for p in (ROOT / "dflash_ray").rglob("*.py")
+        if "stages" not in p.parts
+        for m in re.findall(r"^def (run_\w+)\(", p.read_text(), re.M)
+    ]
     assert not outside, outside

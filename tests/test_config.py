@@ -10,8 +10,9 @@ from dflash_ray.errors import DFlashError
 def test_yaml_and_dotted_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("tokenize:\n  max_seq_len: 2048\n  overlong: drop\nvalidate:\n  gate:\n    max_mode_share: 0.3\n")
-    cfg = load_config(str(path), ["tokenize.max_seq_len=1024", "validate.gate.min_median_response=10",
-                                  "prompts.multi_turn=per_turn"])
+    cfg = load_config(
+        str(path), ["tokenize.max_seq_len=1024", "validate.gate.min_median_response=10", "prompts.multi_turn=per_turn"]
+    )
     assert isinstance(cfg, RunConfig)
     assert cfg.tokenize.max_seq_len == 1024 and cfg.tokenize.overlong == "drop"
     assert cfg.validate.gate.max_mode_share == 0.3
@@ -29,12 +30,15 @@ def test_unknown_key_names_field_and_valid_keys(tmp_path):
     assert str(path) in str(e.value)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("tokenize.max_seq_len=long", "tokenize.max_seq_len"),
-    ("tokenize.overlong=clip", "tokenize.overlong"),
-    ("ray.include_dashboard=3", "ray.include_dashboard"),
-    ("novel=1", "novel"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("tokenize.max_seq_len=long", "tokenize.max_seq_len"),
+        ("tokenize.overlong=clip", "tokenize.overlong"),
+        ("ray.include_dashboard=3", "ray.include_dashboard"),
+        ("novel=1", "novel"),
+    ],
+)
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(DFlashError, match=field.replace(".", r"\.")):
         load_config(None, [override])
@@ -46,68 +50,71 @@ def test_config_is_frozen():
         cfg.seed = 3
 
 
-@pytest.mark.parametrize("override, field, allowed", [
-    ("train.checkpoint_every=0", "train.checkpoint_every", ">= 1"),
-    ("train.num_anchors=0", "train.num_anchors", ">= 1"),
-    ("train.num_streams=0", "train.num_streams", ">= 1"),
-    ("train.batch_size=0", "train.batch_size", ">= 1"),
-    ("train.epochs=0", "train.epochs", ">= 1"),
-    ("train.lr=0", "train.lr", "> 0"),
-    ("train.lr=inf", "train.lr", "finite"),  # inf passed every range check and trained to NaN
-    ("train.lr=nan", "train.lr", "finite"),
-    ("plan.memory_headroom=-inf", "plan.memory_headroom", "finite"),
-    ("train.collective_timeout_s=.inf", "train.collective_timeout_s", "finite"),
-    ("train.lr=-1e-3", "train.lr", "> 0"),
-    ("train.warmup_ratio=1", "train.warmup_ratio", "[0, 1)"),
-    ("train.warmup_ratio=-0.1", "train.warmup_ratio", "[0, 1)"),
-    ("train.clip=0", "train.clip", "> 0"),
-    ("train.keep_checkpoints=0", "train.keep_checkpoints", ">= 1"),
-    ("train.max_in_flight=-1", "train.max_in_flight", ">= 0"),
-    ("train.heldout=-1", "train.heldout", ">= 0"),
-    ("train.eval_every=-5", "train.eval_every", ">= 0"),
-    ("train.block_size=1", "train.block_size", ">= 2"),
-    ("train.sliding_window=0", "train.sliding_window", ">= 1"),
-    ("train.actor_cpus=0", "train.actor_cpus", "> 0"),
-    ("train.actor_gpus=-1", "train.actor_gpus", ">= 0"),
-    ("train.target_layer_ids=[3,1]", "train.target_layer_ids", "sorted"),
-    ("train.target_layer_ids=[1,1]", "train.target_layer_ids", "unique"),
-    ("train.target_layer_ids=[-1,2]", "train.target_layer_ids", "non-negative"),
-    ("train.target_layer_ids=[1.5]", "train.target_layer_ids", "non-negative"),
-    ("train.target_layer_ids=5", "train.target_layer_ids", "list"),
-    ("train.layer_types=[full]", "train.layer_types", "sliding_attention"),
-    ("train.layer_types=sliding_attention", "train.layer_types", "list"),
-    ("train.layer_types=[full_attention,full_attention]", "train.layer_types", "one per drafter layer"),
-    ("train.trackers=[tensorbord]", "train.trackers", "'tensorboard', 'wandb', 'mlflow'"),
-    ("train.trackers=wandb", "train.trackers", "list"),
-    ("train.trackers=[wandb,wandb]", "train.trackers", "distinct"),
-    ("generate.generators=0", "generate.generators", ">= 1"),
-    ("generate.shard_size=0", "generate.shard_size", ">= 1"),
-    ("generate.batch_size=0", "generate.batch_size", ">= 1"),
-    ("generate.max_tokens=0", "generate.max_tokens", ">= 1"),
-    ("generate.max_model_len=0", "generate.max_model_len", ">= 1"),
-    ("generate.temperature=-0.5", "generate.temperature", ">= 0"),
-    ("generate.top_p=0", "generate.top_p", "(0, 1]"),
-    ("generate.top_p=1.5", "generate.top_p", "(0, 1]"),
-    ("generate.samples_per_prompt=0", "generate.samples_per_prompt", ">= 1"),
-    ("generate.memory_utilization=0", "generate.memory_utilization", "(0, 1]"),
-    ("generate.memory_utilization=1.2", "generate.memory_utilization", "(0, 1]"),
-    ("tokenize.max_seq_len=1", "tokenize.max_seq_len", ">= 2"),
-    ("tokenize.batch_size=0", "tokenize.batch_size", ">= 1"),
-    ("evaluate.num_prompts=0", "evaluate.num_prompts", ">= 1"),
-    ("evaluate.num_heldout=0", "evaluate.num_heldout", ">= 1"),
-    ("evaluate.ngram_min=5", "evaluate.ngram_min", "ngram_max"),
-    ("prompts.shard_size=0", "prompts.shard_size", ">= 1"),
-    ("prompts.max_prompt_tokens=-1", "prompts.max_prompt_tokens", ">= 0"),  # 0: no budget
-    ("pipeline.eval_prompts=-1", "pipeline.eval_prompts", ">= 0"),
-    ("pipeline.inputs=somepath", "pipeline.inputs", "list"),
-    ("validate.gate.max_mode_share=1.5", "validate.gate.max_mode_share", "[0, 1]"),
-    ("chaos.faults=[drafter, gpu]", "chaos.faults[1]", "KIND or KIND@SECONDS"),
-    ("chaos.faults=[node@soon]", "chaos.faults[0]", "'node'"),
-    ("chaos.faults=[generator@nan]", "chaos.faults[0]", "KIND@SECONDS"),  # a fault that never fires
-    ("chaos.faults=[generator@inf]", "chaos.faults[0]", "KIND@SECONDS"),
-    ("chaos.within_s=-1", "chaos.within_s", ">= 0"),
-    ("train.min_bus_bandwidth=-1", "train.min_bus_bandwidth", ">= 0"),
-])
+@pytest.mark.parametrize(
+    "override, field, allowed",
+    [
+        ("train.checkpoint_every=0", "train.checkpoint_every", ">= 1"),
+        ("train.num_anchors=0", "train.num_anchors", ">= 1"),
+        ("train.num_streams=0", "train.num_streams", ">= 1"),
+        ("train.batch_size=0", "train.batch_size", ">= 1"),
+        ("train.epochs=0", "train.epochs", ">= 1"),
+        ("train.lr=0", "train.lr", "> 0"),
+        ("train.lr=inf", "train.lr", "finite"),  # inf passed every range check and trained to NaN
+        ("train.lr=nan", "train.lr", "finite"),
+        ("plan.memory_headroom=-inf", "plan.memory_headroom", "finite"),
+        ("train.collective_timeout_s=.inf", "train.collective_timeout_s", "finite"),
+        ("train.lr=-1e-3", "train.lr", "> 0"),
+        ("train.warmup_ratio=1", "train.warmup_ratio", "[0, 1)"),
+        ("train.warmup_ratio=-0.1", "train.warmup_ratio", "[0, 1)"),
+        ("train.clip=0", "train.clip", "> 0"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints", ">= 1"),
+        ("train.max_in_flight=-1", "train.max_in_flight", ">= 0"),
+        ("train.heldout=-1", "train.heldout", ">= 0"),
+        ("train.eval_every=-5", "train.eval_every", ">= 0"),
+        ("train.block_size=1", "train.block_size", ">= 2"),
+        ("train.sliding_window=0", "train.sliding_window", ">= 1"),
+        ("train.actor_cpus=0", "train.actor_cpus", "> 0"),
+        ("train.actor_gpus=-1", "train.actor_gpus", ">= 0"),
+        ("train.target_layer_ids=[3,1]", "train.target_layer_ids", "sorted"),
+        ("train.target_layer_ids=[1,1]", "train.target_layer_ids", "unique"),
+        ("train.target_layer_ids=[-1,2]", "train.target_layer_ids", "non-negative"),
+        ("train.target_layer_ids=[1.5]", "train.target_layer_ids", "non-negative"),
+        ("train.target_layer_ids=5", "train.target_layer_ids", "list"),
+        ("train.layer_types=[full]", "train.layer_types", "sliding_attention"),
+        ("train.layer_types=sliding_attention", "train.layer_types", "list"),
+        ("train.layer_types=[full_attention,full_attention]", "train.layer_types", "one per drafter layer"),
+        ("train.trackers=[tensorbord]", "train.trackers", "'tensorboard', 'wandb', 'mlflow'"),
+        ("train.trackers=wandb", "train.trackers", "list"),
+        ("train.trackers=[wandb,wandb]", "train.trackers", "distinct"),
+        ("generate.generators=0", "generate.generators", ">= 1"),
+        ("generate.shard_size=0", "generate.shard_size", ">= 1"),
+        ("generate.batch_size=0", "generate.batch_size", ">= 1"),
+        ("generate.max_tokens=0", "generate.max_tokens", ">= 1"),
+        ("generate.max_model_len=0", "generate.max_model_len", ">= 1"),
+        ("generate.temperature=-0.5", "generate.temperature", ">= 0"),
+        ("generate.top_p=0", "generate.top_p", "(0, 1]"),
+        ("generate.top_p=1.5", "generate.top_p", "(0, 1]"),
+        ("generate.samples_per_prompt=0", "generate.samples_per_prompt", ">= 1"),
+        ("generate.memory_utilization=0", "generate.memory_utilization", "(0, 1]"),
+        ("generate.memory_utilization=1.2", "generate.memory_utilization", "(0, 1]"),
+        ("tokenize.max_seq_len=1", "tokenize.max_seq_len", ">= 2"),
+        ("tokenize.batch_size=0", "tokenize.batch_size", ">= 1"),
+        ("evaluate.num_prompts=0", "evaluate.num_prompts", ">= 1"),
+        ("evaluate.num_heldout=0", "evaluate.num_heldout", ">= 1"),
+        ("evaluate.ngram_min=5", "evaluate.ngram_min", "ngram_max"),
+        ("prompts.shard_size=0", "prompts.shard_size", ">= 1"),
+        ("prompts.max_prompt_tokens=-1", "prompts.max_prompt_tokens", ">= 0"),  # 0: no budget
+        ("pipeline.eval_prompts=-1", "pipeline.eval_prompts", ">= 0"),
+        ("pipeline.inputs=somepath", "pipeline.inputs", "list"),
+        ("validate.gate.max_mode_share=1.5", "validate.gate.max_mode_share", "[0, 1]"),
+        ("chaos.faults=[drafter, gpu]", "chaos.faults[1]", "KIND or KIND@SECONDS"),
+        ("chaos.faults=[node@soon]", "chaos.faults[0]", "'node'"),
+        ("chaos.faults=[generator@nan]", "chaos.faults[0]", "KIND@SECONDS"),  # a fault that never fires
+        ("chaos.faults=[generator@inf]", "chaos.faults[0]", "KIND@SECONDS"),
+        ("chaos.within_s=-1", "chaos.within_s", ">= 0"),
+        ("train.min_bus_bandwidth=-1", "train.min_bus_bandwidth", ">= 0"),
+    ],
+)
 def test_out_of_range_values_are_refused_before_anything_runs(override, field, allowed):
     with pytest.raises(DFlashError) as e:
         load_config(None, [override])
@@ -115,11 +122,24 @@ def test_out_of_range_values_are_refused_before_anything_runs(override, field, a
 
 
 def test_edges_of_the_ranges_are_allowed():
-    cfg = load_config(None, ["train.warmup_ratio=0", "train.max_in_flight=0", "generate.top_p=1",
-                             "generate.temperature=0", "generate.memory_utilization=1", "tokenize.max_seq_len=2",
-                             "train.target_layer_ids=[0,3,7]", "train.num_layers=2",
-                             "train.layer_types=[sliding_attention,full_attention]", "pipeline.inputs=[a.jsonl]",
-                             "evaluate.ngram_min=3", "evaluate.ngram_max=3", "prompts.max_prompt_tokens=0"])
+    cfg = load_config(
+        None,
+        [
+            "train.warmup_ratio=0",
+            "train.max_in_flight=0",
+            "generate.top_p=1",
+            "generate.temperature=0",
+            "generate.memory_utilization=1",
+            "tokenize.max_seq_len=2",
+            "train.target_layer_ids=[0,3,7]",
+            "train.num_layers=2",
+            "train.layer_types=[sliding_attention,full_attention]",
+            "pipeline.inputs=[a.jsonl]",
+            "evaluate.ngram_min=3",
+            "evaluate.ngram_max=3",
+            "prompts.max_prompt_tokens=0",
+        ],
+    )
     assert cfg.train.target_layer_ids == [0, 3, 7] and cfg.pipeline.inputs == ["a.jsonl"]
 
 
@@ -129,8 +149,17 @@ def test_generation_longer_than_training_keeps_is_refused_or_warned_naming_both_
     with pytest.raises(DFlashError) as e:  # every answer past 4096 tokens would lose its tail
         check_lengths(load_config(None, ["generate.max_tokens=8192", "tokenize.max_seq_len=4096"]))
     assert e.value.field == "generate.max_tokens" and "tokenize.max_seq_len=4096" in str(e.value)
-    warning = check_lengths(load_config(None, ["generate.max_tokens=2048", "generate.max_model_len=8192",
-                                               "prompts.max_prompt_tokens=4096", "tokenize.max_seq_len=4096"]))
+    warning = check_lengths(
+        load_config(
+            None,
+            [
+                "generate.max_tokens=2048",
+                "generate.max_model_len=8192",
+                "prompts.max_prompt_tokens=4096",
+                "tokenize.max_seq_len=4096",
+            ],
+        )
+    )
     assert "generate.max_model_len=8192" in warning and "tokenize.max_seq_len=4096" in warning
     assert "6144" in warning  # the longest conversation: 4096 prompt + 2048 answer, within 8192
     assert check_lengths(load_config(None, [])) is None  # the defaults keep every generated token
@@ -150,8 +179,22 @@ def test_fields_replaced_by_command_line_flags_are_checked_too(tmp_path, capsys)
     from dflash_ray.cli import main
 
     # `--generators` replaces generate.generators after the config is loaded: still refused before any run
-    assert main(["generate", "--prompts", str(tmp_path / "p"), "--output", str(tmp_path / "o"), "--model", "m",
-                 "--generators", "0"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--prompts",
+                str(tmp_path / "p"),
+                "--output",
+                str(tmp_path / "o"),
+                "--model",
+                "m",
+                "--generators",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "generate.generators" in capsys.readouterr().err
 
 
@@ -161,9 +204,25 @@ def test_train_command_exits_2_at_once_naming_the_field(tmp_path):
     import time
 
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "train", "--data", str(tmp_path / "data"),
-                           "--target", str(tmp_path / "target"), "--output", str(tmp_path / "out"),
-                           "--set", "train.checkpoint_every=0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ray.cli",
+            "train",
+            "--data",
+            str(tmp_path / "data"),
+            "--target",
+            str(tmp_path / "target"),
+            "--output",
+            str(tmp_path / "out"),
+            "--set",
+            "train.checkpoint_every=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "train.checkpoint_every" in proc.stderr and ">= 1" in proc.stderr
     assert "Traceback" not in proc.stderr and time.perf_counter() - start < 60  # no Ray, no model loaded
@@ -193,13 +252,20 @@ def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs()
 
     cfg = load_config(None, ["train.lr=1e-3", "train.drafters=[{name: a}, {name: b, drafter: dspark, lr: 2e-3}]"])
     runs = expand(cfg)
-    assert [(n, r.train.drafter, r.train.lr, r.train.drafters) for n, r in runs] == \
-        [("a", "dflash", 1e-3, []), ("b", "dspark", 2e-3, [])]
+    assert [(n, r.train.drafter, r.train.lr, r.train.drafters) for n, r in runs] == [
+        ("a", "dflash", 1e-3, []),
+        ("b", "dspark", 2e-3, []),
+    ]
     assert outputs("s3://b/run", cfg) == ["s3://b/run/a", "s3://b/run/b"]
     assert expand(load_config(None, [])) == [("", load_config(None, []))]
-    for bad, field in (("[{name: a, epochs: 2}]", "train.drafters[0].epochs"), ("[{name: A}]", "train.drafters[0]"),
-                       ("[{name: a}, {name: a}]", "train.drafters[1]"), ("[{name: a, lr: -1}]", "train.drafters[0].lr"),
-                       ("[{name: a, drafter: medusa}]", "train.drafters[0].drafter"), ("[{lr: 1}]", "train.drafters[0]")):
+    for bad, field in (
+        ("[{name: a, epochs: 2}]", "train.drafters[0].epochs"),
+        ("[{name: A}]", "train.drafters[0]"),
+        ("[{name: a}, {name: a}]", "train.drafters[1]"),
+        ("[{name: a, lr: -1}]", "train.drafters[0].lr"),
+        ("[{name: a, drafter: medusa}]", "train.drafters[0].drafter"),
+        ("[{lr: 1}]", "train.drafters[0]"),
+    ):
         with pytest.raises(DFlashError) as e:
             load_config(None, [f"train.drafters={bad}"])
         assert e.value.field == field, (bad, e.value)
@@ -220,20 +286,35 @@ def test_family_settings_are_one_section_read_by_the_family():
     own = families.settings("dspark", cfg.train.family)
     assert (own.markov_rank, own.ce_weight, own.tv_weight, own.confidence_head) == (64, 0.2, 0.9, True)
     for override, field, says in (
-            (["train.drafter=dspark", "train.family.markov_rankk=3"], "train.family.markov_rankk", "markov_rank"),
-            (["train.drafter=dspark", "train.family.markov_rank=0"], "train.family.markov_rank", ">= 1"),
-            (["train.drafter=dflash2", "train.family.selector_top_k=x"], "train.family.selector_top_k", "integer"),
-            (["train.family.markov_rank=8"], "train.family.markov_rank", "valid keys here: []"),  # dflash has none
-            (["train.markov_rank=8"], "train.markov_rank", "moved to train.family.markov_rank"),
-            (["train.drafters=[{name: a, drafter: dspark, selector_top_k: 4}]"], "train.drafters[0].selector_top_k",
-             "moved to train.drafters[0].family.selector_top_k"),
-            (["train.drafters=[{name: a, drafter: dspark, family: {markov_rank: 0}}]"],
-             "train.drafters[0].family.markov_rank", ">= 1")):
+        (["train.drafter=dspark", "train.family.markov_rankk=3"], "train.family.markov_rankk", "markov_rank"),
+        (["train.drafter=dspark", "train.family.markov_rank=0"], "train.family.markov_rank", ">= 1"),
+        (["train.drafter=dflash2", "train.family.selector_top_k=x"], "train.family.selector_top_k", "integer"),
+        (["train.family.markov_rank=8"], "train.family.markov_rank", "valid keys here: []"),  # dflash has none
+        (["train.markov_rank=8"], "train.markov_rank", "moved to train.family.markov_rank"),
+        (
+            ["train.drafters=[{name: a, drafter: dspark, selector_top_k: 4}]"],
+            "train.drafters[0].selector_top_k",
+            "moved to train.drafters[0].family.selector_top_k",
+        ),
+        (
+            ["train.drafters=[{name: a, drafter: dspark, family: {markov_rank: 0}}]"],
+            "train.drafters[0].family.markov_rank",
+            ">= 1",
+        ),
+    ):
         with pytest.raises(DFlashError, match=re.escape(says)) as e:
             load_config(None, override)
         assert e.value.field == field, (override, e.value)
-    runs = expand(load_config(None, ["train.drafter=dflash2", "train.family.selector_top_k=8", "train.drafters=["
-                                     "{name: a, family: {selector_rank: 4}}, {name: b, drafter: dspark}]"]))
+    runs = expand(
+        load_config(
+            None,
+            [
+                "train.drafter=dflash2",
+                "train.family.selector_top_k=8",
+                "train.drafters=[{name: a, family: {selector_rank: 4}}, {name: b, drafter: dspark}]",
+            ],
+        )
+    )
     assert [r.train.family for _, r in runs] == [{"selector_top_k": 8, "selector_rank": 4}, {}]
 
 
@@ -242,19 +323,24 @@ def test_the_run_config_names_a_family_without_importing_torch():
     import subprocess
     import sys
 
-    code = ("import sys, json; from dflash_ray.config import load_config; "
-            "c = load_config(None, ['train.drafter=dspark']); print(json.dumps(['torch' in sys.modules, "
-            "c.train.drafter]))")
+    code = (
+        "import sys, json; from dflash_ray.config import load_config; "
+        "c = load_config(None, ['train.drafter=dspark']); print(json.dumps(['torch' in sys.modules, "
+        "c.train.drafter]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, "dspark"]
 
 
 def test_a_config_file_on_a_base_states_only_what_differs_and_a_loop_is_refused(tmp_path):
-    (tmp_path / "base.yaml").write_text("train: {lr: 0.001, num_layers: 3, layer_types: [full_attention, full_attention, "
-                                        "full_attention]}\ngenerate: {max_tokens: 100}\n")
+    (tmp_path / "base.yaml").write_text(
+        "train: {lr: 0.001, num_layers: 3, layer_types: [full_attention, full_attention, "
+        "full_attention]}\ngenerate: {max_tokens: 100}\n"
+    )
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "child.yaml").write_text("base: ../base.yaml\ntrain: {num_layers: 1, layer_types: "
-                                                 "[sliding_attention]}\n")
+    (tmp_path / "sub" / "child.yaml").write_text(
+        "base: ../base.yaml\ntrain: {num_layers: 1, layer_types: [sliding_attention]}\n"
+    )
     cfg = load_config(str(tmp_path / "sub" / "child.yaml"), ["generate.max_tokens=50"])
     assert cfg.train.lr == 0.001 and cfg.train.num_layers == 1  # mappings merge key by key
     assert cfg.train.layer_types == ["sliding_attention"]  # a list replaces
@@ -273,8 +359,12 @@ def test_a_command_line_argparse_refuses_still_ends_with_a_json_summary(capsys):
     assert main(["validate", "--json"]) == 2
     out, err = capsys.readouterr()
     summary = json.loads(out)
-    assert summary == {"stage": "validate", "ok": False, "exit_code": 2,
-                       "error": "dflash-ray validate: error: the following arguments are required: --input"}
+    assert summary == {
+        "stage": "validate",
+        "ok": False,
+        "exit_code": 2,
+        "error": "dflash-ray validate: error: the following arguments are required: --input",
+    }
     assert "usage: dflash-ray validate" in err and "required: --input" in err
     assert main(["export", "CKPT", "--output", "x", "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["error"] == "dflash-ray: error: unrecognized arguments: --output"
@@ -288,8 +378,16 @@ def test_settings_a_command_would_ignore_are_refused(tmp_path, capsys):
 
     from dflash_ray.cli import main
 
-    train = ["train", "--data", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--output", str(tmp_path / "o"),
-             "--json"]
+    train = [
+        "train",
+        "--data",
+        str(tmp_path / "d"),
+        "--target",
+        str(tmp_path / "t"),
+        "--output",
+        str(tmp_path / "o"),
+        "--json",
+    ]
     assert main(train + ["--set", "chaos.faults=[target]"]) == 2
     error = json.loads(capsys.readouterr().out)["error"]
     assert "chaos.faults" in error and "pipeline" in error

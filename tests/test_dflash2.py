@@ -20,12 +20,27 @@ V, H = 96, 32
 
 
 def _cfg(family="dflash2", block_size=5, **settings):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     if family == "dflash2":
         settings = {"selector_rank": 8, "selector_top_k": 6, "conv_group_size": 8, **settings}
-    return from_target(cfg, mask_token_id=V - 1, num_layers=2, num_target_features=2, block_size=block_size,
-                       family=family, settings=settings)
+    return from_target(
+        cfg,
+        mask_token_id=V - 1,
+        num_layers=2,
+        num_target_features=2,
+        block_size=block_size,
+        family=family,
+        settings=settings,
+    )
 
 
 def _drafter(seed=0, **kw) -> DFlash2Drafter:
@@ -62,8 +77,13 @@ def test_family_registry_and_config_fields():
     assert family.first_prediction == 1 and families.of_architecture(["DFlash2DraftModel"]) is family
     run = RunConfig(train=TrainConfig(drafter="dflash2", family={"selector_top_k": 8}))
     own = families.settings("dflash2", run.train.family)
-    assert (own.conv_kernel_size, own.conv_group_size, own.selector_rank, own.selector_top_k,
-            own.selector_weight) == (2, 16, 256, 8, 1.0)
+    assert (own.conv_kernel_size, own.conv_group_size, own.selector_rank, own.selector_top_k, own.selector_weight) == (
+        2,
+        16,
+        256,
+        8,
+        1.0,
+    )
     with pytest.raises(ValueError, match="conv_group_size 12 does not divide hidden_size 32"):
         _cfg(conv_group_size=12)
     with pytest.raises(DFlashError, match="settings.conv_group_size.*unknown setting of drafter family 'dflash'"):
@@ -101,8 +121,9 @@ def test_untrained_dflash2_equals_dflash():
     base = DFlashDrafter(_cfg(family="dflash")).eval()
     drafter = _drafter(seed=1).eval()
     missing, unexpected = drafter.load_state_dict(base.state_dict(), strict=False)
-    assert not unexpected and all(".attention_conv." in k or ".mlp_conv." in k or k.startswith("candidate_selector.")
-                                  for k in missing)
+    assert not unexpected and all(
+        ".attention_conv." in k or ".mlp_conv." in k or k.startswith("candidate_selector.") for k in missing
+    )
     embed, head, feats, ids, mask = _batch()
     anchors = torch.tensor([[8, 20], [10, 25]])
     masks = attention_masks(base, anchors, 32, "sdpa")
@@ -142,12 +163,23 @@ def test_selector_loss_by_hand(rule):
     drafter = _drafter()
     _perturb(drafter)
     embed, head, feats, ids, mask = _batch()
-    out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, fused=False, rule=rule,
-                       generator=torch.Generator().manual_seed(3))
+    out = forward_loss(
+        drafter,
+        embed,
+        head,
+        feats,
+        ids,
+        mask,
+        num_anchors=4,
+        fused=False,
+        rule=rule,
+        generator=torch.Generator().manual_seed(3),
+    )
     blk = out.blocks
     with torch.no_grad():
-        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions,
-                    attention_masks(drafter, blk.anchors, 32, "sdpa")).reshape(-1, H)
+        h = drafter(
+            feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa")
+        ).reshape(-1, H)
     logits = h @ head.t()
     labels, w = blk.labels.reshape(-1), blk.weights.reshape(-1)
     prev = torch.gather(ids, 1, (blk.positions - 1).clamp(0, 31)).reshape(-1)
@@ -161,9 +193,10 @@ def test_selector_loss_by_hand(rule):
             dropped += w[n] > 0
         else:
             if not found:
-                cand = torch.cat([cand[:-1], labels[n:n + 1]])
-            score = logits[n, cand] + (sel.predecessor_codebook[prev[n]] * sel.hidden_projection(h[n])
-                                       * sel.successor_codebook[cand]).sum(-1)
+                cand = torch.cat([cand[:-1], labels[n : n + 1]])
+            score = logits[n, cand] + (
+                sel.predecessor_codebook[prev[n]] * sel.hidden_projection(h[n]) * sel.successor_codebook[cand]
+            ).sum(-1)
             target = int((cand == labels[n]).nonzero())
             total = total + w[n] * F.cross_entropy(score[None], torch.tensor([target]))
             wsum = wsum + w[n]
@@ -181,8 +214,9 @@ def test_loss_decreases_and_every_part_learns():
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for _ in range(40):
-        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=6,
-                           generator=torch.Generator().manual_seed(0))
+        out = forward_loss(
+            drafter, embed, head, feats, ids, mask, num_anchors=6, generator=torch.Generator().manual_seed(0)
+        )
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
@@ -205,15 +239,22 @@ def test_export_round_trip_in_vllm_dflash2_format(tmp_path):
     save_drafter(drafter, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
-    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": drafter.cfg.target_layer_ids,
-                                       "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8,
-                                       "selector_top_k": 6}
+    assert config["dflash_config"] == {
+        "mask_token_id": V - 1,
+        "target_layer_ids": drafter.cfg.target_layer_ids,
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 8,
+        "selector_top_k": 6,
+    }
     assert config["drafter_settings"]["selector_weight"] == 1.0  # training's own, beside what vLLM reads
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert shapes["layers.1.attention_conv.base_kernel"] == (2, 2, H)
     assert shapes["layers.1.mlp_conv.kernel_projection.weight"] == (2 * 2 * H // 8, H)
-    assert shapes["candidate_selector.predecessor_codebook"] == shapes["candidate_selector.successor_codebook"] == (V, 8)
+    assert (
+        shapes["candidate_selector.predecessor_codebook"] == shapes["candidate_selector.successor_codebook"] == (V, 8)
+    )
     assert shapes["candidate_selector.hidden_projection.weight"] == (8, H)
     loaded = load_drafter(tmp_path / "out")
     assert isinstance(loaded, DFlash2Drafter) and loaded.cfg == drafter.cfg
@@ -227,15 +268,23 @@ def test_sampled_drafts_come_from_the_walks_q():
     drafter = _drafter().eval()
     _perturb(drafter, std=1.0)
     g = torch.Generator().manual_seed(0)
-    embed, head, context = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), torch.randn(1, 9, 2 * H, generator=g)
+    embed, head, context = (
+        torch.randn(V, H, generator=g),
+        torch.randn(V, H, generator=g),
+        torch.randn(1, 9, 2 * H, generator=g),
+    )
     sampling = Sampling(0.7, 0.95, torch.Generator().manual_seed(1), greedy_drafts=False)
     drafts, q = families.get("dflash2").propose(drafter, context, 17, embed, head, sampling)
     assert drafts.shape == (4,) and q.shape == (4, V)
     with torch.no_grad():
         ids = torch.full((1, 5), V - 1)
         ids[0, 0] = 17
-        h = drafter(context, F.embedding(ids, embed), torch.arange(9, 14)[None],
-                    attention_masks(drafter, torch.tensor([[9]]), 9, "sdpa"))[0, 1:]
+        h = drafter(
+            context,
+            F.embedding(ids, embed),
+            torch.arange(9, 14)[None],
+            attention_masks(drafter, torch.tensor([[9]]), 9, "sdpa"),
+        )[0, 1:]
         unary, cand = (h @ head.t()).topk(6)
         sel = drafter.candidate_selector
         prev = torch.cat([torch.tensor([17]), drafts[:-1]])
@@ -255,8 +304,15 @@ def _trained_dflash2(tmp_path, steps=150):
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512, seed=3)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
-    cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=[0, 1, 2], block_size=8,
-                      family="dflash2", settings={"selector_rank": 32, "selector_top_k": 8})
+    cfg = from_target(
+        target.config,
+        mask_token_id=511,
+        num_layers=1,
+        target_layer_ids=[0, 1, 2],
+        block_size=8,
+        family="dflash2",
+        settings={"selector_rank": 32, "selector_top_k": 8},
+    )
     torch.manual_seed(0)
     drafter = DFlash2Drafter(cfg).eval()
     g = torch.Generator().manual_seed(0)
@@ -298,8 +354,15 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=24, seed=5)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
-    cfg = from_target(target.config, mask_token_id=23, num_layers=1, target_layer_ids=[0, 1, 2], block_size=4,
-                      family="dflash2", settings={"selector_rank": 8, "selector_top_k": 4})
+    cfg = from_target(
+        target.config,
+        mask_token_id=23,
+        num_layers=1,
+        target_layer_ids=[0, 1, 2],
+        block_size=4,
+        family="dflash2",
+        settings={"selector_rank": 8, "selector_top_k": 4},
+    )
     torch.manual_seed(1)
     drafter = DFlash2Drafter(cfg).eval()
     torch.nn.init.normal_(drafter.candidate_selector.hidden_projection.weight, std=0.5)  # a pair term that matters
@@ -321,12 +384,24 @@ def test_train_drafter_dflash2_reaches_the_workers(tmp_path):
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     target, data = _tiny_run_inputs(tmp_path)
-    cfg = load_config(None, ["train.drafter=dflash2", "train.family.selector_rank=16", "train.family.selector_top_k=8",
-                             "train.block_size=6", "train.num_layers=1", "train.target_layer_ids=[0,1,2]",
-                             "train.num_anchors=16", "train.lr=3e-3"])
+    cfg = load_config(
+        None,
+        [
+            "train.drafter=dflash2",
+            "train.family.selector_rank=16",
+            "train.family.selector_top_k=8",
+            "train.block_size=6",
+            "train.num_layers=1",
+            "train.target_layer_ids=[0,1,2]",
+            "train.num_anchors=16",
+            "train.lr=3e-3",
+        ],
+    )
     drafter_json = drafter_config(target, cfg)
     assert drafter_json["architectures"] == ["DFlash2DraftModel"]
-    assert drafter_json["dflash_config"]["selector_top_k"] == 8 and drafter_json["dflash_config"]["conv_group_size"] == 16
+    assert (
+        drafter_json["dflash_config"]["selector_top_k"] == 8 and drafter_json["dflash_config"]["conv_group_size"] == 16
+    )
     batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
     worker = DrafterWorker(target, json.dumps(drafter_json), "target", cfg.train, 0, 1)
     assert isinstance(worker.drafter, DFlash2Drafter)

@@ -25,10 +25,15 @@ pytest.importorskip("vllm")
 @pytest.mark.timeout(900)
 def test_vllm_loads_our_dflash2_export_and_matches_it(tmp_path):
     target_dir = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512, head_dim=64)
-    cfg = from_target(AutoConfig.from_pretrained(target_dir), mask_token_id=511, num_layers=2,
-                      target_layer_ids=[0, 1, 2], block_size=5, family="dflash2",
-                      settings={"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16,
-                                "selector_top_k": 8})
+    cfg = from_target(
+        AutoConfig.from_pretrained(target_dir),
+        mask_token_id=511,
+        num_layers=2,
+        target_layer_ids=[0, 1, 2],
+        block_size=5,
+        family="dflash2",
+        settings={"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8},
+    )
     torch.manual_seed(0)
     drafter = DFlash2Drafter(cfg)
     with torch.no_grad():  # convolutions and selector away from their identity start, so a swap shows
@@ -45,9 +50,10 @@ def test_vllm_loads_our_dflash2_export_and_matches_it(tmp_path):
     result = run_parity("vllm_dflash2_parity.py", target_dir, str(tmp_path / "drafter"))
 
     assert result["method"] == "dflash" and result["architectures"] == ["DFlash2DraftModel"]
-    assert {k: result["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                    "selector_top_k")} == {
-        "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    assert {
+        k: result["dflash_config"][k]
+        for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    } == {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     assert result["conv_block_size"] == 5  # the bonus token plus 4 masks: our block
     assert result["not_loaded"] == [] and result["unused_exported"] == [] and result["mismatched"] == []
     declared = result["declared"]
@@ -57,7 +63,16 @@ def test_vllm_loads_our_dflash2_export_and_matches_it(tmp_path):
     assert declared["model.candidate_selector.successor_codebook"] == [512, 16]
     assert declared["model.candidate_selector.hidden_projection.weight"] == [16, 64]
     diffs = result["max_abs_diff"]
-    assert set(diffs) >= {"fc", "layer0.context_k", "layer1.mlp", "norm", "layer0.attention_conv.pre",
-                          "layer1.mlp_conv.post", "selector_scores", "candidate_logits", "candidate_ids"}
+    assert set(diffs) >= {
+        "fc",
+        "layer0.context_k",
+        "layer1.mlp",
+        "norm",
+        "layer0.attention_conv.pre",
+        "layer1.mlp_conv.post",
+        "selector_scores",
+        "candidate_logits",
+        "candidate_ids",
+    }
     far = {name: d for name, d in diffs.items() if d >= 1e-4}
     assert not far, far

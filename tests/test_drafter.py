@@ -41,7 +41,7 @@ def test_labels_are_not_shifted_and_weights_decay():
     assert b.positions[0, :16].tolist() == list(range(4, 20))
     w = b.weights[0, :16]
     assert w[0] == 0 and w[1] == 1 and math.isclose(w[8].item(), math.exp(-7 / 7), rel_tol=1e-6)
-    assert (b.weights[0, 16 + 8:] == 0).all()  # anchor 12: a + k >= S = 20 from k = 8 on
+    assert (b.weights[0, 16 + 8 :] == 0).all()  # anchor 12: a + k >= S = 20 from k = 8 on
 
 
 def test_dense_mask_rule():
@@ -60,11 +60,27 @@ def test_dense_mask_rule():
 
 
 def _tiny_drafter(layer_types=(FULL,), mask_token_id=5):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     torch.manual_seed(0)
-    return DFlashDrafter(from_target(cfg, mask_token_id=mask_token_id, num_layers=len(layer_types),
-                                     num_target_features=3, layer_types=list(layer_types), sliding_window=8))
+    return DFlashDrafter(
+        from_target(
+            cfg,
+            mask_token_id=mask_token_id,
+            num_layers=len(layer_types),
+            num_target_features=3,
+            layer_types=list(layer_types),
+            sliding_window=8,
+        )
+    )
 
 
 def test_flex_and_sdpa_paths_agree_forward():
@@ -73,8 +89,9 @@ def test_flex_and_sdpa_paths_agree_forward():
     g = torch.Generator().manual_seed(1)
     features = torch.randn(B, S, 3 * 64, generator=g)
     anchors, keep = sample_anchors(torch.ones(B, S, dtype=torch.long), 3, g)
-    blocks = make_blocks(torch.randint(0, 256, (B, S), generator=g), torch.ones(B, S), anchors, keep,
-                         mask_token_id=5, block_size=16)
+    blocks = make_blocks(
+        torch.randint(0, 256, (B, S), generator=g), torch.ones(B, S), anchors, keep, mask_token_id=5, block_size=16
+    )
     embeds = torch.randn(B, blocks.token_ids.shape[1], 64, generator=g)
     with torch.no_grad():
         sdpa = drafter(features, embeds, blocks.positions, attention_masks(drafter, anchors, S, "sdpa"))
@@ -131,8 +148,9 @@ def test_simulated_acceptance_length():
 
 
 def test_mask_token_validation():
-    cfg = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=64, num_hidden_layers=6,
-                               num_attention_heads=4, num_key_value_heads=2)
+    cfg = AutoConfig.for_model(
+        "qwen3", vocab_size=256, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+    )
     with pytest.raises(ValueError, match="not a row"):
         from_target(cfg, mask_token_id=256)
     with pytest.raises(ValueError, match="pad/eos/bos"):
@@ -205,8 +223,14 @@ def test_export_round_trip_is_bit_exact(tmp_path):
     assert config["layer_types"] == [SLIDING, FULL] and config["num_hidden_layers"] == 2
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
-            "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= names
     assert not any("embed" in n or "lm_head" in n for n in names)
     loaded = load_drafter(tmp_path / "out")
     assert loaded.cfg == drafter.cfg
@@ -233,8 +257,9 @@ def test_target_outputs_give_the_targets_own_next_token_distribution(tmp_path):
     ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(0))
     want = torch.zeros(2, 20, dtype=torch.long)
     want[:, 5:19] = 1
-    feats, top_ids, top_probs, _ = target_outputs(model, ids, [0, 2], top_k=8, want_BS=want,
-                                                  max_chunk_bytes=4 * 512 * 3)
+    feats, top_ids, top_probs, _ = target_outputs(
+        model, ids, [0, 2], top_k=8, want_BS=want, max_chunk_bytes=4 * 512 * 3
+    )
     torch.testing.assert_close(feats, target_features(model, ids, [0, 2]), rtol=0, atol=0)
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=ids).logits.float(), -1)
@@ -254,13 +279,15 @@ def test_distillation_targets_mix_the_label_with_the_targets_distribution():
     teacher_ids = torch.arange(20 * 3).view(1, 20, 3)  # position p: ids 3p, 3p+1, 3p+2
     teacher_probs = torch.tensor([0.5, 0.25, 0.05]).expand(1, 20, 3)
     anchors, keep = sample_anchors(mask, 4, torch.Generator().manual_seed(0))
-    blocks = make_blocks(ids, mask, anchors, keep, mask_token_id=0, block_size=4, teacher=(teacher_ids, teacher_probs),
-                         distill=0.75)
+    blocks = make_blocks(
+        ids, mask, anchors, keep, mask_token_id=0, block_size=4, teacher=(teacher_ids, teacher_probs), distill=0.75
+    )
     a = int(anchors[0, 0])
     # block position k = 2 predicts x[a + 2] = label; the target's distribution for it sits at a + 1
     row = 2
     assert blocks.soft_ids[0, row, 0] == ids[0, a + 2]
     assert blocks.soft_ids[0, row, 1:].tolist() == [3 * (a + 1), 3 * (a + 1) + 1, 3 * (a + 1) + 2]
-    torch.testing.assert_close(blocks.soft_probs[0, row], torch.tensor([0.25, 0.75 * 0.5 / 0.8, 0.75 * 0.25 / 0.8,
-                                                                        0.75 * 0.05 / 0.8]))
+    torch.testing.assert_close(
+        blocks.soft_probs[0, row], torch.tensor([0.25, 0.75 * 0.5 / 0.8, 0.75 * 0.25 / 0.8, 0.75 * 0.05 / 0.8])
+    )
     torch.testing.assert_close(blocks.soft_probs.sum(-1), torch.ones(1, 16))

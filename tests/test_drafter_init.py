@@ -12,8 +12,9 @@ from dflash_ray.target.capture import target_features
 
 
 def _drafter(path, layer_ids, num_layers, mode="target"):
-    cfg = from_target(AutoConfig.from_pretrained(path), mask_token_id=5, num_layers=num_layers,
-                      target_layer_ids=layer_ids)
+    cfg = from_target(
+        AutoConfig.from_pretrained(path), mask_token_id=5, num_layers=num_layers, target_layer_ids=layer_ids
+    )
     return initial_drafter(cfg, path, mode, seed=0)
 
 
@@ -52,8 +53,15 @@ def test_a_llama_target_keeps_unit_qk_norms(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     drafter = _drafter(tmp_path, [0, 1], num_layers=1)
     target = LlamaForCausalLM.from_pretrained(tmp_path)
@@ -61,7 +69,9 @@ def test_a_llama_target_keeps_unit_qk_norms(tmp_path):
     assert torch.equal(drafter.layers[0].self_attn.q_norm.weight, torch.ones(8))
 
 
-def test_auto_copies_only_layers_the_drafter_can_hold_and_forcing_it_fails_before_training(tiny_qwen3_dir, tiny_qwen35_dir):
+def test_auto_copies_only_layers_the_drafter_can_hold_and_forcing_it_fails_before_training(
+    tiny_qwen3_dir, tiny_qwen35_dir
+):
     from dflash_ray.stages.train import run_train
 
     qwen3, hybrid = AutoConfig.from_pretrained(tiny_qwen3_dir), AutoConfig.from_pretrained(tiny_qwen35_dir)
@@ -73,8 +83,13 @@ def test_auto_copies_only_layers_the_drafter_can_hold_and_forcing_it_fails_befor
 
 
 def test_a_layer_of_another_shape_is_refused(tiny_qwen3_dir):
-    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=5, num_layers=1,
-                      target_layer_ids=[0, 2], intermediate_size=16)
+    cfg = from_target(
+        AutoConfig.from_pretrained(tiny_qwen3_dir),
+        mask_token_id=5,
+        num_layers=1,
+        target_layer_ids=[0, 2],
+        intermediate_size=16,
+    )
     from dflash_ray.drafter.model import DFlashDrafter
 
     with pytest.raises(ValueError, match="mlp.gate_proj.weight"):

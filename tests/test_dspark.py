@@ -19,11 +19,26 @@ V, H = 96, 32
 
 
 def _drafter(block_size=5, markov_rank=8, seed=0, **kw) -> DSparkDrafter:
-    cfg = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     torch.manual_seed(seed)
-    dcfg = from_target(cfg, mask_token_id=V - 1, num_layers=1, num_target_features=2, block_size=block_size,
-                       family="dspark", settings={"markov_rank": markov_rank})
+    dcfg = from_target(
+        cfg,
+        mask_token_id=V - 1,
+        num_layers=1,
+        num_target_features=2,
+        block_size=block_size,
+        family="dspark",
+        settings={"markov_rank": markov_rank},
+    )
     return families.get("dspark").build(dcfg.replace(**kw))
 
 
@@ -55,7 +70,9 @@ def test_family_registry_and_config_choice():
 def test_anchor_is_the_first_prediction_and_weights_decay():
     drafter = _drafter()
     embed, head, feats, ids, mask, teacher = _batch()
-    out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=torch.Generator().manual_seed(0))
+    out = forward_loss(
+        drafter, embed, head, feats, ids, mask, num_anchors=4, generator=torch.Generator().manual_seed(0)
+    )
     b, K = out.blocks, 5
     for row in range(2):
         for j in range(4):
@@ -86,13 +103,16 @@ def test_markov_head_reads_the_previous_token():
     out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=g)
     blk = out.blocks
     with torch.no_grad():
-        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa"))
+        h = drafter(
+            feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa")
+        )
         prev = torch.gather(ids, 1, blk.positions.clamp(max=31))
         logits = drafter.logits(h.reshape(-1, H), head, prev.reshape(-1))
         conf = drafter.confidence_head(h.reshape(-1, H), drafter.markov_head.embed(prev.reshape(-1)))
         hits = logits.argmax(-1) == blk.labels.reshape(-1)
-        per = F.cross_entropy(logits, blk.labels.reshape(-1), reduction="none") + \
-            F.binary_cross_entropy_with_logits(conf, hits.float(), reduction="none")  # no target: the fallback
+        per = F.cross_entropy(logits, blk.labels.reshape(-1), reduction="none") + F.binary_cross_entropy_with_logits(
+            conf, hits.float(), reduction="none"
+        )  # no target: the fallback
         w = blk.weights.reshape(-1)
         torch.testing.assert_close(out.loss.loss.detach(), (per * w).sum() / w.sum())
         # the previous token matters: a wrong one changes the loss
@@ -108,20 +128,36 @@ def test_tv_and_confidence_label_are_against_the_targets_whole_distribution():
     assert (own.ce_weight, own.tv_weight, own.bce_weight) == (0.1, 0.9, 1.0)
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.1)
     embed, head, feats, ids, mask, target_hidden = _batch()
-    out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=4, generator=torch.Generator().manual_seed(2),
-                       teacher=target_hidden)
+    out = forward_loss(
+        drafter,
+        embed,
+        head,
+        feats,
+        ids,
+        mask,
+        num_anchors=4,
+        generator=torch.Generator().manual_seed(2),
+        teacher=target_hidden,
+    )
     blk = out.blocks
     with torch.no_grad():
-        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa"))
+        h = drafter(
+            feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa")
+        )
         pos = blk.positions.clamp(max=31)
         prev = torch.gather(ids, 1, pos).reshape(-1)
         q = torch.softmax(drafter.logits(h.reshape(-1, H), head, prev), -1)
-        p = torch.softmax(torch.gather(target_hidden, 1, pos[..., None].expand(-1, -1, H)).reshape(-1, H) @ head.t(), -1)
+        p = torch.softmax(
+            torch.gather(target_hidden, 1, pos[..., None].expand(-1, -1, H)).reshape(-1, H) @ head.t(), -1
+        )
         tv = 0.5 * (q - p).abs().sum(-1)
         conf = drafter.confidence_head(h.reshape(-1, H), drafter.markov_head.embed(prev))
         ce = F.cross_entropy(drafter.logits(h.reshape(-1, H), head, prev), blk.labels.reshape(-1), reduction="none")
-        per = own.ce_weight * ce + own.tv_weight * tv + own.bce_weight * F.binary_cross_entropy_with_logits(
-            conf, 1 - tv, reduction="none")
+        per = (
+            own.ce_weight * ce
+            + own.tv_weight * tv
+            + own.bce_weight * F.binary_cross_entropy_with_logits(conf, 1 - tv, reduction="none")
+        )
         w = blk.weights.reshape(-1)
         torch.testing.assert_close(out.loss.loss.detach(), (per * w).sum() / w.sum(), rtol=1e-4, atol=1e-5)
 
@@ -132,8 +168,17 @@ def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for _ in range(60):
-        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=6,
-                           generator=torch.Generator().manual_seed(0), teacher=teacher)
+        out = forward_loss(
+            drafter,
+            embed,
+            head,
+            feats,
+            ids,
+            mask,
+            num_anchors=6,
+            generator=torch.Generator().manual_seed(0),
+            teacher=teacher,
+        )
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
@@ -143,7 +188,9 @@ def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
     assert drafter.markov_head.markov_w2.weight.abs().sum() > 0  # the Markov head learned
     blk = out.blocks
     with torch.no_grad():
-        h = drafter(feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa"))
+        h = drafter(
+            feats, F.embedding(blk.token_ids, embed), blk.positions, attention_masks(drafter, blk.anchors, 32, "sdpa")
+        )
         prev = torch.gather(ids, 1, blk.positions.clamp(max=31))
         conf = drafter.confidence(h.reshape(-1, H), prev.reshape(-1))
     assert ((conf > 0) & (conf < 1)).all() and conf.std() > 0
@@ -152,7 +199,9 @@ def test_loss_decreases_on_a_fixed_batch_and_confidence_is_a_probability():
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     first = last = None
     for _ in range(60):
-        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=6, generator=torch.Generator().manual_seed(0))
+        out = forward_loss(
+            drafter, embed, head, feats, ids, mask, num_anchors=6, generator=torch.Generator().manual_seed(0)
+        )
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
@@ -182,8 +231,11 @@ def test_loss_terms_and_chunking():
     pt = torch.softmax(target.reshape(-1, H) @ head.t(), -1)
     tv = 0.5 * (pd - pt).abs().sum(-1)
     conf = drafter.confidence_head(h, drafter.markov_head.embed(p))
-    per = 0.1 * F.cross_entropy(logits, y, reduction="none") + 0.9 * tv + \
-        F.binary_cross_entropy_with_logits(conf, (1 - tv).detach(), reduction="none")
+    per = (
+        0.1 * F.cross_entropy(logits, y, reduction="none")
+        + 0.9 * tv
+        + F.binary_cross_entropy_with_logits(conf, (1 - tv).detach(), reduction="none")
+    )
     ref = (per * weights.reshape(-1)).sum() / weights.sum()
     torch.testing.assert_close(out.loss, ref)
     torch.testing.assert_close(grad, torch.autograd.grad(ref, hidden)[0])
@@ -210,14 +262,37 @@ def test_export_round_trip_in_vllm_dspark_format(tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DSparkDraftModel"] and config["model_type"] == "qwen3"
     assert "dflash_config" not in config
-    assert {k: config[k] for k in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank",
-                                   "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")} == {
-        "block_size": 5, "mask_token_id": V - 1, "target_layer_ids": drafter.cfg.target_layer_ids, "markov_rank": 8,
-        "enable_confidence_head": True, "confidence_head_with_markov": True, "sample_from_anchor": True}
+    assert {
+        k: config[k]
+        for k in (
+            "block_size",
+            "mask_token_id",
+            "target_layer_ids",
+            "markov_rank",
+            "enable_confidence_head",
+            "confidence_head_with_markov",
+            "sample_from_anchor",
+        )
+    } == {
+        "block_size": 5,
+        "mask_token_id": V - 1,
+        "target_layer_ids": drafter.cfg.target_layer_ids,
+        "markov_rank": 8,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "sample_from_anchor": True,
+    }
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
-            "confidence_head.proj.bias", "fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert {
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+    } <= names
     loaded = load_drafter(tmp_path / "out")
     assert isinstance(loaded, DSparkDrafter) and loaded.cfg == drafter.cfg
     for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
@@ -228,8 +303,15 @@ def _trained_dspark(tmp_path, steps=150):
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512, seed=3)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
-    cfg = from_target(target.config, mask_token_id=511, num_layers=1, target_layer_ids=[0, 1, 2], block_size=7,
-                      family="dspark", settings={"markov_rank": 32})
+    cfg = from_target(
+        target.config,
+        mask_token_id=511,
+        num_layers=1,
+        target_layer_ids=[0, 1, 2],
+        block_size=7,
+        family="dspark",
+        settings={"markov_rank": 32},
+    )
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg).eval()
     g = torch.Generator().manual_seed(0)
@@ -268,15 +350,23 @@ def test_sampled_drafts_come_from_the_markov_conditioned_q():
     drafter = _drafter(markov_rank=8).eval()
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight)
     g = torch.Generator().manual_seed(0)
-    embed, head, context = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), torch.randn(1, 9, 2 * H, generator=g)
+    embed, head, context = (
+        torch.randn(V, H, generator=g),
+        torch.randn(V, H, generator=g),
+        torch.randn(1, 9, 2 * H, generator=g),
+    )
     sampling = Sampling(0.7, 0.95, torch.Generator().manual_seed(1), greedy_drafts=False)
     drafts, q = families.get("dspark").propose(drafter, context, 17, embed, head, sampling)
     assert drafts.shape == (5,) and q.shape == (5, V)
     with torch.no_grad():
         ids = torch.full((1, 5), V - 1)
         ids[0, 0] = 17
-        h = drafter(context, F.embedding(ids, embed), torch.arange(9, 14)[None],
-                    attention_masks(drafter, torch.tensor([[9]]), 9, "sdpa"))[0]
+        h = drafter(
+            context,
+            F.embedding(ids, embed),
+            torch.arange(9, 14)[None],
+            attention_masks(drafter, torch.tensor([[9]]), 9, "sdpa"),
+        )[0]
         prev = torch.cat([torch.tensor([17]), drafts[:-1]])
         torch.testing.assert_close(q, warp(drafter.logits(h, head, prev), 0.7, 0.95))
     assert (q[torch.arange(5), drafts] > 0).all()
@@ -298,8 +388,15 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path):
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=24, seed=5)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
-    cfg = from_target(target.config, mask_token_id=23, num_layers=1, target_layer_ids=[0, 1, 2], block_size=4,
-                      family="dspark", settings={"markov_rank": 8})
+    cfg = from_target(
+        target.config,
+        mask_token_id=23,
+        num_layers=1,
+        target_layer_ids=[0, 1, 2],
+        block_size=4,
+        family="dspark",
+        settings={"markov_rank": 8},
+    )
     torch.manual_seed(1)
     drafter = DSparkDrafter(cfg).eval()
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)  # a Markov bias that matters
@@ -317,8 +414,17 @@ def _tiny_run_inputs(tmp_path, num_rows=4):
 
     target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)
     g = torch.Generator().manual_seed(0)
-    rows = [{"id": f"s{i}", "source": "x", "input_ids": torch.randint(0, 490, (12,), generator=g).repeat(4).tolist(),
-             "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48, "truncated": False} for i in range(num_rows)]
+    rows = [
+        {
+            "id": f"s{i}",
+            "source": "x",
+            "input_ids": torch.randint(0, 490, (12,), generator=g).repeat(4).tolist(),
+            "loss_mask": [0] * 12 + [1] * 36,
+            "seq_len": 48,
+            "truncated": False,
+        }
+        for i in range(num_rows)
+    ]
     data = str(tmp_path / "data")
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buf)
@@ -335,10 +441,19 @@ def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
     target, data = _tiny_run_inputs(tmp_path)
-    cfg = load_config(None, ["train.drafter=dspark", "train.family.markov_rank=16", "train.block_size=6",
-                             "train.num_layers=1",
-                             "train.target_layer_ids=[0,1,2]", "train.num_anchors=16", "train.lr=3e-3",
-                             "train.distill_top_k=8"])
+    cfg = load_config(
+        None,
+        [
+            "train.drafter=dspark",
+            "train.family.markov_rank=16",
+            "train.block_size=6",
+            "train.num_layers=1",
+            "train.target_layer_ids=[0,1,2]",
+            "train.num_anchors=16",
+            "train.lr=3e-3",
+            "train.distill_top_k=8",
+        ],
+    )
     drafter_json = drafter_config(target, cfg)
     assert drafter_json["architectures"] == ["DSparkDraftModel"] and drafter_json["markov_rank"] == 16
     batch = TargetWorker(target, [0, 1, 2], cfg.train).features([(f"{data}/part-0.parquet", 0)])
@@ -362,10 +477,22 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
     from dflash_ray.stages.train import run_train
 
     target, data = _tiny_run_inputs(tmp_path, num_rows=8)
-    cfg = load_config(None, ["train.drafter=dspark", "train.family.markov_rank=16", "train.block_size=6",
-                             "train.actor_cpus=0.5",
-                             "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
-                             "train.lr=3e-3", "train.checkpoint_every=2", "train.epochs=1", "train.distill_top_k=8"])
+    cfg = load_config(
+        None,
+        [
+            "train.drafter=dspark",
+            "train.family.markov_rank=16",
+            "train.block_size=6",
+            "train.actor_cpus=0.5",
+            "train.num_layers=1",
+            "train.target_layer_ids=[0,1,2]",
+            "train.num_anchors=16",
+            "train.lr=3e-3",
+            "train.checkpoint_every=2",
+            "train.epochs=1",
+            "train.distill_top_k=8",
+        ],
+    )
     out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)
     assert out["step"] == out["total_steps"] == 4
     assert checkpoint.complete_steps(str(tmp_path / "run"))[-1] == 4
@@ -374,5 +501,7 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     embed, head = load_embed_and_head(target)
     prompt = [5, 9, 31, 2, 77]
-    assert speculative_decode(model, drafter, embed, head, prompt, 24, set()).token_ids == \
-        target_decode(model, prompt, 24, set()).token_ids
+    assert (
+        speculative_decode(model, drafter, embed, head, prompt, 24, set()).token_ids
+        == target_decode(model, prompt, 24, set()).token_ids
+    )

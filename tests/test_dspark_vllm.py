@@ -31,13 +31,25 @@ pytest.importorskip("vllm")
 @pytest.mark.timeout(900)
 def test_vllm_loads_our_dspark_export_and_matches_it(tmp_path):
     target_dir = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512, head_dim=64)
-    cfg = from_target(AutoConfig.from_pretrained(target_dir), mask_token_id=511, num_layers=2,
-                      target_layer_ids=[0, 1, 2], block_size=5, family="dspark", settings={"markov_rank": 16})
+    cfg = from_target(
+        AutoConfig.from_pretrained(target_dir),
+        mask_token_id=511,
+        num_layers=2,
+        target_layer_ids=[0, 1, 2],
+        block_size=5,
+        family="dspark",
+        settings={"markov_rank": 16},
+    )
     torch.manual_seed(0)
     drafter = DSparkDrafter(cfg)
     with torch.no_grad():  # heads away from their zero start, so a swapped or dropped weight shows
-        for p in (drafter.markov_head.markov_w2.weight, drafter.confidence_head.proj.weight,
-                  drafter.confidence_head.proj.bias, drafter.norm.weight, drafter.hidden_norm.weight):
+        for p in (
+            drafter.markov_head.markov_w2.weight,
+            drafter.confidence_head.proj.weight,
+            drafter.confidence_head.proj.bias,
+            drafter.norm.weight,
+            drafter.hidden_norm.weight,
+        ):
             p.normal_()
     save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
 
@@ -57,9 +69,17 @@ def test_vllm_loads_our_dspark_export_and_matches_it(tmp_path):
 
 def run_parity(script: str, target_dir: str, drafter_dir: str) -> dict:
     """Run a parity script (vLLM's module classes against an export) in a child process; its result."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), target_dir, drafter_dir],
-                         capture_output=True, text=True, env=env, timeout=850)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(script)), target_dir, drafter_dir],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=850,
+    )
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("PARITY ")), None)
     assert line, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(line.removeprefix("PARITY "))

@@ -15,14 +15,27 @@ from dflash_ray.cli import main
 from dflash_ray.config import GenerateConfig, load_config
 from dflash_ray.errors import DFlashError
 from dflash_ray.generation.engines import (
-    cpu_kv_cache_bytes, engine_dtype, engine_error, free_memory, kv_bytes_per_token, kv_cache_bytes, model_config)
+    cpu_kv_cache_bytes,
+    engine_dtype,
+    engine_error,
+    free_memory,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    model_config,
+)
 from dflash_ray.registry import SMOLLM2
 from dflash_ray.errors import failure_cause
 from dflash_ray.stages.generate import same_error
 
 MiB = 1024**2
-SMOLLM2_CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-                  "hidden_size": 576, "dtype": "bfloat16"}
+SMOLLM2_CONFIG = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_size": 576,
+    "dtype": "bfloat16",
+}
 
 
 def test_kv_bytes_per_token_follow_the_config(tmp_path):
@@ -98,19 +111,35 @@ def test_the_engine_error_is_its_own_line_not_a_wrapper():
 def test_failure_causes_and_what_makes_two_the_same():
     from ray.exceptions import ActorDiedError
 
-    raised = RuntimeError("ray::demo-g0:Generator.__init__()\n  File \"x.py\", line 1\n"
-                          "dflash_ray.errors.DFlashError: the vLLM engine did not start: ValueError: kv (-0.24/1.0 GiB)")
+    raised = RuntimeError(
+        'ray::demo-g0:Generator.__init__()\n  File "x.py", line 1\n'
+        "dflash_ray.errors.DFlashError: the vLLM engine did not start: ValueError: kv (-0.24/1.0 GiB)"
+    )
     assert failure_cause(raised) == "the vLLM engine did not start: ValueError: kv (-0.24/1.0 GiB)"
     assert failure_cause(RuntimeError("ray::f()\nbuiltins.KeyError: 'a'")) == "KeyError: 'a'"
     killed = ActorDiedError()
     assert failure_cause(killed).startswith("ActorDiedError: The actor died unexpectedly")
-    assert same_error("ValueError: kv (-0.24/1.0 GiB) on node 0") == same_error("ValueError: kv (-1.1/0.01 GiB) on node 1")
+    assert same_error("ValueError: kv (-0.24/1.0 GiB) on node 0") == same_error(
+        "ValueError: kv (-1.1/0.01 GiB) on node 1"
+    )
     assert same_error("KeyError: 'a'") != same_error("KeyError: 'b'")
 
 
 def test_zero_generators_is_refused_before_anything_starts(tmp_path, capsys):
-    code = main(["generate", "--prompts", str(tmp_path / "none"), "--output", str(tmp_path / "out"),
-                 "--model", SMOLLM2, "--generators", "0", "--json"])
+    code = main(
+        [
+            "generate",
+            "--prompts",
+            str(tmp_path / "none"),
+            "--output",
+            str(tmp_path / "out"),
+            "--model",
+            SMOLLM2,
+            "--generators",
+            "0",
+            "--json",
+        ]
+    )
     assert code == 2
     summary = json.loads(capsys.readouterr().out)
     assert "field 'generate.generators'" in summary["error"]  # not a run that waits for ever at 0/N
@@ -123,8 +152,12 @@ def few_prompts(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("prompts")
     raw = tmp / "raw.jsonl"
-    raw.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})
-                             for q in ("Hello there", "Count to three", "Name a color")))
+    raw.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": q}]})
+            for q in ("Hello there", "Count to three", "Name a color")
+        )
+    )
     run_prompts([str(raw)], str(tmp / "prompts"), load_config(None, [f"prompts.tokenizer={SMOLLM2}"]), progress=False)
     return str(tmp / "prompts")
 
@@ -141,11 +174,31 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
     """The bar of issue 13: not nine restarts of the same failure, and the cause in the message."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cli = Path(sys.executable).with_name("dflash-ray")
-    done = subprocess.run([str(cli), "generate", "--prompts", few_prompts, "--output", str(tmp_path / "out"),
-                           "--model", SMOLLM2, "--generators", "2", "--json", "--set", "ray.num_cpus=2",
-                           "--set", f"generate.memory_utilization={tiny_share()}",
-                           "--set", "generate.max_model_len=1024"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [
+            str(cli),
+            "generate",
+            "--prompts",
+            few_prompts,
+            "--output",
+            str(tmp_path / "out"),
+            "--model",
+            SMOLLM2,
+            "--generators",
+            "2",
+            "--json",
+            "--set",
+            "ray.num_cpus=2",
+            "--set",
+            f"generate.memory_utilization={tiny_share()}",
+            "--set",
+            "generate.max_model_len=1024",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     error = summary["error"]
@@ -161,11 +214,31 @@ def test_an_engine_that_cannot_start_fails_the_cli_fast_with_its_own_error(few_p
 def test_selfprompt_stops_at_the_first_task_whose_engine_cannot_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cli = Path(sys.executable).with_name("dflash-ray")
-    done = subprocess.run([str(cli), "selfprompt", "--model", SMOLLM2, "--count", "8", "--output", str(tmp_path / "out"),
-                           "--json", "--set", "ray.num_cpus=2", "--set", "generate.generators=1",
-                           "--set", f"generate.memory_utilization={tiny_share()}",
-                           "--set", "generate.max_model_len=1024"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [
+            str(cli),
+            "selfprompt",
+            "--model",
+            SMOLLM2,
+            "--count",
+            "8",
+            "--output",
+            str(tmp_path / "out"),
+            "--json",
+            "--set",
+            "ray.num_cpus=2",
+            "--set",
+            "generate.generators=1",
+            "--set",
+            f"generate.memory_utilization={tiny_share()}",
+            "--set",
+            "generate.max_model_len=1024",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
     assert error.startswith("a self-prompt task failed: ") and "stopped at once" in error

@@ -31,8 +31,9 @@ def test_ngram_baseline_simulation():
 def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
     from transformers import AutoConfig
 
-    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1,
-                      num_target_features=3)
+    cfg = from_target(
+        AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1, num_target_features=3
+    )
     torch.manual_seed(0)
     save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt" / "drafter", dtype=torch.float32)
 
@@ -42,17 +43,41 @@ def test_export_and_evaluate_commands(tmp_path, tiny_qwen3_dir, capsys):
     assert next(load_drafter(tmp_path / "export").parameters()).dtype == torch.bfloat16
 
     raw = tmp_path / "raw.jsonl"
-    raw.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})
-                             for q in ("Hello there", "Count to three", "Name a color")))
+    raw.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": q}]})
+            for q in ("Hello there", "Count to three", "Name a color")
+        )
+    )
     run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(), progress=False)
     heldout = tmp_path / "heldout"
     heldout.mkdir()
-    pq.write_table(pa.table({"input_ids": [list(range(100, 140))] * 2, "loss_mask": [[0] * 10 + [1] * 30] * 2}),
-                   heldout / "part-0.parquet")
-    code = main(["evaluate", "--drafter", str(tmp_path / "export"), "--target", tiny_qwen3_dir, "--tokenizer", "qwen3",
-                 "--prompts", str(tmp_path / "prompts"), "--heldout", str(heldout),
-                 "--set", "evaluate.max_new_tokens=12", "--set", "evaluate.num_anchors=8",
-                 "--report", str(tmp_path / "report"), "--json"])
+    pq.write_table(
+        pa.table({"input_ids": [list(range(100, 140))] * 2, "loss_mask": [[0] * 10 + [1] * 30] * 2}),
+        heldout / "part-0.parquet",
+    )
+    code = main(
+        [
+            "evaluate",
+            "--drafter",
+            str(tmp_path / "export"),
+            "--target",
+            tiny_qwen3_dir,
+            "--tokenizer",
+            "qwen3",
+            "--prompts",
+            str(tmp_path / "prompts"),
+            "--heldout",
+            str(heldout),
+            "--set",
+            "evaluate.max_new_tokens=12",
+            "--set",
+            "evaluate.num_anchors=8",
+            "--report",
+            str(tmp_path / "report"),
+            "--json",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["lossless"] and summary["prompts"] == 3
     assert summary["tokens"] == 36 and summary["tau"] >= 1 and summary["tau_ngram"] >= 1
@@ -133,8 +158,15 @@ def test_export_checks_a_checkpoint_against_its_manifest(tmp_path, capsys):
 def _tiny_target_config():
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
 
 
 def test_a_dataset_of_the_wrong_kind_is_refused_before_any_model_or_engine_starts(tmp_path, capsys):
@@ -146,13 +178,27 @@ def test_a_dataset_of_the_wrong_kind_is_refused_before_any_model_or_engine_start
     from dflash_ray.stages.generate import run_generate
 
     prompts, tokenized = tmp_path / "prompts", tmp_path / "tokenized"
-    for folder, row in ((prompts, {"id": "p", "messages": [{"role": "user", "content": "hi"}]}),
-                        (tokenized, {"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1], "seq_len": 2})):
+    for folder, row in (
+        (prompts, {"id": "p", "messages": [{"role": "user", "content": "hi"}]}),
+        (tokenized, {"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1], "seq_len": 2}),
+    ):
         folder.mkdir()
         pq.write_table(pa.Table.from_pylist([row]), folder / "part-0.parquet")
     start = time.monotonic()
-    code = main(["evaluate", "--drafter", str(tmp_path / "no-drafter"), "--target", str(tmp_path / "no-target"),
-                 "--prompts", str(prompts), "--heldout", str(prompts), "--json"])
+    code = main(
+        [
+            "evaluate",
+            "--drafter",
+            str(tmp_path / "no-drafter"),
+            "--target",
+            str(tmp_path / "no-target"),
+            "--prompts",
+            str(prompts),
+            "--heldout",
+            str(prompts),
+            "--json",
+        ]
+    )
     error = json.loads(capsys.readouterr().out)["error"]
     assert code == 2 and "--heldout" in error and "input_ids" in error and "part-0.parquet" in error
     with pytest.raises(DFlashError) as e:

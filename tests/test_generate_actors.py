@@ -16,7 +16,6 @@ from dflash_ray.config import load_config
 from dflash_ray.registry import SMOLLM2
 
 
-
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory, ray_cluster):
     from dflash_ray.stages.prompts import run_prompts
@@ -72,8 +71,16 @@ def _started(name: str, prompts: str, output: str, overrides: list[str]):
     from dflash_ray.generation.actors import NAMESPACE
     from dflash_ray.stages.generate import run_generate
 
-    cfg = load_config(None, [f"generate.name={name}", "generate.shard_size=2", "generate.max_tokens=24",
-                             "generate.max_model_len=1024", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"generate.name={name}",
+            "generate.shard_size=2",
+            "generate.max_tokens=24",
+            "generate.max_model_len=1024",
+            *overrides,
+        ],
+    )
     pool = concurrent.futures.ThreadPoolExecutor(1)
     future = pool.submit(run_generate, prompts, output, SMOLLM2, cfg, progress=False)
     try:
@@ -94,7 +101,10 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
     from dflash_ray.stages.generate import pause, run_generate, status
 
     output = f"{s3_bucket}/completions"
-    with _started("gen-kill", prompts, output, ["generate.generators=2", "generate.start_paused=true"]) as (cfg, future):
+    with _started("gen-kill", prompts, output, ["generate.generators=2", "generate.start_paused=true"]) as (
+        cfg,
+        future,
+    ):
         # both engines loaded, neither has a shard
         held = _wait(lambda: status(cfg), _engines_up(2), future, timeout=600)
         assert held["paused"] and held["shards_done"] == 0 and not held["leased_by"]
@@ -137,8 +147,9 @@ def test_killed_vllm_generator_loses_nothing_and_a_rerun_does_no_work(prompts, s
     for row in rows:
         row["messages"][-1]["content"] = "In one word: " + row["messages"][-1]["content"]
     pq.write_table(pa.Table.from_pylist(rows, pq.read_schema(shard)), shard)
-    manifest.write_manifest(rewritten, kind="prompts", files=[{"name": storage.basename(shard), "rows": len(rows)}],
-                            summary={})
+    manifest.write_manifest(
+        rewritten, kind="prompts", files=[{"name": storage.basename(shard), "rows": len(rows)}], summary={}
+    )
     with pytest.raises(DFlashError, match="prompts' content"):
         run_generate(rewritten, output, SMOLLM2, cfg, progress=False)
 
@@ -154,9 +165,19 @@ def test_scaling_one_two_one_mid_run_loses_and_duplicates_nothing(prompts, tmp_p
     from dflash_ray.stages.generate import pause, scale, status
 
     output = str(tmp_path / "completions")
-    with _started("gen-scale", prompts, output, ["generate.generators=1", "generate.backend=transformers",
-                                                  "generate.shard_size=1", "generate.max_tokens=4",
-                                                  "generate.truncated=keep", "generate.start_paused=true"]) as (cfg, future):
+    with _started(
+        "gen-scale",
+        prompts,
+        output,
+        [
+            "generate.generators=1",
+            "generate.backend=transformers",
+            "generate.shard_size=1",
+            "generate.max_tokens=4",
+            "generate.truncated=keep",
+            "generate.start_paused=true",
+        ],
+    ) as (cfg, future):
         _wait(lambda: status(cfg), _engines_up(1), future)
         pause(False, cfg)
         _wait(lambda: status(cfg), lambda s: s["shards_done"] >= 2, future)

@@ -16,16 +16,18 @@ from dflash_ray.generation.engines import Output
 from dflash_ray.generation.shard import ShardGenerator, prompt_seed, split_reasoning
 
 CFG = GenerateConfig()
-ESSAY = ("Ray schedules tasks and actors across a cluster. A task is a stateless function call; an actor "
-         "keeps state between calls. Objects live in a shared store, and references to them can be passed "
-         "around without copying the data. When a node fails, lineage lets Ray rebuild lost objects, and "
-         "actors can be restarted. Placement groups reserve resources together, so a pair of actors that "
-         "exchange large tensors can sit on one machine. Ray Data streams blocks through operators, "
-         "keeping a bounded number of them in memory, and hands batches to a pool of actors that load a "
-         "model once. Metrics defined with ray.util.metrics appear in the dashboard next to the built-in "
-         "ones, tagged by whatever the application chooses. Jobs submitted from a laptop carry their "
-         "working directory to the cluster, so the code that runs there is the code that was tested here. "
-         "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25.")
+ESSAY = (
+    "Ray schedules tasks and actors across a cluster. A task is a stateless function call; an actor "
+    "keeps state between calls. Objects live in a shared store, and references to them can be passed "
+    "around without copying the data. When a node fails, lineage lets Ray rebuild lost objects, and "
+    "actors can be restarted. Placement groups reserve resources together, so a pair of actors that "
+    "exchange large tensors can sit on one machine. Ray Data streams blocks through operators, "
+    "keeping a bounded number of them in memory, and hands batches to a pool of actors that load a "
+    "model once. Metrics defined with ray.util.metrics appear in the dashboard next to the built-in "
+    "ones, tagged by whatever the application chooses. Jobs submitted from a laptop carry their "
+    "working directory to the cluster, so the code that runs there is the code that was tested here. "
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25."
+)
 
 
 def test_a_repetition_loop_is_caught_and_natural_text_is_not(smollm2_tokenizer):
@@ -34,7 +36,9 @@ def test_a_repetition_loop_is_caught_and_natural_text_is_not(smollm2_tokenizer):
     assert tail_cycle(natural, CFG.repeat_max_period, CFG.repeat_min_span) is None
     assert classify(natural, ESSAY, ESSAY, "stop", False, CFG) is None
 
-    loop = natural[:50] + smollm2_tokenizer(" I will check the answer again.", add_special_tokens=False)["input_ids"] * 40
+    loop = (
+        natural[:50] + smollm2_tokenizer(" I will check the answer again.", add_special_tokens=False)["input_ids"] * 40
+    )
     period, span = tail_cycle(loop, CFG.repeat_max_period, CFG.repeat_min_span)
     assert period == 7 and span >= CFG.repeat_min_span
     bad = classify(loop, "", "text", "length", False, CFG)
@@ -180,8 +184,10 @@ def test_a_bad_prompt_fails_alone_and_records_replay_exactly(tiny_qwen3_dir, qwe
     cfg = GenerateConfig(backend="transformers", max_tokens=6, max_model_len=64, temperature=0.0)
     engine = HFEngine(tiny_qwen3_dir, cfg, stop_token_ids(qwen3_tokenizer))
     gen = ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0")
-    rows = [{"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
-            for i, c in enumerate(["hi", "word " * 200, "hello there"])]
+    rows = [
+        {"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
+        for i, c in enumerate(["hi", "word " * 200, "hello there"])
+    ]
     result = gen.run(rows)
     kinds = {r["id"]: r["kind"] for r in result.rejects}
     assert kinds.get("p1") == "prompt_too_long"
@@ -209,12 +215,15 @@ def test_several_samples_per_prompt_get_their_own_ids_and_seeds(tiny_qwen3_dir, 
     from dflash_ray.generation.shard import prompt_of
     from dflash_ray.registry import stop_token_ids
 
-    cfg = GenerateConfig(backend="transformers", max_tokens=8, max_model_len=64, temperature=1.0,
-                         samples_per_prompt=3, truncated="keep")
+    cfg = GenerateConfig(
+        backend="transformers", max_tokens=8, max_model_len=64, temperature=1.0, samples_per_prompt=3, truncated="keep"
+    )
     engine = HFEngine(tiny_qwen3_dir, cfg, stop_token_ids(qwen3_tokenizer))
     gen = ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0")
-    rows = [{"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
-            for i, c in enumerate(["hi", "word " * 200, "hello there"])]
+    rows = [
+        {"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
+        for i, c in enumerate(["hi", "word " * 200, "hello there"])
+    ]
     result = gen.run(rows)
     got = {c["id"]: c for c in result.completions} | {r["id"]: r for r in result.rejects}
     assert set(got) == {"p0", "p0#1", "p0#2", "p1", "p2", "p2#1", "p2#2"}  # a bad prompt is rejected once
@@ -225,12 +234,13 @@ def test_several_samples_per_prompt_get_their_own_ids_and_seeds(tiny_qwen3_dir, 
 
 
 def _rows(texts):
-    return [{"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
-            for i, c in enumerate(texts)]
+    return [
+        {"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
+        for i, c in enumerate(texts)
+    ]
 
 
-def test_a_stream_lets_the_next_shard_in_while_one_finishes_and_each_shard_ends_whole(tiny_qwen3_dir,
-                                                                                       qwen3_tokenizer):
+def test_a_stream_lets_the_next_shard_in_while_one_finishes_and_each_shard_ends_whole(tiny_qwen3_dir, qwen3_tokenizer):
     from dflash_ray.generation.engines import HFEngine
     from dflash_ray.generation.shard import Stream
     from dflash_ray.registry import stop_token_ids
@@ -268,6 +278,7 @@ def test_a_request_that_breaks_an_engine_step_is_rejected_alone(tiny_qwen3_dir, 
 
     class Breaks(HFEngine):
         """Fails any step while the poisoned prompt is queued, as a bad request fails a vLLM step."""
+
         poison: list[int] = []
 
         def step(self):

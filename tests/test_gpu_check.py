@@ -11,12 +11,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_runs_every_check_on_cpu_tiny():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--tiny", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--tiny", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     checks = {x["check"]: x for x in lines}
-    assert list(checks) == ["setup", "fused_ce", "flex_attention", "train_step", "hybrid_target", "speculative",
-                            "ray_free"], done.stderr[-3000:]
+    assert list(checks) == [
+        "setup",
+        "fused_ce",
+        "flex_attention",
+        "train_step",
+        "hybrid_target",
+        "speculative",
+        "ray_free",
+    ], done.stderr[-3000:]
     assert all(x["ok"] for x in lines), lines
     assert done.returncode == 0
     assert checks["train_step"]["tokens_per_s"] > 0 and checks["train_step"]["attention"] == "sdpa"

@@ -37,17 +37,28 @@ def _hub_cache(root: Path, model_dir: str) -> Path:
 
 
 def _resolve(tmp_path, cache: Path, *names: str, cwd: Path | None = None) -> dict:
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "DFLASH_RAY_CACHE": str(tmp_path / "dflash-cache")}
-    done = subprocess.run([sys.executable, "-c", CODE, *names], env=env, capture_output=True, text=True,
-                          cwd=cwd or tmp_path, check=True)
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "DFLASH_RAY_CACHE": str(tmp_path / "dflash-cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", CODE, *names], env=env, capture_output=True, text=True, cwd=cwd or tmp_path, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_hub_id_resolves_offline_to_its_pinned_snapshot(tmp_path, tiny_qwen3_dir):
     cache = _hub_cache(tmp_path / "hub", tiny_qwen3_dir)
-    got = _resolve(tmp_path, cache, "tiny-org/tiny-qwen3", f"hf://tiny-org/tiny-qwen3@{SHA}",
-                   "tiny-org/tiny-qwen3@main", "tiny-org/not-cached")
+    got = _resolve(
+        tmp_path,
+        cache,
+        "tiny-org/tiny-qwen3",
+        f"hf://tiny-org/tiny-qwen3@{SHA}",
+        "tiny-org/tiny-qwen3@main",
+        "tiny-org/not-cached",
+    )
     snapshot = str(cache / "models--tiny-org--tiny-qwen3" / "snapshots" / SHA)
     for name in ("tiny-org/tiny-qwen3", f"hf://tiny-org/tiny-qwen3@{SHA}", "tiny-org/tiny-qwen3@main"):
         assert got[name]["path"] == snapshot, got[name]
@@ -58,8 +69,10 @@ def test_a_hub_id_resolves_offline_to_its_pinned_snapshot(tmp_path, tiny_qwen3_d
     from transformers import AutoModelForCausalLM  # what the workers load is the real model
 
     model = AutoModelForCausalLM.from_pretrained(snapshot)
-    assert model.config.num_hidden_layers == json.loads((Path(tiny_qwen3_dir) / "config.json").read_text())[
-        "num_hidden_layers"]
+    assert (
+        model.config.num_hidden_layers
+        == json.loads((Path(tiny_qwen3_dir) / "config.json").read_text())["num_hidden_layers"]
+    )
 
 
 def test_a_local_folder_shaped_like_a_hub_id_wins(tmp_path, tiny_qwen3_dir):

@@ -17,19 +17,23 @@ def _ids(tok, text):
 
 def test_qwen3_thinking_mask_token_by_token(qwen3_tokenizer):
     tok = qwen3_tokenizer
-    record = {"messages": [{"role": "system", "content": "You are exact."},
-                           {"role": "user", "content": "What is 17 * 23?"}],
-              "reasoning": REASONING, "text": ANSWER}
+    record = {
+        "messages": [{"role": "system", "content": "You are exact."}, {"role": "user", "content": "What is 17 * 23?"}],
+        "reasoning": REASONING,
+        "text": ANSWER,
+    }
     sample = render(tok, record)
-    prompt = ("<|im_start|>system\nYou are exact.<|im_end|>\n<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n"
-              "<|im_start|>assistant\n")
+    prompt = (
+        "<|im_start|>system\nYou are exact.<|im_end|>\n<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     response = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}<|im_end|>"
     expected_ids = _ids(tok, prompt) + _ids(tok, response)
     assert sample.input_ids.tolist() == expected_ids
     assert sample.loss_mask.tolist() == [0] * len(_ids(tok, prompt)) + [1] * len(_ids(tok, response))
     tokens = tok.convert_ids_to_tokens(sample.input_ids.tolist())
     first = int(np.argmax(sample.loss_mask))
-    assert tokens[first - 3: first] == ["<|im_start|>", "assistant", "Ċ"]  # header stays unmasked
+    assert tokens[first - 3 : first] == ["<|im_start|>", "assistant", "Ċ"]  # header stays unmasked
     assert tokens[first] == "<think>" and tokens[-1] == "<|im_end|>" and sample.loss_mask[-1] == 1
     assert "</think>" in tokens[first:]
     assert sample.input_ids.dtype == np.int32 and sample.loss_mask.dtype == np.int8
@@ -37,12 +41,26 @@ def test_qwen3_thinking_mask_token_by_token(qwen3_tokenizer):
 
 def test_multi_turn_with_tools_masks_only_the_last_reply(qwen3_tokenizer):
     tok = qwen3_tokenizer
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-    record = {"messages": [{"role": "system", "content": "Helpful."}, {"role": "user", "content": "Hi"},
-                           {"role": "user", "content": "Weather in Paris?"}],
-              "tools": json.dumps(tools), "reasoning": "I should call the tool.",
-              "text": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    record = {
+        "messages": [
+            {"role": "system", "content": "Helpful."},
+            {"role": "user", "content": "Hi"},
+            {"role": "user", "content": "Weather in Paris?"},
+        ],
+        "tools": json.dumps(tools),
+        "reasoning": "I should call the tool.",
+        "text": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    }
     sample = render(tok, record)
     text_prompt = tok.decode(sample.input_ids[sample.loss_mask == 0].tolist())
     text_response = tok.decode(sample.input_ids[sample.loss_mask == 1].tolist())
@@ -60,19 +78,27 @@ def test_non_thinking_mode_masks_the_answer_only(qwen3_tokenizer):
     sample = render(qwen3_tokenizer, record, enable_thinking=False)
     assert qwen3_tokenizer.decode(sample.input_ids[sample.loss_mask == 1].tolist()) == "Hello!<|im_end|>"
     assert qwen3_tokenizer.decode(sample.input_ids[sample.loss_mask == 0].tolist()).endswith(
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 def test_template_without_reasoning_support_gets_think_block(smollm2_tokenizer):
     record = {"messages": [{"role": "user", "content": "Hi"}], "reasoning": "Greet back.", "text": "Hello!"}
     sample = render(smollm2_tokenizer, record)
-    assert smollm2_tokenizer.decode(sample.input_ids[sample.loss_mask == 1].tolist()) == \
-        "<think>\nGreet back.\n</think>\n\nHello!<|im_end|>"
+    assert (
+        smollm2_tokenizer.decode(sample.input_ids[sample.loss_mask == 1].tolist())
+        == "<think>\nGreet back.\n</think>\n\nHello!<|im_end|>"
+    )
 
 
 def test_replay_uses_engine_ids_exactly(qwen3_tokenizer):
-    record = {"id": "a", "messages": [{"role": "user", "content": "ignored"}], "text": "ignored too",
-              "prompt_token_ids": [5, 6, 7], "output_token_ids": [8, 9]}
+    record = {
+        "id": "a",
+        "messages": [{"role": "user", "content": "ignored"}],
+        "text": "ignored too",
+        "prompt_token_ids": [5, 6, 7],
+        "output_token_ids": [8, 9],
+    }
     sample = tokenize_record(qwen3_tokenizer, record, TokenizeConfig())
     assert sample.input_ids.tolist() == [5, 6, 7, 8, 9] and sample.loss_mask.tolist() == [0, 0, 0, 1, 1]
 
@@ -91,11 +117,13 @@ def test_length_policies():
 
 def test_batch_reports_rejects_with_reason():
     fn = TokenizeBatch(TokenizeConfig(max_seq_len=4, overlong="drop"))
-    cols, rejects = fn([
-        {"id": "ok", "source": "s", "messages": [], "text": "", "prompt_token_ids": [1], "output_token_ids": [2]},
-        {"id": "long", "source": "s", "prompt_token_ids": [1] * 5, "output_token_ids": [2]},
-        {"id": "empty", "source": "s", "messages": [], "text": None},
-    ])
+    cols, rejects = fn(
+        [
+            {"id": "ok", "source": "s", "messages": [], "text": "", "prompt_token_ids": [1], "output_token_ids": [2]},
+            {"id": "long", "source": "s", "prompt_token_ids": [1] * 5, "output_token_ids": [2]},
+            {"id": "empty", "source": "s", "messages": [], "text": None},
+        ]
+    )
     assert cols["id"] == ["ok"] and cols["seq_len"] == [2]
     assert [(r["id"], r["kind"]) for r in rejects] == [("long", "overlong"), ("empty", "missing_field")]
 
@@ -111,10 +139,14 @@ def test_agentic_answers_keep_their_tool_calls_through_storage_and_the_template(
 
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     again = {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}
-    record = {"messages": [{"role": "user", "content": "Weather in Paris, then Lyon?"},
-                           {"role": "assistant", "content": None, "tool_calls": [call]},
-                           {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-                           {"role": "assistant", "content": None, "tool_calls": [again]}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris, then Lyon?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": None, "tool_calls": [again]},
+        ]
+    }
     answered = normalize_answered(record)
     assert answered.text == "" and json.loads(answered.tool_calls) == [again]
     assert answered.prompt.messages[1]["tool_calls"] and answered.prompt.messages[2]["tool_call_id"] == "c1"
@@ -125,7 +157,9 @@ def test_agentic_answers_keep_their_tool_calls_through_storage_and_the_template(
     assert '"Paris"' in prompt and "<tool_response>\nsunny\n</tool_response>" in prompt
     assert response.startswith("<tool_call>") and '"Lyon"' in response and response.endswith("</tool_call><|im_end|>")
     # a conversation without tools keeps its id: no tool fields are added to its messages
-    plain = normalize_answered({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+    plain = normalize_answered(
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    )
     assert plain.prompt.messages == [{"role": "user", "content": "Hi"}]
 
 
@@ -135,5 +169,11 @@ def test_a_tool_call_without_a_function_name_is_a_bad_record():
     from dflash_ray.data.formats import BadRecord, normalize_answered
 
     with pytest.raises(BadRecord, match=r"messages\[1\].tool_calls\[0\].function.name"):
-        normalize_answered({"messages": [{"role": "user", "content": "Hi"},
-                                         {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]})
+        normalize_answered(
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]},
+                ]
+            }
+        )

@@ -11,11 +11,16 @@ from dflash_ray.data.formats import normalize
 from dflash_ray.data.masking import render, tokenize_record
 from dflash_ray.generation.shard import ShardGenerator
 
-CONVERSATION = {"conversations": [
-    {"from": "human", "value": "Name a primary colour."}, {"from": "gpt", "value": "Red."},
-    {"from": "human", "value": "Name another one."}, {"from": "gpt", "value": "Blue."},
-    {"from": "human", "value": "And a third?"}, {"from": "gpt", "value": "Yellow."},
-]}
+CONVERSATION = {
+    "conversations": [
+        {"from": "human", "value": "Name a primary colour."},
+        {"from": "gpt", "value": "Red."},
+        {"from": "human", "value": "Name another one."},
+        {"from": "gpt", "value": "Blue."},
+        {"from": "human", "value": "And a third?"},
+        {"from": "gpt", "value": "Yellow."},
+    ]
+}
 
 
 def runs(tokenizer, ids: np.ndarray, mask: np.ndarray) -> tuple[list[str], list[str]]:
@@ -42,7 +47,10 @@ class Recording:
 def test_regenerate_is_the_default_for_conversations_and_keeps_the_user_turns():
     (prompt,) = normalize(CONVERSATION)
     assert prompt.regenerate and [m["content"] for m in prompt.messages] == [
-        "Name a primary colour.", "Name another one.", "And a third?"]
+        "Name a primary colour.",
+        "Name another one.",
+        "And a third?",
+    ]
     assert not normalize({"conversations": CONVERSATION["conversations"][:2]})[0].regenerate  # one turn
     assert not normalize(CONVERSATION, "user_turns")[0].regenerate
 
@@ -53,8 +61,7 @@ def test_three_turns_regenerated_by_smollm2_and_every_answer_under_the_mask(smol
     from dflash_ray.registry import resolve, stop_token_ids
 
     tok = smollm2_tokenizer
-    cfg = GenerateConfig(backend="transformers", max_tokens=12, max_model_len=1024, temperature=0.0,
-                         truncated="keep")
+    cfg = GenerateConfig(backend="transformers", max_tokens=12, max_model_len=1024, temperature=0.0, truncated="keep")
     engine = Recording(HFEngine(resolve("smollm2-135m-instruct"), cfg, stop_token_ids(tok)))
     (prompt,) = normalize(CONVERSATION)
     result = ShardGenerator(tok, engine, cfg, "smollm2", "g0").run([prompt.row("chat")])
@@ -92,9 +99,17 @@ def test_three_turns_regenerated_by_smollm2_and_every_answer_under_the_mask(smol
 
 
 def test_a_thinking_template_drops_earlier_thinking_and_trains_on_the_answers(qwen3_tokenizer):
-    record = {"id": "c", "regenerate": True, "reasoning": "Third one.", "text": "Yellow.",
-              "messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."},
-                           {"role": "user", "content": "Another?"}]}
+    record = {
+        "id": "c",
+        "regenerate": True,
+        "reasoning": "Third one.",
+        "text": "Yellow.",
+        "messages": [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Red."},
+            {"role": "user", "content": "Another?"},
+        ],
+    }
     sample = render(qwen3_tokenizer, record)
     masked, unmasked = runs(qwen3_tokenizer, sample.input_ids, sample.loss_mask)
     assert masked == ["Red.<|im_end|>", "<think>\nThird one.\n</think>\n\nYellow.<|im_end|>"]
@@ -105,8 +120,9 @@ def test_a_cut_earlier_answer_rejects_the_conversation_naming_the_turn(tiny_qwen
     from dflash_ray.generation.engines import HFEngine
     from dflash_ray.registry import stop_token_ids
 
-    cfg = GenerateConfig(backend="transformers", max_tokens=4, max_model_len=256, temperature=0.0,
-                         enable_thinking=False)
+    cfg = GenerateConfig(
+        backend="transformers", max_tokens=4, max_model_len=256, temperature=0.0, enable_thinking=False
+    )
     engine = HFEngine(tiny_qwen3_dir, cfg, stop_token_ids(qwen3_tokenizer))
     (prompt,) = normalize(CONVERSATION)
     result = ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0").run([prompt.row("chat")])
@@ -123,16 +139,24 @@ def test_evaluation_measures_a_conversation_on_its_first_turn(tmp_path):
     from dflash_ray.stages.evaluate import _prompt_rows
 
     new, old = tmp_path / "new", tmp_path / "old"
-    rows = [p.row("chat") for p in normalize(CONVERSATION) + normalize({"messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]})]
-    for folder, table in ((new, pa.Table.from_pylist(rows)),  # and a shard from before the column existed
-                          (old, pa.Table.from_pylist([{k: v for k, v in r.items() if k != "regenerate"} for r in rows]))):
+    rows = [
+        p.row("chat")
+        for p in normalize(CONVERSATION)
+        + normalize({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]})
+    ]
+    for folder, table in (
+        (new, pa.Table.from_pylist(rows)),  # and a shard from before the column existed
+        (old, pa.Table.from_pylist([{k: v for k, v in r.items() if k != "regenerate"} for r in rows])),
+    ):
         folder.mkdir()
         (folder / "prompts-00000.parquet").write_bytes(shard_bytes(table.to_pylist(), table.schema))
-        manifest.write_manifest(str(folder), kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": 2}],
-                                summary={})
+        manifest.write_manifest(
+            str(folder), kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": 2}], summary={}
+        )
     assert [[m["content"] for m in r["messages"]] for r in _prompt_rows(str(new), 10)] == [
-        ["Name a primary colour."], ["Be brief.", "Hi"]]
+        ["Name a primary colour."],
+        ["Be brief.", "Hi"],
+    ]
     assert [len(r["messages"]) for r in _prompt_rows(str(old), 10)] == [3, 2]  # as they were: no turns to answer
     assert pq.read_schema(new / "prompts-00000.parquet").names[-1] == "regenerate"
 
@@ -142,8 +166,14 @@ def test_a_conversation_that_outgrows_the_engine_keeps_the_turns_that_fit(tiny_q
     from dflash_ray.registry import stop_token_ids
 
     def run(max_model_len: int):
-        cfg = GenerateConfig(backend="transformers", max_tokens=4, max_model_len=max_model_len, temperature=0.0,
-                             enable_thinking=False, truncated="keep")
+        cfg = GenerateConfig(
+            backend="transformers",
+            max_tokens=4,
+            max_model_len=max_model_len,
+            temperature=0.0,
+            enable_thinking=False,
+            truncated="keep",
+        )
         engine = Recording(HFEngine(tiny_qwen3_dir, cfg, stop_token_ids(qwen3_tokenizer)))
         (prompt,) = normalize(CONVERSATION)
         return engine, ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0").run([prompt.row("chat")])

@@ -17,8 +17,9 @@ def _rank(rank: int, port: int, results: dict, scenario: str) -> None:
     from dflash_ray.train import handoff, p2p
     from dflash_ray.train.devices import synchronize, wait_compute
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     ledger = p2p.start(rank, "gloo", timeout_s=2.0)
     out = {}
     try:

@@ -28,9 +28,16 @@ def test_netcheck_measures_every_pair_and_training_refuses_under_the_floor(ray_c
     # training measures before any stream actor starts, and refuses naming the field and the pair
     target = tiny_qwen3(tmp_path / "target", num_layers=2, hidden_size=32, vocab_size=256)
     with pytest.raises(DFlashError) as e:
-        run_train(str(target), str(tmp_path / "no-data"), str(tmp_path / "out"),
-                  load_config(None, SETTINGS + [f"train.min_bus_bandwidth={floor}", "train.num_layers=1",
-                                                "train.target_layer_ids=[0,1]"]), progress=False)
+        run_train(
+            str(target),
+            str(tmp_path / "no-data"),
+            str(tmp_path / "out"),
+            load_config(
+                None,
+                SETTINGS + [f"train.min_bus_bandwidth={floor}", "train.num_layers=1", "train.target_layer_ids=[0,1]"],
+            ),
+            progress=False,
+        )
     assert e.value.field == "train.min_bus_bandwidth" and f"within node {pair['nodes'][0]}" in str(e.value)
     assert not (tmp_path / "out").exists()
 

@@ -31,8 +31,10 @@ def test_dflash_is_accepted_whole_here_and_by_vllm_alike(capsys):
     pytest.importorskip("vllm")
     from dflash_ray.cli import main
 
-    assert main(["onesample", "--target", SMOLLM2, "--engine", "vllm", "--json",
-                 *[a for s in TINY for a in ("--set", s)]]) == 0
+    assert (
+        main(["onesample", "--target", SMOLLM2, "--engine", "vllm", "--json", *[a for s in TINY for a in ("--set", s)]])
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["passed"] and summary["lossless"] and summary["vllm_outputs_equal"]
     assert summary["accepted_per_block"] >= 2.7
@@ -47,8 +49,9 @@ def test_a_convention_broken_on_one_side_fails_the_gate(monkeypatch):
     from dflash_ray.target import capture
 
     captured = capture.target_outputs
-    monkeypatch.setattr(capture, "target_outputs",
-                        lambda model, ids, layer_ids, **kw: captured(model, ids, layer_ids[::-1], **kw))
+    monkeypatch.setattr(
+        capture, "target_outputs", lambda model, ids, layer_ids, **kw: captured(model, ids, layer_ids[::-1], **kw)
+    )
     with pytest.raises(GateFailed, match="drafts accepted per block, below 2.7") as e:
         run_onesample(SMOLLM2, load_config(None, TINY))
     assert e.value.summary["accuracy"] == 1.0 and e.value.summary["lossless"]  # memorized, and still lossless

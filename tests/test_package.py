@@ -6,8 +6,12 @@ import torch
 
 
 def _loaded(code):
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -26,8 +30,13 @@ def test_no_core_module_loads_ray_vllm_or_boto3_on_import():
     found = {m.name for m in pkgutil.walk_packages(dflash_ray.__path__, "dflash_ray.")}
     found |= {m.name for m in pkgutil.walk_packages(dflash_ray.kernels.__path__, "dflash_ray.kernels.")}
     modules = sorted(found - RAY_SHELLS)
-    assert {"dflash_ray.drafter.model", "dflash_ray.target.capture", "dflash_ray.train.workers",
-            "dflash_ray.kernels.fused_ce", "dflash_ray.stages.generate"} <= set(modules), modules
+    assert {
+        "dflash_ray.drafter.model",
+        "dflash_ray.target.capture",
+        "dflash_ray.train.workers",
+        "dflash_ray.kernels.fused_ce",
+        "dflash_ray.stages.generate",
+    } <= set(modules), modules
     mods = _loaded("import " + ", ".join(modules))
     assert not {"ray", "vllm", "boto3", "botocore"} & mods
 

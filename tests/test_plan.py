@@ -25,10 +25,28 @@ def small_target(tmp_path) -> list[str]:
     from transformers import Qwen3Config
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                           num_attention_heads=4, num_key_value_heads=2).to_dict()))
-    return ["--set", f"plan.target_config={path}", "--set", "tokenize.max_seq_len=512", "--set",
-            "generate.max_tokens=384", "--set", "train.length_bucket=64"]
+    path.write_text(
+        json.dumps(
+            Qwen3Config(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ).to_dict()
+        )
+    )
+    return [
+        "--set",
+        f"plan.target_config={path}",
+        "--set",
+        "tokenize.max_seq_len=512",
+        "--set",
+        "generate.max_tokens=384",
+        "--set",
+        "train.length_bucket=64",
+    ]
 
 
 def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys, small_target):
@@ -44,8 +62,9 @@ def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys, sma
 
 
 def test_a_measured_training_rate_replaces_the_simulated_one(capsys, small_target):
-    out = _plan(capsys, "--set", "plan.training_tokens_per_s_per_gpu=5000", "--set", "plan.training_gpus=8",
-                *small_target)
+    out = _plan(
+        capsys, "--set", "plan.training_tokens_per_s_per_gpu=5000", "--set", "plan.training_gpus=8", *small_target
+    )
     assert out["training"]["rate_source"].startswith("measured")
     assert abs(out["training"]["gpu_hours"] - 1.87e9 * 6 / 5000 / 3600) < 0.1
     assert out["training"]["gpus"] == 8

@@ -19,12 +19,30 @@ def _qwen3_8b(folder):
     from transformers import Qwen3Config
 
     # Qwen/Qwen3-8B config.json
-    Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
-                bos_token_id=151643, eos_token_id=151645).save_pretrained(folder)
-    return {"layers": 36, "hidden": 4096, "vocab": 151936, "heads": 32, "kv_heads": 8, "head_dim": 128,
-            "intermediate": 12288, "special": {151643, 151645}}
+    Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ).save_pretrained(folder)
+    return {
+        "layers": 36,
+        "hidden": 4096,
+        "vocab": 151936,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "intermediate": 12288,
+        "special": {151643, 151645},
+    }
 
 
 def _qwen36_27b(folder):
@@ -33,11 +51,27 @@ def _qwen36_27b(folder):
     # Qwen3.6-27B: 64 hybrid layers (Gated DeltaNet, full attention every 4th), hidden 5120, 248,320 rows;
     # its own attention shape does not reach the drafter, which the preset sets
     layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(64)]
-    Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                      num_attention_heads=24, num_key_value_heads=4, head_dim=256, layer_types=layer_types,
-                      max_position_embeddings=262144).save_pretrained(folder)
-    return {"layers": 64, "hidden": 5120, "vocab": 248320, "heads": 32, "kv_heads": 8, "head_dim": 128,
-            "intermediate": 17408, "special": set()}
+    Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        layer_types=layer_types,
+        max_position_embeddings=262144,
+    ).save_pretrained(folder)
+    return {
+        "layers": 64,
+        "hidden": 5120,
+        "vocab": 248320,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "intermediate": 17408,
+        "special": set(),
+    }
 
 
 @pytest.mark.parametrize("preset, target", [("qwen3-8b.yaml", _qwen3_8b), ("qwen3.6-27b.yaml", _qwen36_27b)])
@@ -50,7 +84,10 @@ def test_preset_builds_the_reference_drafter_for_its_target(tmp_path, preset, ta
     assert all(0 <= i < published["layers"] for i in ids) and hf["num_target_layers"] == published["layers"]
     assert hf["hidden_size"] == published["hidden"] and hf["vocab_size"] == published["vocab"]
     assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (
-        published["heads"], published["kv_heads"], published["head_dim"])
+        published["heads"],
+        published["kv_heads"],
+        published["head_dim"],
+    )
     assert hf["intermediate_size"] == published["intermediate"]
     assert hf["layer_types"] == [SLIDING] * 4 + [FULL] and hf["sliding_window"] == 2048
     assert hf["block_size"] == 16 and hf["torch_dtype"] == "bfloat16"
@@ -90,9 +127,9 @@ def test_family_presets_carry_the_published_shapes_on_top_of_the_reference_recip
     assert hf["layer_types"] == [SLIDING] * 5 and hf["num_hidden_layers"] == 5
     assert hf["dflash_config"]["target_layer_ids"] == [5, 19, 33, 47, 61]
     assert hf["dflash_config"]["mask_token_id"] == 248070
-    assert {k: hf["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                "selector_top_k")} == {"conv_kernel_size": 2, "conv_group_size": 16,
-                                                                       "selector_rank": 256, "selector_top_k": 16}
+    assert {
+        k: hf["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    } == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
     assert cfg.train.loss_decay is None  # not the 16-block recipe's 7
 
     cfg = load_config(str(ROOT / "configs" / "qwen3.6-27b-dspark.yaml"))
@@ -102,5 +139,10 @@ def test_family_presets_carry_the_published_shapes_on_top_of_the_reference_recip
 
     for variant in (dflash2, cfg):  # everything else is the reference recipe's
         assert variant.generate == base.generate and variant.tokenize == base.tokenize
-        assert (variant.train.num_anchors, variant.train.lr, variant.train.epochs, variant.train.num_streams,
-                variant.train.intermediate_size) == (512, 6e-4, 6, 8, 17408)
+        assert (
+            variant.train.num_anchors,
+            variant.train.lr,
+            variant.train.epochs,
+            variant.train.num_streams,
+            variant.train.intermediate_size,
+        ) == (512, 6e-4, 6, 8, 17408)

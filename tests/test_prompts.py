@@ -15,12 +15,23 @@ from dflash_ray.stages.prompts import run_prompts
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 GOOD = [
     {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]},
-    {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
-                  {"role": "assistant", "content": "4"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    },
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look it up"}]}], "tools": TOOLS},
     {"instruction": "Summarize", "input": "Ray runs Python at scale.", "output": "Ray scales Python."},
-    {"conversations": [{"from": "human", "value": "Turn one"}, {"from": "gpt", "value": "a"},
-                       {"from": "human", "value": "Turn two"}, {"from": "gpt", "value": "b"}]},
+    {
+        "conversations": [
+            {"from": "human", "value": "Turn one"},
+            {"from": "gpt", "value": "a"},
+            {"from": "human", "value": "Turn two"},
+            {"from": "gpt", "value": "b"},
+        ]
+    },
 ]
 # (line text, expected quarantine kind)
 BAD = [
@@ -32,7 +43,7 @@ BAD = [
     (b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}', "invalid_utf8"),
     (b'{"messages": [{"role": "user", "content": "' + b"word " * 400 + b'"}]}', "over_budget"),
     (b'{"messages": [{"role": "wizard", "content": "q"}]}', "bad_field"),
-    (b'[1, 2, 3]', "unknown_schema"),
+    (b"[1, 2, 3]", "unknown_schema"),
 ]
 
 
@@ -84,7 +95,8 @@ def test_bad_corpus_quarantined_good_records_through(tmp_path):
     quarantine = [json.loads(x) for x in storage.read_text(f"{out}/quarantine.jsonl").splitlines()]
     first_bad_line = 2 * len(GOOD) + 1
     assert [(q["file"], q["line"], q["kind"]) for q in quarantine] == [
-        (inputs[0], first_bad_line + i, kind) for i, (_, kind) in enumerate(BAD)]
+        (inputs[0], first_bad_line + i, kind) for i, (_, kind) in enumerate(BAD)
+    ]
     assert all(q["reason"] and q["record"] for q in quarantine)
     files = manifest.dataset_files(out)
     assert len(files) == 3  # 6 prompts in shards of 2
@@ -112,8 +124,19 @@ def test_prompts_on_s3(tmp_path, s3_bucket):
 @pytest.mark.slow
 def test_cli_json_summary_and_errors(tmp_path):
     inputs = _write_inputs(tmp_path)
-    cmd = [sys.executable, "-m", "dflash_ray.cli", "prompts", "--input", *inputs,
-           "--output", str(tmp_path / "out"), "--json", "--set", "prompts.max_prompt_tokens=200"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_ray.cli",
+        "prompts",
+        "--input",
+        *inputs,
+        "--output",
+        str(tmp_path / "out"),
+        "--json",
+        "--set",
+        "prompts.max_prompt_tokens=200",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
@@ -150,8 +173,11 @@ def test_an_output_that_overlaps_an_input_is_refused_and_the_users_files_survive
     pq.write_table(pa.Table.from_pylist(rows), mine / "prompts-mine.parquet")
     before = {p.name: p.read_bytes() for p in mine.iterdir()}
     cfg = load_config(None, [])
-    for inputs, out in (([str(mine)], str(mine)), ([str(mine / "prompts-mine.parquet")], str(mine)),
-                        ([str(mine)], str(mine / "sub"))):
+    for inputs, out in (
+        ([str(mine)], str(mine)),
+        ([str(mine / "prompts-mine.parquet")], str(mine)),
+        ([str(mine)], str(mine / "sub")),
+    ):
         with pytest.raises(DFlashError) as e:
             run_prompts(inputs, out, cfg, progress=False)
         assert "overlap" in str(e.value) and str(mine) in str(e.value)
@@ -175,9 +201,11 @@ def test_input_files_are_found_in_any_case_and_every_skipped_one_is_named(tmp_pa
 def test_a_lone_surrogate_is_quarantined_with_its_file_and_line_and_the_run_goes_on(tmp_path):
     """JSON's `\\ud800` escape decodes to a string with no UTF-8 form: one record, not the run."""
     src = tmp_path / "chat.jsonl"
-    src.write_text('{"messages": [{"role": "user", "content": "fine"}]}\n'
-                   '{"messages": [{"role": "user", "content": "bad \\ud800 here"}]}\n'
-                   '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}\n')
+    src.write_text(
+        '{"messages": [{"role": "user", "content": "fine"}]}\n'
+        '{"messages": [{"role": "user", "content": "bad \\ud800 here"}]}\n'
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}\n'
+    )
     out = tmp_path / "out"
     summary = run_prompts([str(src)], str(out), load_config(None, []), progress=False)
     assert summary["prompts"] == 1 and summary["quarantined"] == 2

@@ -63,7 +63,9 @@ def test_the_windowed_order_takes_every_sample_once_an_epoch_and_replays_exactly
     assert sorted(taken) == sorted(samples)
     # a fresh schedule (a resume) gives the same batch at any step; another epoch another order
     again = Schedule(samples, STREAMS, 1, seed=3, window=4)
-    assert [again.batch_for(s, 1) for s in (per_epoch + 5, 7, 0)] == [one.batch_for(s, 1) for s in (per_epoch + 5, 7, 0)]
+    assert [again.batch_for(s, 1) for s in (per_epoch + 5, 7, 0)] == [
+        one.batch_for(s, 1) for s in (per_epoch + 5, 7, 0)
+    ]
     assert one.order(0) != one.order(1)
 
 
@@ -93,10 +95,38 @@ def test_plan_reports_the_straggler_ratio_of_a_dataset(tmp_path, capsys):
 
     data = _dataset(tmp_path / "data")
     target = tmp_path / "config.json"  # a small target: the ratio is the schedule's, not the model's
-    target.write_text(json.dumps(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                             num_attention_heads=4, num_key_value_heads=2).to_dict()))
-    assert main(["plan", "--json", "--set", f"plan.dataset={data}", "--set", f"plan.target_config={target}",
-                 "--set", "train.num_streams=2", "--set", "tokenize.max_seq_len=256",
-                 "--set", "generate.max_tokens=192", "--set", "train.length_bucket=32"]) == 0
+    target.write_text(
+        json.dumps(
+            Qwen3Config(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ).to_dict()
+        )
+    )
+    assert (
+        main(
+            [
+                "plan",
+                "--json",
+                "--set",
+                f"plan.dataset={data}",
+                "--set",
+                f"plan.target_config={target}",
+                "--set",
+                "train.num_streams=2",
+                "--set",
+                "tokenize.max_seq_len=256",
+                "--set",
+                "generate.max_tokens=192",
+                "--set",
+                "train.length_bucket=32",
+            ]
+        )
+        == 0
+    )
     ratio = json.loads(capsys.readouterr().out)["training"]["straggler_ratio"]
     assert 1.0 <= ratio["balanced"] < ratio["unbalanced"]

@@ -16,9 +16,14 @@ from dflash_ray.config import load_config
 from dflash_ray.stages.tokenize import run_tokenize
 
 RECORDS = [
-    {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."},
-                  {"role": "user", "content": "And an even one?"},
-                  {"role": "assistant", "content": "<think>\nTwo is even and prime.\n</think>\n\nTwo."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "Seven."},
+            {"role": "user", "content": "And an even one?"},
+            {"role": "assistant", "content": "<think>\nTwo is even and prime.\n</think>\n\nTwo."},
+        ]
+    },
     {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi there!"}]},
     {"instruction": "Add the numbers.", "input": "2 + 3", "output": "2 + 3 = 5."},
     {"messages": [{"role": "user", "content": "An unanswered question?"}]},
@@ -36,11 +41,20 @@ def _run(capsys, *args: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_answers_become_completions_and_only_the_last_answer_is_trained_on(tmp_path, capsys, ray_cluster,
-                                                                             smollm2_tokenizer):
+def test_answers_become_completions_and_only_the_last_answer_is_trained_on(
+    tmp_path, capsys, ray_cluster, smollm2_tokenizer
+):
     out = str(tmp_path / "completions")
-    code, summary = _run(capsys, "responses", "--input", _write(tmp_path), "--output", out,
-                         "--set", "prompts.tokenizer=smollm2-135m-instruct")
+    code, summary = _run(
+        capsys,
+        "responses",
+        "--input",
+        _write(tmp_path),
+        "--output",
+        out,
+        "--set",
+        "prompts.tokenizer=smollm2-135m-instruct",
+    )
     assert code == 0, summary
     assert summary["records"] == 5 and summary["prompts"] == 3 and summary["quarantined"] == 2
     assert summary["quarantine_kinds"] == {"malformed_json": 1, "no_response": 1}
@@ -50,8 +64,9 @@ def test_answers_become_completions_and_only_the_last_answer_is_trained_on(tmp_p
     assert rows["Two."]["reasoning"] == "Two is even and prime."
     assert [m["role"] for m in rows["Two."]["messages"]] == ["user", "assistant", "user"]
     # a completion's messages have tool fields, null on turns without tool calls
-    assert rows["2 + 3 = 5."]["messages"] == [{"role": "user", "content": "Add the numbers.\n\n2 + 3",
-                                               "tool_calls": None, "tool_call_id": None}]
+    assert rows["2 + 3 = 5."]["messages"] == [
+        {"role": "user", "content": "Add the numbers.\n\n2 + 3", "tool_calls": None, "tool_call_id": None}
+    ]
 
     tokenized = str(tmp_path / "tokenized")
     run_tokenize(out, tokenized, load_config(None, ["tokenize.tokenizer=smollm2-135m-instruct"]))
@@ -67,14 +82,23 @@ def test_answers_become_completions_and_only_the_last_answer_is_trained_on(tmp_p
 
 
 def test_a_thinking_target_flags_answers_without_thinking(tmp_path, capsys):
-    code, summary = _run(capsys, "responses", "--input", _write(tmp_path), "--output", str(tmp_path / "c"),
-                         "--set", "prompts.tokenizer=qwen3")
+    code, summary = _run(
+        capsys,
+        "responses",
+        "--input",
+        _write(tmp_path),
+        "--output",
+        str(tmp_path / "c"),
+        "--set",
+        "prompts.tokenizer=qwen3",
+    )
     assert code == 0 and summary["thinking_target"] and len(summary["warnings"]) == 1, summary
     assert "thinking block" in summary["warnings"][0]
 
 
-def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, ray_cluster, tiny_qwen3_dir,
-                                                                     qwen3_tokenizer):
+def test_the_pipeline_trains_on_existing_responses_without_generating(
+    tmp_path, ray_cluster, tiny_qwen3_dir, qwen3_tokenizer
+):
     """Two drafters of two families from one target pass (`train.drafters`): each exported under its
     name and evaluated beside its own start; the summary's own figures are the first one's."""
     import shutil
@@ -86,24 +110,52 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(tmp_path, 
     qwen3_tokenizer.save_pretrained(target)
 
     answered = tmp_path / "answered.jsonl"
-    answered.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"Count from {i} to {i + 12}."},
-        {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 13))}]}) + "\n" for i in range(14)))
-    cfg = load_config(None, [
-        f"pipeline.inputs=[{answered}]", f"pipeline.workdir={tmp_path / 'run'}", f"pipeline.target={target}",
-        "pipeline.responses=true", "pipeline.eval_prompts=2", "pipeline.vllm_evaluate=false",
-        "validate.gate.min_median_response=8", "validate.gate.max_mode_share=1.0",
-        "validate.gate.max_empty_thinking_share=1.0",
-        "train.num_streams=1", "train.max_steps=2", "train.num_anchors=4", "train.heldout=0",
-        "train.actor_cpus=0.3", "evaluate.max_new_tokens=4",
-        "train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6}]"])
+    answered.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Count from {i} to {i + 12}."},
+                        {"role": "assistant", "content": " ".join(str(n) for n in range(i, i + 13))},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(14)
+        )
+    )
+    cfg = load_config(
+        None,
+        [
+            f"pipeline.inputs=[{answered}]",
+            f"pipeline.workdir={tmp_path / 'run'}",
+            f"pipeline.target={target}",
+            "pipeline.responses=true",
+            "pipeline.eval_prompts=2",
+            "pipeline.vllm_evaluate=false",
+            "validate.gate.min_median_response=8",
+            "validate.gate.max_mode_share=1.0",
+            "validate.gate.max_empty_thinking_share=1.0",
+            "train.num_streams=1",
+            "train.max_steps=2",
+            "train.num_anchors=4",
+            "train.heldout=0",
+            "train.actor_cpus=0.3",
+            "evaluate.max_new_tokens=4",
+            "train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6}]",
+        ],
+    )
     summary = run_pipeline(cfg, progress=False)
     assert list(summary["drafters"]) == ["flash", "spark"]
-    for name, family, arch, drafts in (("flash", "dflash", "DFlashDraftModel", 15),
-                                       ("spark", "dspark", "DSparkDraftModel", 6)):
+    for name, family, arch, drafts in (
+        ("flash", "dflash", "DFlashDraftModel", 15),
+        ("spark", "dspark", "DSparkDraftModel", 6),
+    ):
         result = summary["drafters"][name]
         assert result["family"] == family and result["lossless"] and result["tau_trained"] >= 1, result
-        assert len(result["acceptance_by_position"]) == drafts and f"evaluate_trained[{name}]" in summary["stage_seconds"]
+        assert (
+            len(result["acceptance_by_position"]) == drafts and f"evaluate_trained[{name}]" in summary["stage_seconds"]
+        )
         exported = json.loads((tmp_path / "run" / "drafter" / name / "config.json").read_text())
         assert exported["architectures"] == [arch]
     assert summary["tau_trained"] == summary["drafters"]["flash"]["tau_trained"]
@@ -126,15 +178,37 @@ def test_a_hybrid_gated_deltanet_target_runs_the_whole_pipeline(tmp_path, ray_cl
     tiny_qwen35(target, vocab_size=vocab)
     qwen3_tokenizer.save_pretrained(target)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]})
-                               + "\n" for i in range(10)))
-    cfg = load_config(None, [
-        f"pipeline.inputs=[{prompts}]", f"pipeline.workdir={tmp_path / 'run'}", f"pipeline.target={target}",
-        "pipeline.eval_prompts=2", "pipeline.vllm_evaluate=false", "generate.backend=transformers",
-        "generate.max_tokens=24", "generate.truncated=keep", "generate.temperature=0", "generate.shard_size=4",
-        "generate.repeat_min_span=10000", "validate.gate.min_median_response=8", "validate.gate.max_mode_share=1.0",
-        "validate.gate.max_empty_thinking_share=1.0", "train.num_streams=1", "train.max_steps=2",
-        "train.num_anchors=4", "train.heldout=0", "train.actor_cpus=0.5", "evaluate.max_new_tokens=4"])
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]}) + "\n"
+            for i in range(10)
+        )
+    )
+    cfg = load_config(
+        None,
+        [
+            f"pipeline.inputs=[{prompts}]",
+            f"pipeline.workdir={tmp_path / 'run'}",
+            f"pipeline.target={target}",
+            "pipeline.eval_prompts=2",
+            "pipeline.vllm_evaluate=false",
+            "generate.backend=transformers",
+            "generate.max_tokens=24",
+            "generate.truncated=keep",
+            "generate.temperature=0",
+            "generate.shard_size=4",
+            "generate.repeat_min_span=10000",
+            "validate.gate.min_median_response=8",
+            "validate.gate.max_mode_share=1.0",
+            "validate.gate.max_empty_thinking_share=1.0",
+            "train.num_streams=1",
+            "train.max_steps=2",
+            "train.num_anchors=4",
+            "train.heldout=0",
+            "train.actor_cpus=0.5",
+            "evaluate.max_new_tokens=4",
+        ],
+    )
     summary = run_pipeline(cfg, progress=False)
     assert summary["completions"] == 8 and summary["samples"] == 8 and summary["generated_tokens"] > 0
     assert summary["training_steps"] == 2 and summary["lossless"]

@@ -29,16 +29,23 @@ def test_cut_short_and_repeated_messages_are_dropped_by_reason():
     ]
     records, dropped = select(candidates, cfg)
     assert [r["id"] for r in records] == ["self-0", "self-3"]
-    assert records[0]["messages"] == [{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": "What is a  good name for a cat?"}]
+    assert records[0]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a  good name for a cat?"},
+    ]
     assert dropped == {"duplicate": 1, "too_short": 1, "cut_at_max_tokens": 1}
 
 
 def test_stage_writes_prompts_the_prompts_stage_reads(ray_cluster, s3_bucket):
     from dflash_ray.stages.selfprompt import FILE, run_selfprompt
 
-    settings = ["generate.backend=transformers", "generate.generators=2", "selfprompt.count=4",
-                "selfprompt.max_tokens=48", "prompts.tokenizer=smollm2-135m-instruct"]
+    settings = [
+        "generate.backend=transformers",
+        "generate.generators=2",
+        "selfprompt.count=4",
+        "selfprompt.max_tokens=48",
+        "prompts.tokenizer=smollm2-135m-instruct",
+    ]
     cfg = load_config(None, settings)
     out = f"{s3_bucket}/self"
     summary = run_selfprompt("smollm2-135m-instruct", out, cfg, progress=False)
@@ -48,8 +55,9 @@ def test_stage_writes_prompts_the_prompts_stage_reads(ray_cluster, s3_bucket):
     assert len(lines) == summary["prompts"] and all(r["messages"][-1]["role"] == "user" for r in lines)
     assert run_selfprompt("smollm2-135m-instruct", out, cfg, progress=False)["reused"]
     with pytest.raises(DFlashError) as e:
-        run_selfprompt("smollm2-135m-instruct", out, load_config(None, settings + ["selfprompt.seed=1"]),
-                       progress=False)
+        run_selfprompt(
+            "smollm2-135m-instruct", out, load_config(None, settings + ["selfprompt.seed=1"]), progress=False
+        )
     assert manifest.MANIFEST in str(e.value)
     prompts = run_prompts([out], f"{s3_bucket}/prompts", cfg, progress=False)
     assert prompts["prompts"] == summary["prompts"] and prompts["quarantined"] == 0

@@ -23,9 +23,13 @@ LENGTHS = list(range(20, 96, 3))
 
 def _batch(S: int, g: torch.Generator, features: int) -> dict:
     mask = torch.zeros(1, S, dtype=torch.long)
-    mask[:, S // 4:] = 1
-    return {"input_ids": torch.randint(0, 500, (1, S), generator=g), "loss_mask": mask,
-            "features": torch.randn(1, S, features, generator=g), "seconds": 0.0}
+    mask[:, S // 4 :] = 1
+    return {
+        "input_ids": torch.randint(0, 500, (1, S), generator=g),
+        "loss_mask": mask,
+        "features": torch.randn(1, S, features, generator=g),
+        "seconds": 0.0,
+    }
 
 
 def test_training_over_many_lengths_meets_one_attention_shape_per_bucket(tmp_path):
@@ -33,9 +37,18 @@ def test_training_over_many_lengths_meets_one_attention_shape_per_bucket(tmp_pat
     from dflash_ray.train.workers import DrafterWorker
 
     target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)
-    cfg = load_config(None, ["train.num_layers=2", "train.layer_types=[sliding_attention,full_attention]",
-                             "train.sliding_window=8", "train.target_layer_ids=[0,1,2]", "train.num_anchors=4",
-                             "train.block_size=4", "train.length_bucket=32"])
+    cfg = load_config(
+        None,
+        [
+            "train.num_layers=2",
+            "train.layer_types=[sliding_attention,full_attention]",
+            "train.sliding_window=8",
+            "train.target_layer_ids=[0,1,2]",
+            "train.num_anchors=4",
+            "train.block_size=4",
+            "train.length_bucket=32",
+        ],
+    )
     worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random", cfg.train, 0, 1)
     worker.set_total_steps(30)
     shapes = set()  # (context length, query count) as each attention layer receives them
@@ -63,13 +76,14 @@ def test_compiled_flex_attention_compiles_one_graph_per_bucket_for_every_layer_t
     for S in lengths:
         padded = bucket_length(S, 32)
         mask = torch.zeros(2, padded, dtype=torch.long)
-        mask[:, S // 4:S] = 1
+        mask[:, S // 4 : S] = 1
         anchors, _ = sample_anchors(mask, A, g)
         q = torch.randn(2, h, A * K, d, generator=g)
         k, v = (torch.randn(2, g_heads, padded + A * K, d, generator=g) for _ in range(2))
         for layer_type in (FULL, SLIDING):
-            out = compiled_flex_attention()(q, k, v, block_mask=flex_block_mask(anchors, padded, K, layer_type, 8),
-                                            enable_gqa=True)
+            out = compiled_flex_attention()(
+                q, k, v, block_mask=flex_block_mask(anchors, padded, K, layer_type, 8), enable_gqa=True
+            )
             if (padded, layer_type) not in seen:  # once per shape and rule: against the dense mask
                 seen.add((padded, layer_type))
                 dense = dense_mask(anchors, padded, K, layer_type, 8)
@@ -92,7 +106,7 @@ def test_the_block_mask_traces_to_one_graph_per_bucket_for_every_layer_type():
     for S in lengths:
         padded = bucket_length(S, 32)
         mask = torch.zeros(2, padded, dtype=torch.long)
-        mask[:, S // 4:S] = 1
+        mask[:, S // 4 : S] = 1
         anchors, _ = sample_anchors(mask, 4, torch.Generator().manual_seed(S))
         for layer_type in (FULL, SLIDING):
             eager = flex_block_mask(anchors, padded, 4, layer_type, 8)
@@ -110,11 +124,28 @@ def test_a_compiled_function_past_its_shape_limit_raises_instead_of_running_eage
 
 
 def _drafter():
-    cfg = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     torch.manual_seed(0)
-    return DFlashDrafter(from_target(cfg, mask_token_id=5, num_layers=2, num_target_features=3, block_size=4,
-                                     layer_types=[SLIDING, FULL], sliding_window=8))
+    return DFlashDrafter(
+        from_target(
+            cfg,
+            mask_token_id=5,
+            num_layers=2,
+            num_target_features=3,
+            block_size=4,
+            layer_types=[SLIDING, FULL],
+            sliding_window=8,
+        )
+    )
 
 
 @pytest.mark.parametrize("distill", [0.0, 0.5])
@@ -133,9 +164,20 @@ def test_bucket_padding_leaves_the_loss_and_gradients_unchanged(distill):
 
     def run(bucket: int, attention: str = "sdpa"):
         drafter.zero_grad()
-        out = forward_loss(drafter, embed, head, feats, ids, mask, num_anchors=12, attention=attention,
-                           generator=torch.Generator().manual_seed(1), teacher=teacher, distill=distill,
-                           length_bucket=bucket)
+        out = forward_loss(
+            drafter,
+            embed,
+            head,
+            feats,
+            ids,
+            mask,
+            num_anchors=12,
+            attention=attention,
+            generator=torch.Generator().manual_seed(1),
+            teacher=teacher,
+            distill=distill,
+            length_bucket=bucket,
+        )
         if attention == "sdpa":
             out.loss.loss.backward()
         return out, [p.grad.clone() for p in drafter.parameters()] if attention == "sdpa" else []

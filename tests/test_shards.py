@@ -19,8 +19,15 @@ def _drafter(seed: int = 0):
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.model import DFlashDrafter
 
-    target = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    target = Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     torch.manual_seed(seed)
     return DFlashDrafter(from_target(target, mask_token_id=500, num_layers=2, target_layer_ids=[0, 1]))
 
@@ -54,21 +61,26 @@ def _write(rank: int, port: int, folder: str, results: dict) -> None:
     from dflash_ray.train import shards
     from dflash_ray.train.sharding import shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     drafter = _drafter()
     shard(drafter, "cpu", dist.group.WORLD, torch.float32)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     _stepped(drafter, opt)
-    extra = {f"drafter/{CONFIG}": __import__("json").dumps(to_hf_config(drafter.cfg, torch.float32)).encode()} \
-        if rank == 0 else {}
+    extra = (
+        {f"drafter/{CONFIG}": __import__("json").dumps(to_hf_config(drafter.cfg, torch.float32)).encode()}
+        if rank == 0
+        else {}
+    )
     upload = shards.save(drafter, opt, folder, dist.new_group(backend="gloo"), extra)
     entries = upload.result()
     names = [n for n, p in drafter.named_parameters()]
-    results[rank] = {"entries": entries,
-                     "weights": {n: _whole(p) for n, p in zip(names, drafter.parameters())},
-                     "moments": {n: {k: _whole(v) for k, v in opt.state[p].items()}
-                                 for n, p in zip(names, drafter.parameters())}}
+    results[rank] = {
+        "entries": entries,
+        "weights": {n: _whole(p) for n, p in zip(names, drafter.parameters())},
+        "moments": {n: {k: _whole(v) for k, v in opt.state[p].items()} for n, p in zip(names, drafter.parameters())},
+    }
     dist.destroy_process_group()
 
 
@@ -92,14 +104,15 @@ def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp
     names = sorted(checkpoint.read_folder_manifest(folder)["files"])
     assert names == ["drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"]
     sizes = [os.path.getsize(os.path.join(folder, n)) for n in names if n.endswith(".distcp")]
-    whole = sum(v.numel() * 4 for m in held["moments"].values() for k, v in m.items() if k != "step") \
-        + sum(w.numel() * 4 for w in held["weights"].values())
+    whole = sum(v.numel() * 4 for m in held["moments"].values() for k, v in m.items() if k != "step") + sum(
+        w.numel() * 4 for w in held["weights"].values()
+    )
     assert all(0.4 * whole < s < 0.6 * whole for s in sizes), (sizes, whole)  # about half the state each
 
     drafter = _drafter(seed=1)  # other weights: everything must come from the checkpoint
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)  # one process, no group
-    for (name, p) in drafter.named_parameters():
+    for name, p in drafter.named_parameters():
         assert torch.equal(p.detach(), held["weights"][name]), name
         for k, v in opt.state[p].items():
             assert torch.equal(v, held["moments"][name][k]), (name, k)

@@ -74,11 +74,24 @@ def _chi_square_p_value(counts: dict, expected: dict, n: int) -> float:
     cells = [(o, e) for o, e in zip(observed, exp) if e > 1e-9]
     stat = sum((o - e) ** 2 / e for o, e in cells)
     df = len(cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
-def sampled_pairs_match_the_target(target, drafter, embed, head, *, new_tokens: int, greedy_drafts: bool = False,
-                                   prompt=(3, 7, 1, 9, 4), T: float = 0.3, top_p: float = 0.9, n: int = 1500) -> dict:
+def sampled_pairs_match_the_target(
+    target,
+    drafter,
+    embed,
+    head,
+    *,
+    new_tokens: int,
+    greedy_drafts: bool = False,
+    prompt=(3, 7, 1, 9, 4),
+    T: float = 0.3,
+    top_p: float = 0.9,
+    n: int = 1500,
+) -> dict:
     """The first two tokens of `n` seeded one-verify-step speculative runs against the target's exact
     joint distribution of them (chi-square at a 0.1% false-alarm rate); both the accept and the
     reject paths must be taken. Every drafter family's sampled path is held to this. Returns the
@@ -90,8 +103,9 @@ def sampled_pairs_match_the_target(target, drafter, embed, head, *, new_tokens: 
         p1 = warp(target(input_ids=torch.tensor([prompt])).logits[0, -1], T, top_p)
         firsts = p1.nonzero().flatten().tolist()
         seconds = warp(target(input_ids=torch.tensor([prompt + [x] for x in firsts])).logits[:, -1], T, top_p)
-    expected = {(a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(vocab)
-                if seconds[i, b] > 0}
+    expected = {
+        (a, b): float(p1[a] * seconds[i, b]) for i, a in enumerate(firsts) for b in range(vocab) if seconds[i, b] > 0
+    }
     sampling = Sampling(T, top_p, torch.Generator().manual_seed(0), greedy_drafts=greedy_drafts)
     counts: dict = {}
     steps = []
@@ -126,11 +140,16 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path, gree
     with torch.no_grad():
         feats = target_features(target, torch.tensor([prompt]), cfg.target_layer_ids)
         from dflash_ray.drafter.step import attention_masks
+
         block = torch.full((1, 16), 23)
         block[0, 0] = prompt[-1]
         positions = torch.arange(len(prompt) - 1, len(prompt) + 15)[None]
-        hidden = drafter(feats[:, :-1], torch.nn.functional.embedding(block, embed), positions,
-                         attention_masks(drafter, torch.tensor([[len(prompt) - 1]]), len(prompt) - 1, "sdpa"))
+        hidden = drafter(
+            feats[:, :-1],
+            torch.nn.functional.embedding(block, embed),
+            positions,
+            attention_masks(drafter, torch.tensor([[len(prompt) - 1]]), len(prompt) - 1, "sdpa"),
+        )
         q = warp(hidden[0, 1:3] @ head.t(), T, top_p)
     g = torch.Generator().manual_seed(0)
     draws = torch.multinomial(q, n, replacement=True, generator=g).t().tolist()

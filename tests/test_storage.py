@@ -166,9 +166,13 @@ def test_s3_missing_bucket_and_missing_object_name_the_uri(s3_bucket):
     from dflash_ray.errors import MissingObject
 
     uri = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/data/x.bin"
-    calls = {"read": lambda: storage.read_bytes(uri), "write": lambda: storage.write_bytes(uri, b"x"),
-             "exists": lambda: storage.exists(uri), "size": lambda: storage.size(uri),
-             "list": lambda: storage.list_files(uri.rsplit("/", 1)[0])}
+    calls = {
+        "read": lambda: storage.read_bytes(uri),
+        "write": lambda: storage.write_bytes(uri, b"x"),
+        "exists": lambda: storage.exists(uri),
+        "size": lambda: storage.size(uri),
+        "list": lambda: storage.list_files(uri.rsplit("/", 1)[0]),
+    }
     for name, call in calls.items():
         with pytest.raises(DFlashError) as e:
             call()
@@ -184,9 +188,15 @@ def test_s3_missing_bucket_and_missing_object_name_the_uri(s3_bucket):
 
 def test_s3_without_credentials_says_what_to_set(s3_bucket, s3_env, tmp_path):
     uri = storage.join(s3_bucket, "x.txt")
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         s3_env.delenv(name, raising=False)
     s3_env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     s3_env.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
@@ -214,8 +224,11 @@ class _Denied(http.server.BaseHTTPRequestHandler):
 
     def _handle(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = b"" if self.command == "HEAD" else (
-            b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
+        body = (
+            b""
+            if self.command == "HEAD"
+            else (b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
+        )
         self.send_response(403)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -232,12 +245,14 @@ def test_s3_access_denied_names_the_uri_the_right_and_the_bucket(s3_bucket, s3_e
     threading.Thread(target=server.serve_forever, daemon=True).start()
     s3_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
     uri = storage.join(s3_bucket, "run", "x.txt")
-    bucket = s3_bucket[len("s3://"):]
+    bucket = s3_bucket[len("s3://") :]
     try:
-        for call, right in ((lambda: storage.read_bytes(uri), "s3:GetObject"),
-                            (lambda: storage.exists(uri), "s3:GetObject"),
-                            (lambda: storage.write_text(uri, "x"), "s3:PutObject"),
-                            (lambda: storage.list_dirs(storage.join(s3_bucket, "run")), "s3:ListBucket")):
+        for call, right in (
+            (lambda: storage.read_bytes(uri), "s3:GetObject"),
+            (lambda: storage.exists(uri), "s3:GetObject"),
+            (lambda: storage.write_text(uri, "x"), "s3:PutObject"),
+            (lambda: storage.list_dirs(storage.join(s3_bucket, "run")), "s3:ListBucket"),
+        ):
             with pytest.raises(DFlashError, match="access denied") as e:
                 call()
             assert right in str(e.value) and f"'{bucket}'" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)

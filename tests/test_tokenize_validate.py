@@ -17,9 +17,15 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 
 
 def _completion(i, reasoning, text, source="synthetic"):
-    return {"id": f"c{i:05d}", "source": source,
-            "messages": [{"role": "user", "content": f"Question number {i}: list some words."}],
-            "tools": None, "reasoning": reasoning, "text": text, "finish_reason": "stop"}
+    return {
+        "id": f"c{i:05d}",
+        "source": source,
+        "messages": [{"role": "user", "content": f"Question number {i}: list some words."}],
+        "tools": None,
+        "reasoning": reasoning,
+        "text": text,
+        "finish_reason": "stop",
+    }
 
 
 def _long_text(rng, n):
@@ -29,30 +35,42 @@ def _long_text(rng, n):
 def write_completions(uri, rows, row_group_size=None):
     buf = io.BytesIO()
     keys = list(dict.fromkeys(k for r in rows for k in r))  # from_pylist infers from the first row only
-    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), buf,
-                   row_group_size=row_group_size)
+    pq.write_table(
+        pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), buf, row_group_size=row_group_size
+    )
     storage.write_bytes(storage.join(uri, "completions-00000.parquet"), buf.getvalue())
-    manifest.write_manifest(uri, kind="completions", files=[{"name": "completions-00000.parquet", "rows": len(rows)}],
-                            summary={})
+    manifest.write_manifest(
+        uri, kind="completions", files=[{"name": "completions-00000.parquet", "rows": len(rows)}], summary={}
+    )
 
 
 def healthy_rows(n=60, seed=0):
     rng = np.random.default_rng(seed)
-    return [_completion(i, _long_text(rng, int(rng.integers(30, 80))), _long_text(rng, int(rng.integers(20, 60))),
-                        source="math" if i % 2 else "code") for i in range(n)]
+    return [
+        _completion(
+            i,
+            _long_text(rng, int(rng.integers(30, 80))),
+            _long_text(rng, int(rng.integers(20, 60))),
+            source="math" if i % 2 else "code",
+        )
+        for i in range(n)
+    ]
 
 
 def seed_broken_rows(n=100, seed=0):
     """87% of samples answer `<think>\\n\\n</think>\\n\\nOK.` as the seed's broken dataset did."""
     rng = np.random.default_rng(seed)
-    return [_completion(i, "", "OK.") if i % 100 < 87 else
-            _completion(i, _long_text(rng, 60), _long_text(rng, 40)) for i in range(n)]
+    return [
+        _completion(i, "", "OK.") if i % 100 < 87 else _completion(i, _long_text(rng, 60), _long_text(rng, 40))
+        for i in range(n)
+    ]
 
 
 def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
     rows = healthy_rows(40)
-    rows.append({**_completion(99, "x", "y"), "id": "dropme", "prompt_token_ids": list(range(300)),
-                 "output_token_ids": [1, 2]})
+    rows.append(
+        {**_completion(99, "x", "y"), "id": "dropme", "prompt_token_ids": list(range(300)), "output_token_ids": [1, 2]}
+    )
     rows.append({**_completion(98, None, None), "id": "notext"})
     src, out = storage.join(s3_bucket, "completions"), storage.join(s3_bucket, "tokenized")
     write_completions(src, rows, row_group_size=16)  # 3 work units
@@ -72,7 +90,9 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
     assert table.schema.field("input_ids").type == pa.list_(pa.int32())
     assert table.schema.field("loss_mask").type == pa.list_(pa.int8())
     assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in rows[:40])
-    for ids, mask, n in zip(table["input_ids"].to_pylist(), table["loss_mask"].to_pylist(), table["seq_len"].to_pylist()):
+    for ids, mask, n in zip(
+        table["input_ids"].to_pylist(), table["loss_mask"].to_pylist(), table["seq_len"].to_pylist()
+    ):
         assert len(ids) == len(mask) == n and 0 < sum(mask) < n
     assert summary["tokens"] == sum(table["seq_len"].to_pylist())
 
@@ -80,8 +100,12 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
 
     # a rerun replaces the dataset: the old files are gone, the manifest lists only the new ones;
     # truncation reports what it cut of what was generated
-    long = {**_completion(97, "x", "y"), "id": "long", "prompt_token_ids": list(range(100)),
-            "output_token_ids": [1] * 300}
+    long = {
+        **_completion(97, "x", "y"),
+        "id": "long",
+        "prompt_token_ids": list(range(100)),
+        "output_token_ids": [1] * 300,
+    }
     write_completions(src, rows[:10] + [long])
     summary = run_tokenize(src, out, load_config(None, ["tokenize.max_seq_len=256", "tokenize.batch_size=8"]))
     assert summary["rows_out"] == 11 and summary["truncated"] == 1 and summary["tokens_cut"] == 400 - 256
@@ -99,8 +123,11 @@ def _tokenized(tmp_path, rows, name):
 def test_gate_fails_the_seed_six_token_dataset(ray_cluster, tmp_path):
     data = _tokenized(tmp_path, seed_broken_rows(), "broken")
     report_dir = str(tmp_path / "report")
-    done = subprocess.run([sys.executable, "-m", "dflash_ray.cli", "validate", "--input", data,
-                           "--report", report_dir, "--json"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_ray.cli", "validate", "--input", data, "--report", report_dir, "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 3, done.stderr
     summary = json.loads(done.stdout)
     assert summary["ok"] is False and summary["passed"] is False
@@ -129,8 +156,9 @@ def test_gate_passes_a_healthy_dataset(ray_cluster, tmp_path):
     assert all(ex["response"].startswith("<think>") for ex in report["random_examples"])
 
 
-@pytest.mark.parametrize("kind, says", [("prompts", "holds prompts, not completions"),
-                                        ("tokenized", "holds tokenized samples already")])
+@pytest.mark.parametrize(
+    "kind, says", [("prompts", "holds prompts, not completions"), ("tokenized", "holds tokenized samples already")]
+)
 def test_tokenize_refuses_a_dataset_of_another_stage_naming_what_it_holds(tmp_path, kind, says):
     from dflash_ray.errors import DFlashError
 

@@ -34,8 +34,8 @@ def wandb_history(path) -> list[dict]:
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-        part += raw[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        part += raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL, LAST
             record = pb.Record()
@@ -128,8 +128,12 @@ def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target
 
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-    expected = {k: [(m["step"], float(m[k])) for m in metrics if m.get(k) is not None]
-                for m in metrics for k in m if k != "step"}
+    expected = {
+        k: [(m["step"], float(m[k])) for m in metrics if m.get(k) is not None]
+        for m in metrics
+        for k in m
+        if k != "step"
+    }
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "wait_seconds", "heldout_tau"} <= set(expected)
     scalars = tensorboard_scalars(out / "tracking" / "tensorboard")
     assert set(scalars) == set(expected)
@@ -137,8 +141,11 @@ def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target
         assert [s for s, _ in scalars[key]] == [s for s, _ in points], key
         assert [v for _, v in scalars[key]] == pytest.approx([v for _, v in points], rel=1e-6), key
 
-    rows = [row for attempt in (first, second)
-            for row in wandb_history(next(Path(attempt["trackers"]["wandb"]).glob("run-*.wandb")))]
+    rows = [
+        row
+        for attempt in (first, second)
+        for row in wandb_history(next(Path(attempt["trackers"]["wandb"]).glob("run-*.wandb")))
+    ]
     assert rows[0].keys() >= {"loss", "lr", "grad_norm", "tokens_per_s"}
     assert [r["_step"] for r in rows] == [m["step"] for m in metrics]
     assert [r["loss"] for r in rows] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)

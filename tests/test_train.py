@@ -24,8 +24,16 @@ from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
 # every paired run here sends its features under NCCL's rules (`p2p`): a wait that would hang on GPUs
 # raises after collective_timeout_s instead
-SETTINGS = ["train.actor_cpus=0.5", "train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=16",
-            "train.lr=3e-3", "train.checkpoint_every=3", "train.epochs=1", "train.collective_timeout_s=60"]
+SETTINGS = [
+    "train.actor_cpus=0.5",
+    "train.num_layers=1",
+    "train.target_layer_ids=[0,1,2]",
+    "train.num_anchors=16",
+    "train.lr=3e-3",
+    "train.checkpoint_every=3",
+    "train.epochs=1",
+    "train.collective_timeout_s=60",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +43,31 @@ def target(tmp_path_factory):
 
 def _tokenized(folder: str, sequences: list[list[int]], prefix: str = "s") -> str:
     """A tokenized dataset of 48-token sequences, the first 12 tokens a prompt."""
-    rows = [{"id": f"{prefix}{i}", "source": "x", "input_ids": seq, "loss_mask": [0] * 12 + [1] * 36, "seq_len": 48,
-             "truncated": False} for i, seq in enumerate(sequences)]
+    rows = [
+        {
+            "id": f"{prefix}{i}",
+            "source": "x",
+            "input_ids": seq,
+            "loss_mask": [0] * 12 + [1] * 36,
+            "seq_len": 48,
+            "truncated": False,
+        }
+        for i, seq in enumerate(sequences)
+    ]
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buf)
     storage.write_bytes(storage.join(folder, "part-0.parquet"), buf.getvalue())
-    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": len(rows)}],
-                            summary={})
+    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": len(rows)}], summary={})
     return folder
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
-    return _tokenized(str(tmp_path_factory.mktemp("data")),
-                      [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
+    return _tokenized(
+        str(tmp_path_factory.mktemp("data")),
+        [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +75,11 @@ def motif_data(tmp_path_factory):
     """One 12-token motif, each sample a rotation of it repeated: a drafter can learn what follows."""
     motif = torch.randint(0, 490, (12,), generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(0)
-    return _tokenized(str(tmp_path_factory.mktemp("motif")),
-                      [motif.roll(-int(torch.randint(0, 12, (), generator=g))).repeat(4).tolist() for _ in range(16)],
-                      prefix="m")
+    return _tokenized(
+        str(tmp_path_factory.mktemp("motif")),
+        [motif.roll(-int(torch.randint(0, 12, (), generator=g))).repeat(4).tolist() for _ in range(16)],
+        prefix="m",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +97,23 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
     # every motif sample has one length, so length balancing would only draw another order of the same
     # samples; 24 steps on this seed learn the motif in the windowed order, less in some others (the
     # test is of the Ray path, not of one order's luck: the order itself is tested in test_reads.py)
-    cfg = load_config(None, SETTINGS + ["train.lr=2e-2", "train.epochs=4", "train.num_anchors=32", "train.heldout=4",
-                                        "train.eval_every=4", "train.checkpoint_every=100", "train.length_group=0"])
+    cfg = load_config(
+        None,
+        SETTINGS
+        + [
+            "train.lr=2e-2",
+            "train.epochs=4",
+            "train.num_anchors=32",
+            "train.heldout=4",
+            "train.eval_every=4",
+            "train.checkpoint_every=100",
+            "train.length_group=0",
+        ],
+    )
     summary = run_train(target, motif_data, str(tmp_path / "out"), cfg, progress=False)
-    metrics = [json.loads(x) for x in storage.read_text(storage.join(str(tmp_path / "out"), "metrics.jsonl")).splitlines()]
+    metrics = [
+        json.loads(x) for x in storage.read_text(storage.join(str(tmp_path / "out"), "metrics.jsonl")).splitlines()
+    ]
     losses = [m["loss"] for m in metrics]
     assert summary["step"] == len(metrics) == 24
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
@@ -91,8 +124,9 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
 
 def flat_grad(worker: DrafterWorker) -> torch.Tensor:
     """Every parameter's whole gradient, flattened (collective when sharded)."""
-    return torch.cat([full(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                      for p in worker.drafter.parameters()])
+    return torch.cat(
+        [full(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in worker.drafter.parameters()]
+    )
 
 
 def flat_weights(worker: DrafterWorker) -> torch.Tensor:
@@ -163,7 +197,12 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone, capsys):
     assert all(" loss " in x and " tok/s" in x for x in lines), lines
     # sharded: one file per rank, none holding the whole optimizer state, and no whole-model file
     assert sorted(checkpoint.read_manifest(whole_dir, 8)["files"]) == [
-        "drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp", "state.json"]
+        "drafter/config.json",
+        "shards/.metadata",
+        "shards/__0_0.distcp",
+        "shards/__1_0.distcp",
+        "state.json",
+    ]
     step_a, weights_a = _final_weights(whole_dir)
     step_b, weights_b = _final_weights(sliced)
     assert step_a == step_b == 8 and weights_a == weights_b  # bitwise
@@ -172,9 +211,13 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone, capsys):
 
     # a colocated stream (target and drafter in one actor, features never copied) trains the same weights
     # (one step traced by the profiler: the trace changes nothing in the computation)
-    colocated = run_train(target, data, str(tmp_path / "colocated"),
-                          load_config(None, SETTINGS + ["train.colocate=true", "train.profile_steps=[3]"]),
-                          progress=False)
+    colocated = run_train(
+        target,
+        data,
+        str(tmp_path / "colocated"),
+        load_config(None, SETTINGS + ["train.colocate=true", "train.profile_steps=[3]"]),
+        progress=False,
+    )
     assert colocated["step"] == 8
     assert _final_weights(str(tmp_path / "colocated")) == (8, weights_a)  # bitwise
     traces = sorted(storage.basename(f) for f in storage.list_files(str(tmp_path / "colocated" / "profile")))
@@ -182,17 +225,23 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone, capsys):
     trace = json.loads(storage.read_text(str(tmp_path / "colocated" / "profile" / traces[0])))
     assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
     # the features through Ray's object store instead of send/recv: the same weights too
-    stored = run_train(target, data, str(tmp_path / "stored"),
-                       load_config(None, SETTINGS + ["train.feature_transport=object_store", "train.profile_steps=[2]"]),
-                       progress=False)
+    stored = run_train(
+        target,
+        data,
+        str(tmp_path / "stored"),
+        load_config(None, SETTINGS + ["train.feature_transport=object_store", "train.profile_steps=[2]"]),
+        progress=False,
+    )
     assert stored["step"] == 8
     assert _final_weights(str(tmp_path / "stored")) == (8, weights_a)  # bitwise
     assert sorted(storage.basename(f) for f in storage.list_files(str(tmp_path / "stored" / "profile"))) == [
-        f"step-000002-{role}-{rank}.json" for role in ("drafter", "target") for rank in (0, 1)]
+        f"step-000002-{role}-{rank}.json" for role in ("drafter", "target") for rank in (0, 1)
+    ]
 
 
 def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_shapes_through_ray(
-        ray_cluster, target, data):
+    ray_cluster, target, data
+):
     """`handoff`: the target posts the batch's tensors to its drafter and returns their shapes alone
     (under 2 KB through Ray, where the features are tens of KB); the drafter receives exactly what
     the target computed, twice in a row (messages in order), and trains on it."""
@@ -206,11 +255,15 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     samples = [[(f"{data}/part-0.parquet", 0), (f"{data}/part-0.parquet", 3)], [(f"{data}/part-0.parquet", 7)]]
     expected = [TargetWorker(target, [0, 1, 2], cfg.train).features(b) for b in samples]
     sender = ray.remote(TargetWorker).options(num_cpus=0.5).remote(target, [0, 1, 2], cfg.train)
-    receiver = ray.remote(DrafterWorker).options(num_cpus=0.5).remote(
-        target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
+    receiver = (
+        ray.remote(DrafterWorker)
+        .options(num_cpus=0.5)
+        .remote(target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
+    )
     port = _free_port()
-    ray.get([sender.join_run.remote("127.0.0.1", port, 0, layout),
-             receiver.join_run.remote("127.0.0.1", port, 0, layout)])
+    ray.get(
+        [sender.join_run.remote("127.0.0.1", port, 0, layout), receiver.join_run.remote("127.0.0.1", port, 0, layout)]
+    )
     refs = [sender.send_features.remote(b, [layout.drafter(0, 0)]) for b in samples]  # both posted at once
     metas = ray.get(refs)
     received = ray.get([receiver.__ray_call__.remote(lambda w, m: w._received(m), m) for m in metas])
@@ -219,8 +272,9 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     ray.kill(receiver)
     for meta, got, want in zip(metas, received, expected):
         assert len(pickle.dumps(meta)) < 2048 < want["features"].numel() * 4
-        assert meta["bytes"] == sum(want[k].numel() * want[k].element_size() for k in ("features", "input_ids",
-                                                                                       "loss_mask"))
+        assert meta["bytes"] == sum(
+            want[k].numel() * want[k].element_size() for k in ("features", "input_ids", "loss_mask")
+        )
         for key in ("input_ids", "loss_mask", "features"):
             assert torch.equal(got[key], want[key]), key
     assert stats["handoff_seconds"] > 0 and stats["loss"] > 0
@@ -234,8 +288,10 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
 
     from dflash_ray.stages.export import run_export
 
-    teams = ("train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6, "
-             "target_layer_ids: [1, 3]}]")
+    teams = (
+        "train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6, "
+        "target_layer_ids: [1, 3]}]"
+    )
     cfg = load_config(None, SETTINGS + ["train.distill_top_k=8", "train.actor_cpus=0.3", teams])  # 6 actors on 2 CPUs
     out = str(tmp_path / "both")
     assert run_train(target, data, out, cfg, progress=False, stop_after_step=5)["step"] == 5
@@ -335,15 +391,19 @@ def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
     assert result["restarts"] == 1
 
 
-def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_cluster, target, data, tmp_path,
-                                                                           alone):
+def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_cluster, target, data, tmp_path, alone):
     """Drafter rank 1 raises at step 4 (as an out-of-memory error would) while rank 0 waits for it in
     the all-reduce, right after the step-3 checkpoint was taken (its files may still be uploading:
     they are committed before the restart, not lost): every stream restarts from step 3, each step
     is taken once, and the weights are an undisturbed run's, bit for bit."""
 
-    faulty = run_train(target, data, str(tmp_path / "faulty"), load_config(
-        None, SETTINGS + ["train.fault_step=4", "train.collective_timeout_s=120"]), progress=False)
+    faulty = run_train(
+        target,
+        data,
+        str(tmp_path / "faulty"),
+        load_config(None, SETTINGS + ["train.fault_step=4", "train.collective_timeout_s=120"]),
+        progress=False,
+    )
     assert faulty["step"] == 8 and faulty["restarts"] == 1 and faulty["resumed_from"] == [3]
     assert "injected fault at step 4 on drafter rank 1" in faulty["failures"][0], faulty["failures"]
     rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "faulty" / "metrics.jsonl")).splitlines()]
@@ -433,9 +493,19 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
     from dflash_ray.cli import main
 
     out = str(tmp_path / "cli")
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
-            *[x for s in SETTINGS + ["train.heldout=4", "train.eval_every=2"] for x in ("--set", s)],
-            "--stop-after-step", "2"]
+    args = [
+        "train",
+        "--data",
+        data,
+        "--target",
+        target,
+        "--output",
+        out,
+        "--json",
+        *[x for s in SETTINGS + ["train.heldout=4", "train.eval_every=2"] for x in ("--set", s)],
+        "--stop-after-step",
+        "2",
+    ]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["step"] == 2 and summary["trackers"] == {}  # none unless train.trackers
@@ -452,8 +522,9 @@ def test_train_command_refuses_to_overwrite_a_run(ray_cluster, target, data, tmp
     assert summary["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1
 
 
-def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_cluster, target, data, tmp_path,
-                                                                            capsys):
+def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(
+    ray_cluster, target, data, tmp_path, capsys
+):
     import os
     import signal
     import threading
@@ -463,8 +534,19 @@ def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(ray_
     from dflash_ray.train import checkpoint
 
     out = str(tmp_path / "cli")
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
-            *[x for s in SETTINGS for x in ("--set", s)], "--set", "train.epochs=100"]
+    args = [
+        "train",
+        "--data",
+        data,
+        "--target",
+        target,
+        "--output",
+        out,
+        "--json",
+        *[x for s in SETTINGS for x in ("--set", s)],
+        "--set",
+        "train.epochs=100",
+    ]
 
     def interrupt_after_a_checkpoint():
         while not checkpoint.complete_steps(out):
@@ -498,8 +580,16 @@ def test_a_ragged_batch_trains_as_its_samples_do_alone(target, tmp_path):
     rows = []
     for i, n in enumerate((23, 48, 31)):
         ids = torch.randint(0, 490, (n,), generator=g).tolist()
-        rows.append({"id": f"r{i}", "source": "x", "input_ids": ids, "loss_mask": [0] * 7 + [1] * (n - 7),
-                     "seq_len": n, "truncated": False})
+        rows.append(
+            {
+                "id": f"r{i}",
+                "source": "x",
+                "input_ids": ids,
+                "loss_mask": [0] * 7 + [1] * (n - 7),
+                "seq_len": n,
+                "truncated": False,
+            }
+        )
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buf)
     part = str(tmp_path / "part-0.parquet")
@@ -545,8 +635,9 @@ def test_distillation_sends_the_targets_top_k_and_trains_on_it(target, data):
     # the distribution of token p + 1 sits at p: the last position and the prompt carry none
     assert batch["teacher_probs"][0, 11:47].sum(-1).gt(0).all() and not batch["teacher_probs"][0, 47].any()
     worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random", cfg.train, 0, 1)
-    hard = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random",
-                         load_config(None, SETTINGS).train, 0, 1)
+    hard = DrafterWorker(
+        target, json.dumps(drafter_config(target, cfg)), "random", load_config(None, SETTINGS).train, 0, 1
+    )
     soft_stats, hard_stats = worker.train_step(0, batch), hard.train_step(0, batch)
     assert torch.isfinite(torch.tensor(soft_stats["loss"])) and soft_stats["grad_norm"] > 0
     assert soft_stats["loss"] != hard_stats["loss"]  # the same anchors, another target
@@ -569,14 +660,23 @@ def test_heldout_takes_whole_prompts(data):
 def test_drafter_shape_settings_reach_the_config_and_bad_ones_name_the_field(target):
     from dflash_ray.errors import DFlashError
 
-    cfg = load_config(None, SETTINGS + ["train.num_layers=2", "train.block_size=8", "train.sliding_window=16",
-                                        'train.layer_types=["sliding_attention","full_attention"]'])
+    cfg = load_config(
+        None,
+        SETTINGS
+        + [
+            "train.num_layers=2",
+            "train.block_size=8",
+            "train.sliding_window=16",
+            'train.layer_types=["sliding_attention","full_attention"]',
+        ],
+    )
     hf = drafter_config(target, cfg)
     assert hf["block_size"] == 8 and hf["layer_types"] == ["sliding_attention", "full_attention"]
     assert hf["sliding_window"] == 16
     with pytest.raises(DFlashError) as e:
-        drafter_config(target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]',
-                                                             "train.num_layers=2"]))
+        drafter_config(
+            target, load_config(None, SETTINGS + ['train.layer_types=["sliding_attention"]', "train.num_layers=2"])
+        )
     assert "layer_types" in str(e.value) and "train" in str(e.value)
 
 

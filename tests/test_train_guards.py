@@ -24,8 +24,17 @@ def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(r
     weights = []
     for ahead in (0, 1, 2):
         out = str(tmp_path / f"ahead{ahead}")
-        cfg = load_config(None, SETTINGS + ["train.heldout=4", "train.eval_every=2", f"train.max_in_flight={ahead}",
-                                            "train.collective_timeout_s=20", "train.max_restarts=0"])
+        cfg = load_config(
+            None,
+            SETTINGS
+            + [
+                "train.heldout=4",
+                "train.eval_every=2",
+                f"train.max_in_flight={ahead}",
+                "train.collective_timeout_s=20",
+                "train.max_restarts=0",
+            ],
+        )
         summary = run_train(target, data, out, cfg, progress=False)
         assert summary["restarts"] == 0 and summary["step"] == 6, summary
         metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
@@ -50,11 +59,16 @@ def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_
     metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 14)) and metrics[:3] == before
     assert sorted(checkpoint.read_manifest(out, 13)["files"]) == [
-        "drafter/config.json", "shards/.metadata", "shards/__0_0.distcp", "state.json"]
+        "drafter/config.json",
+        "shards/.metadata",
+        "shards/__0_0.distcp",
+        "state.json",
+    ]
 
 
-def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(ray_cluster, target, data, tmp_path,
-                                                                                capsys):
+def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
+    ray_cluster, target, data, tmp_path, capsys
+):
     """A rate that sends the weights to infinity: the first non-finite loss stops the run at that
     step (no restart: it would diverge the same way), named, exit 2, with a summary that is JSON."""
     import json
@@ -65,8 +79,17 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(r
         raise AssertionError(f"--json printed {name}")
 
     out = str(tmp_path / "nan")
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json",
-            *[x for s in SETTINGS + ["train.lr=1e30", "train.warmup_ratio=0"] for x in ("--set", s)]]
+    args = [
+        "train",
+        "--data",
+        data,
+        "--target",
+        target,
+        "--output",
+        out,
+        "--json",
+        *[x for s in SETTINGS + ["train.lr=1e30", "train.warmup_ratio=0"] for x in ("--set", s)],
+    ]
     assert main(args) == 2
     summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)
     assert not summary["ok"] and "not finite" in summary["error"] and "train.lr" in summary["error"]

@@ -49,8 +49,9 @@ def test_export_never_replaces_a_users_files(tmp_path, tiny_qwen3_dir, capsys):
     from dflash_ray.drafter.export import save_drafter
     from dflash_ray.drafter.model import DFlashDrafter
 
-    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1,
-                      num_target_features=3)
+    cfg = from_target(
+        AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1, num_target_features=3
+    )
     torch.manual_seed(0)
     save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt", dtype=torch.float32)
     mine = tmp_path / "mine"
@@ -75,21 +76,42 @@ def test_export_never_replaces_a_users_files(tmp_path, tiny_qwen3_dir, capsys):
 
 def test_every_repeated_input_is_read(tmp_path, capsys):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
-    a.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"}]}) + "\n"
-                         for i in range(3)))
+    a.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"}]}) + "\n" for i in range(3))
+    )
     b.write_text(json.dumps([{"messages": [{"role": "user", "content": "another one?"}]}]))
-    assert main(["prompts", "--input", str(a), "--input", str(b), "--output", str(tmp_path / "out"),
-                 "--set", f"prompts.tokenizer={SMOLLM2}", "--json"]) == 0
+    assert (
+        main(
+            [
+                "prompts",
+                "--input",
+                str(a),
+                "--input",
+                str(b),
+                "--output",
+                str(tmp_path / "out"),
+                "--set",
+                f"prompts.tokenizer={SMOLLM2}",
+                "--json",
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["input_files"] == 2 and summary["prompts"] == 4
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--set", "train.lr=[1"], "--set train.lr"),  # not YAML
-    (["--config", ""], "--config"),  # an unset variable: not the defaults in silence
-    (["--set", "generate.backend=transformers", "--set", "generate.engine_args={max_num_seqs: 4}"],
-     "generate.engine_args"),  # read by vLLM alone
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--set", "train.lr=[1"], "--set train.lr"),  # not YAML
+        (["--config", ""], "--config"),  # an unset variable: not the defaults in silence
+        (
+            ["--set", "generate.backend=transformers", "--set", "generate.engine_args={max_num_seqs: 4}"],
+            "generate.engine_args",
+        ),  # read by vLLM alone
+    ],
+)
 def test_settings_that_would_be_misread_are_refused(args, field, capsys):
     assert main(["plan", *args, "--json"]) == 2
     summary = json.loads(capsys.readouterr().out)
@@ -103,12 +125,15 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):
     assert "the key 'lr' is given twice" in _error(capsys)
 
 
-@pytest.mark.parametrize("ids, mask, field", [
-    ([[1.7, 2.2, 3.9]] * 4, [[0, 1, 1]] * 4, "input_ids"),  # float ids: cast silently before
-    ([[1, 2, 3]] * 4, [[0.0, 0.5, 1.0]] * 4, "loss_mask"),  # a half mask counted as 0 before
-    ([["a", "b", "c"]] * 4, [[0, 1, 1]] * 4, "input_ids"),
-    ([1, 2, 3, 4], [0, 1, 1, 1], "input_ids"),  # a scalar per sample
-])
+@pytest.mark.parametrize(
+    "ids, mask, field",
+    [
+        ([[1.7, 2.2, 3.9]] * 4, [[0, 1, 1]] * 4, "input_ids"),  # float ids: cast silently before
+        ([[1, 2, 3]] * 4, [[0.0, 0.5, 1.0]] * 4, "loss_mask"),  # a half mask counted as 0 before
+        ([["a", "b", "c"]] * 4, [[0, 1, 1]] * 4, "input_ids"),
+        ([1, 2, 3, 4], [0, 1, 1, 1], "input_ids"),  # a scalar per sample
+    ],
+)
 def test_token_columns_of_the_wrong_type_are_refused_by_validate_and_train(ids, mask, field, tmp_path, capsys):
     from dflash_ray.train.schedule import dataset_samples
 
@@ -128,12 +153,19 @@ def test_tokenize_refuses_a_tokenizer_that_is_not_the_one_that_generated_the_ans
 
     folder = str(tmp_path / "completions")
     row = {k: None for k in schema.COMPLETIONS.names}
-    row.update(id="a", source="x", messages=[{"role": "user", "content": "hi"}], text="hello",
-               prompt_token_ids=[1, 2], output_token_ids=[3, 4])
+    row.update(
+        id="a",
+        source="x",
+        messages=[{"role": "user", "content": "hi"}],
+        text="hello",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[3, 4],
+    )
     (tmp_path / "completions").mkdir()
     (tmp_path / "completions" / "completions-00000.parquet").write_bytes(shard_bytes([row], schema.COMPLETIONS))
-    manifest.write_manifest(folder, kind="completions", files=[{"name": "completions-00000.parquet", "rows": 1}],
-                            summary={"model": SMOLLM2})
+    manifest.write_manifest(
+        folder, kind="completions", files=[{"name": "completions-00000.parquet", "rows": 1}], summary={"model": SMOLLM2}
+    )
     with pytest.raises(DFlashError, match=f"generated by {SMOLLM2}, whose tokenizer is not 'qwen3'") as e:
         run_tokenize(folder, str(tmp_path / "tokenized"), load_config(None, ["tokenize.tokenizer=qwen3"]))
     assert e.value.field == "tokenize.tokenizer"
@@ -154,8 +186,9 @@ def test_keeping_every_prompt_aside_is_refused_naming_the_setting(tmp_path):
 
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}?"}]}) + "\n" for i in range(3)))
-    run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(None, [f"prompts.tokenizer={SMOLLM2}"]),
-                progress=False)
+    run_prompts(
+        [str(raw)], str(tmp_path / "prompts"), load_config(None, [f"prompts.tokenizer={SMOLLM2}"]), progress=False
+    )
     with pytest.raises(DFlashError) as e:
         split_prompts(str(tmp_path / "prompts"), str(tmp_path / "train"), str(tmp_path / "eval"), 3, 0)
     assert e.value.field == "pipeline.eval_prompts"
@@ -173,8 +206,9 @@ def test_a_generation_that_kept_no_answer_is_an_error_and_a_generator_no_node_ho
         check_room(gcfg, [{"CPU": 2.0}])
     assert e.value.field == "generate.generator_cpus"
     check_room(gcfg, [{"CPU": 2.0}, {"CPU": 8.0}])  # one node that can
-    check_room(load_config(None, ["generate.generator_cpus=4", "generate.autoscale.enabled=true"]).generate,
-               [{"CPU": 2.0}])  # nodes may be added
+    check_room(
+        load_config(None, ["generate.generator_cpus=4", "generate.autoscale.enabled=true"]).generate, [{"CPU": 2.0}]
+    )  # nodes may be added
 
 
 @pytest.mark.parametrize("body", ["[1, 2]", '{"shards_done": "x"}', '{"done": {"0": 5}}'])
@@ -190,12 +224,18 @@ def test_netcheck_refuses_a_size_it_cannot_measure(megabytes, capsys):
     assert "--megabytes" in _error(capsys)
 
 
-@pytest.mark.parametrize("text, field", [
-    ("available_node_types:\n  a: 5\n", "available_node_types.a"),
-    ("available_node_types: [1, 2]\n", "available_node_types"),
-    ("available_node_types:\n  g: {max_workers: 2, resources: {GPU: eight, gen_node: 1}}\n", "available_node_types.g"),
-    ("available_node_types:\n  g: {max_workers: -2, resources: {GPU: 8, gen_node: 1}}\n", "available_node_types.g"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("available_node_types:\n  a: 5\n", "available_node_types.a"),
+        ("available_node_types: [1, 2]\n", "available_node_types"),
+        (
+            "available_node_types:\n  g: {max_workers: 2, resources: {GPU: eight, gen_node: 1}}\n",
+            "available_node_types.g",
+        ),
+        ("available_node_types:\n  g: {max_workers: -2, resources: {GPU: 8, gen_node: 1}}\n", "available_node_types.g"),
+    ],
+)
 def test_plan_names_the_bad_entry_of_a_cluster_file(text, field, tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
@@ -203,11 +243,25 @@ def test_plan_names_the_bad_entry_of_a_cluster_file(text, field, tmp_path, capsy
     assert f"cluster.yaml: field '{field}'" in _error(capsys)
 
 
-@pytest.mark.parametrize("change, field", [({"hidden_size": "big"}, "model_type"), ({"num_hidden_layers": 0},
-                                           "num_hidden_layers"), ({"hidden_size": -64}, "hidden_size")])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"hidden_size": "big"}, "model_type"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"hidden_size": -64}, "hidden_size"),
+    ],
+)
 def test_plan_names_the_bad_field_of_a_target_config(change, field, tmp_path, capsys):
-    body = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 100, **change}
+    body = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        **change,
+    }
     path = tmp_path / "target.json"
     path.write_text(json.dumps(body))
     assert main(["plan", "--set", f"plan.target_config={path}"]) == 2
@@ -236,5 +290,10 @@ def test_an_unexpected_failure_says_it_is_a_bug(monkeypatch, capsys):
     assert main(["plan", "--json"]) == 1
     out = capsys.readouterr()
     assert "This is a bug in dflash-ray, not in your input" in out.err and "Traceback" in out.err
-    assert json.loads(out.out) == {"stage": "plan", "ok": False, "error": "RuntimeError: an invariant broke",
-                                   "bug": True, "exit_code": 1}
+    assert json.loads(out.out) == {
+        "stage": "plan",
+        "ok": False,
+        "error": "RuntimeError: an invariant broke",
+        "bug": True,
+        "exit_code": 1,
+    }

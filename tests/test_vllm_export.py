@@ -22,14 +22,19 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     embed, head = load_embed_and_head(target_dir)
     embed, head = embed.float(), head.float()
     eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                       tokenize=False), add_special_tokens=False)["input_ids"]
-               for q in QUESTIONS]
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
     refs = [target_decode(target, p, 40, eos) for p in prompts]
 
     # a one-layer drafter overfit on the target's own answers to these prompts
-    cfg = from_target(target.config, mask_token_id=49151, num_layers=1, num_target_features=3,
-                      special_token_ids=tuple(eos) + (0, 1))
+    cfg = from_target(
+        target.config, mask_token_id=49151, num_layers=1, num_target_features=3, special_token_ids=tuple(eos) + (0, 1)
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
     g = torch.Generator().manual_seed(0)
@@ -37,7 +42,7 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     for p, r in zip(prompts, refs):
         ids = torch.tensor([p + r.token_ids])
         mask = torch.zeros_like(ids)
-        mask[0, len(p):] = 1
+        mask[0, len(p) :] = 1
         data.append((ids, mask, target_features(target, ids, cfg.target_layer_ids)))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for step in range(400):
@@ -60,4 +65,7 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     assert spec["outputs"] == spec["plain_outputs"]  # greedy output with the drafter equals the output without
     assert spec["drafts"] > 0
     # vLLM reads our layer ids, RoPE and weights as we mean them: acceptance does not collapse
-    assert spec["acceptance_length"] > 1.2 and abs(spec["acceptance_length"] - our_tau) < 0.10 * our_tau, (spec, our_tau)
+    assert spec["acceptance_length"] > 1.2 and abs(spec["acceptance_length"] - our_tau) < 0.10 * our_tau, (
+        spec,
+        our_tau,
+    )

@@ -33,7 +33,9 @@ def test_prompts_into_a_tokenized_folder_is_refused_and_the_dataset_stays_whole(
         run_prompts([_records(tmp_path / "in.jsonl")], str(out), NO_BUDGET, progress=False)
     assert e.value.file == str(out) and "'tokenized' dataset" in str(e.value)
     assert (out / manifest.MANIFEST).read_text() == before and sorted(os.listdir(out)) == [
-        manifest.MANIFEST, "tokenized-a.parquet"]
+        manifest.MANIFEST,
+        "tokenized-a.parquet",
+    ]
     summary = run_prompts([_records(tmp_path / "in.jsonl")], str(tmp_path / "p"), NO_BUDGET, progress=False)
     again = run_prompts([_records(tmp_path / "in.jsonl")], str(tmp_path / "p"), NO_BUDGET, progress=False)
     assert summary["prompts"] == again["prompts"] == 3  # its own kind is replaced, the claim released
@@ -45,8 +47,12 @@ def _claims(folder: str) -> None:
     with pytest.raises(DFlashError, match="another run is writing this output") as e:
         writer.claim(folder, "prompts")
     assert e.value.file == folder
-    stolen = dict(json.loads(storage.read_text(storage.join(folder, writer.WRITER))), heartbeat=time.time() - 1e4,
-                  pid=1, host="another-host")
+    stolen = dict(
+        json.loads(storage.read_text(storage.join(folder, writer.WRITER))),
+        heartbeat=time.time() - 1e4,
+        pid=1,
+        host="another-host",
+    )
     storage.write_text(storage.join(folder, writer.WRITER), json.dumps(stolen))  # silent past the timeout
     second = writer.claim(folder, "prompts")
     assert second.took_over["host"] == "another-host"

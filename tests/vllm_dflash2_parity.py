@@ -19,13 +19,20 @@ from vllm_dspark_parity import _expected  # tests/ is beside this script on sys.
 def _vllm_model(target_dir: str, drafter_dir: str, num_drafts: int):
     from vllm.engine.arg_utils import EngineArgs
 
-    common = {"model": target_dir, "enforce_eager": True, "dtype": "float32", "max_model_len": 256,
-              "skip_tokenizer_init": True}
+    common = {
+        "model": target_dir,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "max_model_len": 256,
+        "skip_tokenizer_init": True,
+    }
     vllm_config = EngineArgs(**common).create_engine_config()
-    spec = EngineArgs(**common, speculative_config={"method": "dflash", "model": drafter_dir,
-                                                     "num_speculative_tokens": num_drafts})
-    vllm_config.speculative_config = spec.create_speculative_config(vllm_config.model_config,
-                                                                    vllm_config.parallel_config)
+    spec = EngineArgs(
+        **common, speculative_config={"method": "dflash", "model": drafter_dir, "num_speculative_tokens": num_drafts}
+    )
+    vllm_config.speculative_config = spec.create_speculative_config(
+        vllm_config.model_config, vllm_config.parallel_config
+    )
     return vllm_config
 
 
@@ -36,11 +43,18 @@ def _weights(model, exported: dict[str, torch.Tensor]) -> dict:
     params = dict(model.named_parameters())
     covered = {n.removeprefix("model.") for n in declared}
     fused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # stacked into qkv_proj, gate_up_proj
-    return {"declared": declared,
-            "not_loaded": sorted(n for n in declared if n not in shared and _expected(exported, n) is None),
-            "mismatched": sorted(n for n in declared if n not in shared and _expected(exported, n) is not None
-                                 and not torch.equal(params[n].float(), _expected(exported, n).float())),
-            "unused_exported": sorted(k for k in exported if k not in covered and k.rsplit(".", 2)[-2] not in fused)}
+    return {
+        "declared": declared,
+        "not_loaded": sorted(n for n in declared if n not in shared and _expected(exported, n) is None),
+        "mismatched": sorted(
+            n
+            for n in declared
+            if n not in shared
+            and _expected(exported, n) is not None
+            and not torch.equal(params[n].float(), _expected(exported, n).float())
+        ),
+        "unused_exported": sorted(k for k in exported if k not in covered and k.rsplit(".", 2)[-2] not in fused),
+    }
 
 
 def _conv_diffs(theirs, mine, K: int, H: int, g: torch.Generator) -> dict:
@@ -50,8 +64,10 @@ def _conv_diffs(theirs, mine, K: int, H: int, g: torch.Generator) -> dict:
     pre, coef = theirs.prepare(x)
     post = theirs.finish(y, coef)
     delta = mine.deltas(x[None])
-    return {"pre": (pre - mine.convolve(x[None], delta[:, :, 0], 0)[0]).abs().max(),
-            "post": (post - mine.convolve(y[None], delta[:, :, 1], 1)[0]).abs().max()}
+    return {
+        "pre": (pre - mine.convolve(x[None], delta[:, :, 0], 0)[0]).abs().max(),
+        "post": (post - mine.convolve(y[None], delta[:, :, 1], 1)[0]).abs().max(),
+    }
 
 
 def _selector_diffs(model, drafter, head: torch.Tensor, g: torch.Generator) -> dict:
@@ -66,8 +82,11 @@ def _selector_diffs(model, drafter, head: torch.Tensor, g: torch.Generator) -> d
     ours = torch.stack([sel.edge_scores(hidden[i], int(anchors[i]), cand[i], unary[i]) for i in range(b)])
     ids, values = model.compute_candidates(hidden.flatten(0, 1))
     our_values, our_ids = (hidden.flatten(0, 1) @ head.t()).topk(C, -1)
-    return {"selector_scores": (theirs - ours).abs().max(), "candidate_logits": (values - our_values).abs().max(),
-            "candidate_ids": (ids != our_ids).sum().float()}
+    return {
+        "selector_scores": (theirs - ours).abs().max(),
+        "candidate_logits": (values - our_values).abs().max(),
+        "candidate_ids": (ids != our_ids).sum().float(),
+    }
 
 
 def main(target_dir: str, drafter_dir: str) -> dict:
@@ -86,11 +105,15 @@ def main(target_dir: str, drafter_dir: str) -> dict:
     port = sock.getsockname()[1]
     sock.close()
     draft_hf = vllm_config.speculative_config.draft_model_config.hf_config
-    result: dict = {"method": vllm_config.speculative_config.method, "architectures": draft_hf.architectures,
-                    "dflash_config": dict(draft_hf.dflash_config)}
+    result: dict = {
+        "method": vllm_config.speculative_config.method,
+        "architectures": draft_hf.architectures,
+        "dflash_config": dict(draft_hf.dflash_config),
+    }
     with set_current_vllm_config(vllm_config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
         initialize_model_parallel(1, 1)
         from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
 
@@ -118,7 +141,9 @@ def main(target_dir: str, drafter_dir: str) -> dict:
             attn = mine.self_attn
             our_k = attn.k_norm(attn.k_proj(ours_ctx).view(N, cfg.num_kv_heads, cfg.head_dim))
             diffs[f"layer{i}.context_k"] = (k[i] - our_k).abs().max()
-            diffs[f"layer{i}.context_v"] = (v[i] - attn.v_proj(ours_ctx).view(N, cfg.num_kv_heads, cfg.head_dim)).abs().max()
+            diffs[f"layer{i}.context_v"] = (
+                (v[i] - attn.v_proj(ours_ctx).view(N, cfg.num_kv_heads, cfg.head_dim)).abs().max()
+            )
             diffs[f"layer{i}.mlp"] = (theirs.mlp(x) - mine.mlp(x)).abs().max()
             diffs[f"layer{i}.input_layernorm"] = (theirs.input_layernorm(x) - mine.input_layernorm(x)).abs().max()
             for name in ("attention_conv", "mlp_conv"):

@@ -36,22 +36,33 @@ def main(target_dir: str, drafter_dir: str) -> dict:
 
     drafter = load_drafter(drafter_dir).eval()
     cfg = drafter.cfg
-    common = {"model": target_dir, "enforce_eager": True, "dtype": "float32", "max_model_len": 256,
-              "skip_tokenizer_init": True}
+    common = {
+        "model": target_dir,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "max_model_len": 256,
+        "skip_tokenizer_init": True,
+    }
     vllm_config = EngineArgs(**common).create_engine_config()
-    spec = EngineArgs(**common, speculative_config={"method": "dspark", "model": drafter_dir,
-                                                     "num_speculative_tokens": cfg.block_size})
-    vllm_config.speculative_config = spec.create_speculative_config(vllm_config.model_config,
-                                                                    vllm_config.parallel_config)
+    spec = EngineArgs(
+        **common,
+        speculative_config={"method": "dspark", "model": drafter_dir, "num_speculative_tokens": cfg.block_size},
+    )
+    vllm_config.speculative_config = spec.create_speculative_config(
+        vllm_config.model_config, vllm_config.parallel_config
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    result: dict = {"method": vllm_config.speculative_config.method,
-                    "architectures": vllm_config.speculative_config.draft_model_config.hf_config.architectures}
+    result: dict = {
+        "method": vllm_config.speculative_config.method,
+        "architectures": vllm_config.speculative_config.draft_model_config.hf_config.architectures,
+    }
     with set_current_vllm_config(vllm_config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+        )
         initialize_model_parallel(1, 1)
         from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
@@ -64,12 +75,18 @@ def main(target_dir: str, drafter_dir: str) -> dict:
         result["declared"] = declared
         result["confidence_head_kept"] = model.model.confidence_head is not None
         result["not_loaded"] = sorted(n for n in declared if n not in shared and _expected(exported, n) is None)
-        result["mismatched"] = sorted(n for n in declared if n not in shared and _expected(exported, n) is not None
-                                      and not torch.equal(params[n].float(), _expected(exported, n).float()))
+        result["mismatched"] = sorted(
+            n
+            for n in declared
+            if n not in shared
+            and _expected(exported, n) is not None
+            and not torch.equal(params[n].float(), _expected(exported, n).float())
+        )
         covered = {n.removeprefix("model.") for n in declared}
         fused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # stacked into qkv_proj, gate_up_proj
-        result["unused_exported"] = sorted(k for k in exported if k not in covered
-                                           and k.rsplit(".", 2)[-2] not in fused)
+        result["unused_exported"] = sorted(
+            k for k in exported if k not in covered and k.rsplit(".", 2)[-2] not in fused
+        )
         # the CPU linear layers repack their weights for inference: compared above, before this
         process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
 

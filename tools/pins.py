@@ -21,8 +21,11 @@ def pins(*args: str) -> list[str]:
         return list(data["tool"]["dflash-ray"]["no-deps"])
     if args[:1] == ("extra",) and len(args) == 3:
         _, extra, name = args
-        found = [r for r in data["project"]["optional-dependencies"][extra]
-                 if re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] == name]
+        found = [
+            r
+            for r in data["project"]["optional-dependencies"][extra]
+            if re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] == name
+        ]
         if len(found) != 1:
             raise SystemExit(f"{PYPROJECT}: the {extra!r} extra has no single pin of {name!r}")
         return found

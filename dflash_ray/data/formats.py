@@ -20,18 +20,32 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
-    "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
     "function_call": "assistant",
 }
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user",
-                "assistant": "assistant", "tool": "tool", "function": "tool"}
+OPENAI_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
 
 
 # (list key, role key, content key, role names) of the chat formats
-CHAT_FORMATS = (("conversations", "from", "value", SHAREGPT_ROLES),
-                ("messages", "role", "content", OPENAI_ROLES))
+CHAT_FORMATS = (("conversations", "from", "value", SHAREGPT_ROLES), ("messages", "role", "content", OPENAI_ROLES))
 
 
 class BadRecord(ValueError):
@@ -52,14 +66,21 @@ class Prompt:
     regenerate: bool = False  # answer the user turns one by one (see `normalize`)
 
     def row(self, source: str) -> dict[str, Any]:
-        return {"id": self.id, "source": source, "messages": self.messages, "tools": self.tools,
-                "turn": self.turn, "regenerate": self.regenerate}
+        return {
+            "id": self.id,
+            "source": source,
+            "messages": self.messages,
+            "tools": self.tools,
+            "turn": self.turn,
+            "regenerate": self.regenerate,
+        }
 
 
 def prompt_id(messages: list[dict[str, str]], tools: str | None) -> str:
     """Content hash: the same conversation gets the same id in every run and every source."""
-    canonical = json.dumps({"messages": messages, "tools": tools}, sort_keys=True,
-                           ensure_ascii=False, separators=(",", ":"))
+    canonical = json.dumps(
+        {"messages": messages, "tools": tools}, sort_keys=True, ensure_ascii=False, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
 
 
@@ -86,8 +107,10 @@ def _utf8(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadRecord(f"{where}: {text[e.start]!r} at character {e.start} is a lone surrogate, not text "
-                        "(no UTF-8 form)", "bad_unicode") from None
+        raise BadRecord(
+            f"{where}: {text[e.start]!r} at character {e.start} is a lone surrogate, not text (no UTF-8 form)",
+            "bad_unicode",
+        ) from None
     return text
 
 
@@ -134,7 +157,8 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
             raise BadRecord(f"{list_key}: must be a list")
         system = record.get("system")  # ShareGPT variants carry it at the top level
         turns: list[tuple[str, str, dict[str, str]]] = (
-            [("system", system, {})] if isinstance(system, str) and system.strip() else [])
+            [("system", system, {})] if isinstance(system, str) and system.strip() else []
+        )
         for i, msg in enumerate(items):
             if not isinstance(msg, dict) or role_key not in msg:
                 raise BadRecord(f"{list_key}[{i}]: needs '{role_key}' and '{content_key}'")
@@ -156,9 +180,11 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
         system = record.get("system")
         turns = [("system", system, {})] if isinstance(system, str) and system.strip() else []
         return turns + [("user", content, {})], None
-    raise BadRecord(f"unknown schema: keys {sorted(record)[:8]} match no known format "
-                    "(ShareGPT 'conversations', OpenAI 'messages', Alpaca 'instruction')",
-                    "unknown_schema")
+    raise BadRecord(
+        f"unknown schema: keys {sorted(record)[:8]} match no known format "
+        "(ShareGPT 'conversations', OpenAI 'messages', Alpaca 'instruction')",
+        "unknown_schema",
+    )
 
 
 def _check_order(turns: list[tuple[str, str, dict]]) -> None:
@@ -209,14 +235,21 @@ def normalize(record: Any, multi_turn: MultiTurn = "regenerate") -> list[Prompt]
 @dataclass(frozen=True)
 class Answered:
     """A conversation that ends with the assistant's answer: what came before it, and the answer."""
+
     prompt: Prompt
     text: str
     reasoning: str | None  # the answer's leading <think> block, when it has one
     tool_calls: str | None = None  # the answer's tool calls (OpenAI JSON), when it makes any
 
     def row(self, source: str) -> dict[str, Any]:
-        return {**self.prompt.row(source), "text": self.text, "reasoning": self.reasoning,
-                "tool_calls": self.tool_calls, "finish_reason": "stop", "model": "data"}
+        return {
+            **self.prompt.row(source),
+            "text": self.text,
+            "reasoning": self.reasoning,
+            "tool_calls": self.tool_calls,
+            "finish_reason": "stop",
+            "model": "data",
+        }
 
 
 _THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)
@@ -229,13 +262,15 @@ def normalize_answered(record: Any) -> Answered:
     if not isinstance(record, dict):
         raise BadRecord(f"record is a JSON {type(record).__name__}, not an object", "unknown_schema")
     turns, raw_tools = _turns(record)
-    if "instruction" in record and not any(key in record for key, *_ in CHAT_FORMATS) \
-            and record.get("output") is not None:
+    if (
+        "instruction" in record
+        and not any(key in record for key, *_ in CHAT_FORMATS)
+        and record.get("output") is not None
+    ):
         turns.append(("assistant", _text(record["output"], "output"), {}))
     _check_order(turns)
     if turns[-1][0] != "assistant":
-        raise BadRecord(f"the last turn is the {turns[-1][0]}'s, not an assistant answer to train on",
-                        "no_response")
+        raise BadRecord(f"the last turn is the {turns[-1][0]}'s, not an assistant answer to train on", "no_response")
     *history, (_, answer, answer_extra) = turns
     calls = answer_extra.get("tool_calls")
     if not answer.strip() and not calls:
@@ -243,6 +278,6 @@ def normalize_answered(record: Any) -> Answered:
     tools = _tools(raw_tools)
     messages = [_message(role, content, extra) for role, content, extra in history]
     think = _THINK.match(answer)
-    text, reasoning = (answer[think.end():], think.group(1).strip()) if think else (answer, None)
+    text, reasoning = (answer[think.end() :], think.group(1).strip()) if think else (answer, None)
     ident = prompt_id(messages + [_message("assistant", answer, answer_extra)], tools)
     return Answered(Prompt(ident, messages, tools, 0), text, reasoning, calls)

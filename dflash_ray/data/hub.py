@@ -20,8 +20,10 @@ from dflash_ray.errors import DFlashError
 
 PREFIX = "hf://datasets/"
 DEFAULT_SPLIT = "train"
-_URI = re.compile(r"^hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:/(?P<config>[^/@:]+))?"
-                  r"(?:@(?P<revision>[^:@]+))?(?::(?P<split>[\w.-]+))?$")
+_URI = re.compile(
+    r"^hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:/(?P<config>[^/@:]+))?"
+    r"(?:@(?P<revision>[^:@]+))?(?::(?P<split>[\w.-]+))?$"
+)
 SYNTAX = "hf://datasets/ORG/NAME[/CONFIG][@REVISION][:SPLIT]"
 
 
@@ -39,8 +41,12 @@ class HubDataset:
     @property
     def uri(self) -> str:
         """The URI with its split spelled out: what quarantine entries name."""
-        return (f"{PREFIX}{self.repo_id}" + (f"/{self.config}" if self.config else "")
-                + (f"@{self.revision}" if self.revision else "") + f":{self.split}")
+        return (
+            f"{PREFIX}{self.repo_id}"
+            + (f"/{self.config}" if self.config else "")
+            + (f"@{self.revision}" if self.revision else "")
+            + f":{self.split}"
+        )
 
     @property
     def name(self) -> str:
@@ -85,9 +91,11 @@ def open_dataset(ds: HubDataset) -> tuple[Any, str | None]:
         if _offline():
             from huggingface_hub import constants
 
-            hint = (f"HF_HUB_OFFLINE is set and the local Hugging Face cache ({constants.HF_HUB_CACHE}) "
-                    f"does not hold it: download it first (`hf download {ds.repo_id} --repo-type dataset"
-                    f"{f' --revision {ds.revision}' if ds.revision else ''}`) or unset HF_HUB_OFFLINE")
+            hint = (
+                f"HF_HUB_OFFLINE is set and the local Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                f"does not hold it: download it first (`hf download {ds.repo_id} --repo-type dataset"
+                f"{f' --revision {ds.revision}' if ds.revision else ''}`) or unset HF_HUB_OFFLINE"
+            )
         else:
             hint = "the Hugging Face Hub cannot give it (check the name, the revision, access to a gated set)"
         raise DFlashError(f"{hint}: {type(e).__name__}: {_first_line(e)}", file=ds.uri) from None
@@ -118,11 +126,15 @@ def iter_hub_records(ds: HubDataset, stream: Any) -> Iterator[RawRecord]:
             return
         except Exception as e:
             if isinstance(e, (OSError, httpx.TransportError)) and not isinstance(e, pa.ArrowException):
-                raise DFlashError(f"reading failed after row {number}: {type(e).__name__}: {_first_line(e)}",
-                                  file=ds.uri) from None
+                raise DFlashError(
+                    f"reading failed after row {number}: {type(e).__name__}: {_first_line(e)}", file=ds.uri
+                ) from None
             # a file of the set that is corrupt, or whose columns disagree with the others'
-            yield RawRecord(ds.uri, number + 1, error=BadRecord(
-                f"unreadable after row {number}: {type(e).__name__}: {_first_line(e)}", "corrupt_file"))
+            yield RawRecord(
+                ds.uri,
+                number + 1,
+                error=BadRecord(f"unreadable after row {number}: {type(e).__name__}: {_first_line(e)}", "corrupt_file"),
+            )
             return
         number += 1
         yield RawRecord(ds.uri, number, record=arrow_row(row))

@@ -54,8 +54,7 @@ def _token_ids(values: Any, field: str) -> np.ndarray:
         return ids.astype(np.int32)
     for i, v in enumerate(values):  # the first bad one, for the reason
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= INT32_MAX:
-            raise BadRecord(f"{field}[{i}]: {v!r} is not a token id (an integer from 0 to {INT32_MAX})",
-                            "bad_field")
+            raise BadRecord(f"{field}[{i}]: {v!r} is not a token id (an integer from 0 to {INT32_MAX})", "bad_field")
     raise BadRecord(f"{field}: not a flat list of token ids", "bad_field")
 
 
@@ -66,8 +65,9 @@ def _template(tokenizer, messages: list[dict[str, str]], **kwargs) -> str:
         raise BadRecord(f"chat template error: {e}", "template_error") from None
 
 
-def earlier_answers(tokenizer, messages: list[dict[str, str]], text: str, offsets: np.ndarray,
-                    ids: np.ndarray, **kwargs) -> np.ndarray:
+def earlier_answers(
+    tokenizer, messages: list[dict[str, str]], text: str, offsets: np.ndarray, ids: np.ndarray, **kwargs
+) -> np.ndarray:
     """1 on the tokens of every assistant turn in `messages` within `text` (their rendering, with
     the generation prompt after them): the answer's text and the end-of-turn token that follows it,
     not the turn's header. `offsets` are the tokens' start characters."""
@@ -82,8 +82,11 @@ def earlier_answers(tokenizer, messages: list[dict[str, str]], text: str, offset
         answer = m["content"].strip()
         start = text.find(answer, len(before)) if text.startswith(before) else -1
         if start < 0:
-            raise BadRecord(f"messages[{j}]: the assistant turn is not in the rendered conversation "
-                            "(a chat template that rewrites earlier answers)", "template_error")
+            raise BadRecord(
+                f"messages[{j}]: the assistant turn is not in the rendered conversation "
+                "(a chat template that rewrites earlier answers)",
+                "template_error",
+            )
         inside = (offsets >= start) & (offsets < start + len(answer))
         mask[inside] = 1
         after = int(np.searchsorted(offsets, start + len(answer)))
@@ -103,8 +106,11 @@ def _history_mask(tokenizer, record: dict[str, Any], prompt: np.ndarray, enable_
     text = _template(tokenizer, messages, add_generation_prompt=True, tokenize=False, **kwargs)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if encoded["input_ids"] != prompt.tolist():
-        raise BadRecord("prompt_token_ids: not the chat template's rendering of messages (tokenize.tokenizer "
-                        "and tokenize.enable_thinking must be generation's)", "template_error")
+        raise BadRecord(
+            "prompt_token_ids: not the chat template's rendering of messages (tokenize.tokenizer "
+            "and tokenize.enable_thinking must be generation's)",
+            "template_error",
+        )
     offsets = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
     return earlier_answers(tokenizer, messages, text, offsets, prompt, **kwargs)
 
@@ -113,7 +119,7 @@ def replay(prompt_ids: list[int], output_ids: list[int]) -> Sample:
     prompt = _token_ids(prompt_ids, "prompt_token_ids")
     ids = np.concatenate([prompt, _token_ids(output_ids, "output_token_ids")])
     mask = np.zeros(len(ids), dtype=np.int8)
-    mask[len(prompt):] = 1
+    mask[len(prompt) :] = 1
     return Sample(ids, mask)
 
 
@@ -176,7 +182,7 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         full = tokenizer.apply_chat_template(messages + [reply], **kwargs)
-        if reasoning and reasoning.strip() and reasoning.strip() not in full[len(prompt):]:
+        if reasoning and reasoning.strip() and reasoning.strip() not in full[len(prompt) :]:
             # A template that ignores `reasoning_content`: put the block in the content itself.
             reply = {**reply, "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"}
             reply.pop("reasoning_content")
@@ -184,16 +190,16 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     except Exception as e:  # jinja errors carry no common base class
         raise BadRecord(f"chat template error: {e}", "template_error") from None
     if not full.startswith(prompt):
-        raise BadRecord("chat template renders the prompt differently with and without the reply",
-                        "template_error")
+        raise BadRecord("chat template renders the prompt differently with and without the reply", "template_error")
     start, end = len(prompt), len(full.rstrip())  # drop the newline the template adds after the turn
     encoded = tokenizer(full[:end], add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
     mask = (starts >= start).astype(np.int8)
     if _regenerated(record):
-        mask |= earlier_answers(tokenizer, messages, full[:end], starts, ids,
-                                tools=tools, enable_thinking=enable_thinking)
+        mask |= earlier_answers(
+            tokenizer, messages, full[:end], starts, ids, tools=tools, enable_thinking=enable_thinking
+        )
     return Sample(ids, mask)
 
 
@@ -202,8 +208,12 @@ def apply_length_policy(sample: Sample, cfg: TokenizeConfig) -> Sample:
         return sample
     if cfg.overlong == "drop":
         raise BadRecord(f"{len(sample.input_ids)} tokens, over max_seq_len {cfg.max_seq_len}", "overlong")
-    cut = Sample(sample.input_ids[: cfg.max_seq_len], sample.loss_mask[: cfg.max_seq_len], True,
-                 len(sample.input_ids) - cfg.max_seq_len)
+    cut = Sample(
+        sample.input_ids[: cfg.max_seq_len],
+        sample.loss_mask[: cfg.max_seq_len],
+        True,
+        len(sample.input_ids) - cfg.max_seq_len,
+    )
     if not cut.loss_mask.any():
         raise BadRecord(f"prompt fills max_seq_len {cfg.max_seq_len}: no response token left", "overlong")
     return cut
@@ -219,8 +229,9 @@ def tokenize_record(tokenizer, record: Any, cfg: TokenizeConfig) -> Sample:
         sample = replay(prompt_ids, output_ids)
         if _regenerated(record):
             prompt_len = len(sample.input_ids) - len(output_ids)
-            sample.loss_mask[:prompt_len] = _history_mask(tokenizer, record, sample.input_ids[:prompt_len],
-                                                          cfg.enable_thinking)
+            sample.loss_mask[:prompt_len] = _history_mask(
+                tokenizer, record, sample.input_ids[:prompt_len], cfg.enable_thinking
+            )
     else:
         sample = render(tokenizer, record, cfg.enable_thinking)
     return apply_length_policy(sample, cfg)
@@ -235,20 +246,28 @@ class TokenizeBatch:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer)
 
-    def __call__(self, rows: list[Any], where: list[dict[str, Any]] | None = None
-                 ) -> tuple[dict[str, list], list[dict[str, Any]]]:
+    def __call__(
+        self, rows: list[Any], where: list[dict[str, Any]] | None = None
+    ) -> tuple[dict[str, list], list[dict[str, Any]]]:
         """Returns the tokenized columns and the rejected rows (id, kind, reason, and the row's
         `where`: its file and line)."""
-        out: dict[str, list] = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "seq_len", "truncated",
-                                                 "cut")}
+        out: dict[str, list] = {
+            k: [] for k in ("id", "source", "input_ids", "loss_mask", "seq_len", "truncated", "cut")
+        }
         rejects = []
         for i, row in enumerate(rows):
             try:
                 sample = tokenize_record(self.tokenizer, row, self.cfg)
             except BadRecord as e:
                 rid = row.get("id") if isinstance(row, dict) else None
-                rejects.append({"id": None if rid is None else str(rid), **(where[i] if where else {}),
-                                "kind": e.kind, "reason": str(e)})
+                rejects.append(
+                    {
+                        "id": None if rid is None else str(rid),
+                        **(where[i] if where else {}),
+                        "kind": e.kind,
+                        "reason": str(e),
+                    }
+                )
                 continue
             out["id"].append(str(row["id"]))
             out["source"].append(str(row.get("source") or ""))

@@ -99,8 +99,12 @@ def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
             first = False
-            yield RawRecord(uri, number, error=BadRecord(f"invalid UTF-8 at byte {e.start}", "invalid_utf8"),
-                            raw=line[:RAW_PREVIEW].decode("utf-8", "replace"))
+            yield RawRecord(
+                uri,
+                number,
+                error=BadRecord(f"invalid UTF-8 at byte {e.start}", "invalid_utf8"),
+                raw=line[:RAW_PREVIEW].decode("utf-8", "replace"),
+            )
             continue
         try:
             value = json.loads(text)
@@ -108,8 +112,12 @@ def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]
             if first and _is_utf8(data):  # a JSON document under a .jsonl name?
                 yield from json_document(uri, data)
                 return
-            yield RawRecord(uri, number, error=BadRecord(f"malformed JSON: {e.msg} (column {e.colno})",
-                                                         "malformed_json"), raw=text[:RAW_PREVIEW])
+            yield RawRecord(
+                uri,
+                number,
+                error=BadRecord(f"malformed JSON: {e.msg} (column {e.colno})", "malformed_json"),
+                raw=text[:RAW_PREVIEW],
+            )
             first = False
             continue
         first = False
@@ -199,9 +207,13 @@ def _next_line_element(text: str, start: int, decoder: json.JSONDecoder) -> int:
 
 
 def _malformed(uri: str, line: int, e: json.JSONDecodeError, raw: str, item: int | None = None) -> RawRecord:
-    return RawRecord(uri, line, error=BadRecord(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})",
-                                                    "malformed_json"),
-                     raw=raw[:RAW_PREVIEW], item=item)
+    return RawRecord(
+        uri,
+        line,
+        error=BadRecord(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})", "malformed_json"),
+        raw=raw[:RAW_PREVIEW],
+        item=item,
+    )
 
 
 def json_document(uri: str, data: bytes) -> Iterator[RawRecord]:

@@ -46,37 +46,43 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 # call a tool result answers (`tool_call_id`); null where a turn has none
 HISTORY_MESSAGE = pa.struct(list(MESSAGE) + [("tool_calls", pa.string()), ("tool_call_id", pa.string())])
 
-PROMPTS = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("messages", pa.list_(MESSAGE)),
-    ("tools", pa.string()),
-    ("turn", pa.int32()),
-    ("regenerate", pa.bool_()),
-])
+PROMPTS = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("tools", pa.string()),
+        ("turn", pa.int32()),
+        ("regenerate", pa.bool_()),
+    ]
+)
 
 COMPLETION_FIELDS = ("id", "messages", "text")  # the least a completion record must hold
 
-COMPLETIONS = pa.schema([pa.field("messages", pa.list_(HISTORY_MESSAGE)) if f.name == "messages" else f
-                         for f in PROMPTS] + [
-    ("prompt_token_ids", pa.list_(pa.int32())),
-    ("output_token_ids", pa.list_(pa.int32())),
-    ("text", pa.string()),
-    ("reasoning", pa.string()),
-    ("tool_calls", pa.string()),
-    ("finish_reason", pa.string()),
-    ("num_prompt_tokens", pa.int32()),
-    ("num_output_tokens", pa.int32()),
-    ("model", pa.string()),
-    ("sampling", pa.string()),
-    ("generator_id", pa.string()),
-])  # the least a completion record must hold
+COMPLETIONS = pa.schema(
+    [pa.field("messages", pa.list_(HISTORY_MESSAGE)) if f.name == "messages" else f for f in PROMPTS]
+    + [
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("output_token_ids", pa.list_(pa.int32())),
+        ("text", pa.string()),
+        ("reasoning", pa.string()),
+        ("tool_calls", pa.string()),
+        ("finish_reason", pa.string()),
+        ("num_prompt_tokens", pa.int32()),
+        ("num_output_tokens", pa.int32()),
+        ("model", pa.string()),
+        ("sampling", pa.string()),
+        ("generator_id", pa.string()),
+    ]
+)  # the least a completion record must hold
 
-TOKENIZED = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("seq_len", pa.int32()),
-    ("truncated", pa.bool_()),
-])
+TOKENIZED = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("seq_len", pa.int32()),
+        ("truncated", pa.bool_()),
+    ]
+)

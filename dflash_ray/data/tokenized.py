@@ -33,9 +33,9 @@ HF_DICT = "dataset_dict.json"  # `DatasetDict.save_to_disk`: one folder per spli
 TOKENIZE_HINT = "make one from completions with `dflash-ray tokenize --input COMPLETIONS --output DIR`"
 NOT_TOKENIZED = {
     "prompts": "holds prompts, not tokenized samples: generate completions with `dflash-ray generate "
-               "--prompts URI`, then tokenize them with `dflash-ray tokenize`",
+    "--prompts URI`, then tokenize them with `dflash-ray tokenize`",
     "completions": "holds completions, not tokenized samples yet: tokenize them with "
-                   "`dflash-ray tokenize --input URI --output DIR`",
+    "`dflash-ray tokenize --input URI --output DIR`",
 }
 
 
@@ -75,10 +75,12 @@ def _data_files(uri: str) -> tuple[list[str], dict[str, Any] | None]:
         if uri.endswith(DATA_SUFFIXES):
             return [uri], None
         if uri.endswith((".jsonl", ".json")):
-            raise DFlashError(f"a JSON file holds records, not a tokenized dataset (Parquet or Arrow with "
-                              f"{' and '.join(REQUIRED)}): {TOKENIZE_HINT}", file=uri)
-        raise DFlashError("not a tokenized dataset: expected a .parquet or .arrow file, or a folder of them",
-                          file=uri)
+            raise DFlashError(
+                f"a JSON file holds records, not a tokenized dataset (Parquet or Arrow with "
+                f"{' and '.join(REQUIRED)}): {TOKENIZE_HINT}",
+                file=uri,
+            )
+        raise DFlashError("not a tokenized dataset: expected a .parquet or .arrow file, or a folder of them", file=uri)
     made_by = manifest.read_manifest(uri)
     if made_by is not None:
         kind = str(made_by.get("kind"))
@@ -91,13 +93,17 @@ def _data_files(uri: str) -> tuple[list[str], dict[str, Any] | None]:
         return files, made_by
     if storage.exists(storage.join(uri, HF_DICT)):
         splits = json.loads(storage.read_text(storage.join(uri, HF_DICT))).get("splits", [])
-        raise DFlashError(f"a dataset with splits {', '.join(splits)}: give one split's folder, e.g. "
-                          f"{storage.join(uri, splits[0] if splits else 'train')}", file=uri)
+        raise DFlashError(
+            f"a dataset with splits {', '.join(splits)}: give one split's folder, e.g. "
+            f"{storage.join(uri, splits[0] if splits else 'train')}",
+            file=uri,
+        )
     files = storage.list_files(uri, ".parquet") or _hf_arrow_files(uri)
     if not files:
         found = "JSON files, not a tokenized dataset: " if storage.list_files(uri, (".jsonl", ".json")) else ""
-        raise DFlashError(f"{found}no Parquet or Arrow files with {' and '.join(REQUIRED)} here; {TOKENIZE_HINT}",
-                          file=uri)
+        raise DFlashError(
+            f"{found}no Parquet or Arrow files with {' and '.join(REQUIRED)} here; {TOKENIZE_HINT}", file=uri
+        )
     return files, None
 
 
@@ -135,16 +141,21 @@ def _check_columns(uri: str, names: set[str]) -> None:
     if "messages" in names:
         kind = "completions" if names & {"text", "output_token_ids"} else "prompts"
         raise DFlashError(NOT_TOKENIZED[kind], file=uri)
-    raise DFlashError(f"missing column: a tokenized dataset needs {' and '.join(REQUIRED)} (columns here: "
-                      f"{', '.join(sorted(names)) or 'none'})", file=uri, field=missing[0])
+    raise DFlashError(
+        f"missing column: a tokenized dataset needs {' and '.join(REQUIRED)} (columns here: "
+        f"{', '.join(sorted(names)) or 'none'})",
+        file=uri,
+        field=missing[0],
+    )
 
 
 def _check_types(uri: str, schema: pa.Schema) -> None:
     """`input_ids` a list of integers, `loss_mask` a list of integers or booleans: floats (a token id
     of 1.7, a mask of 0.5), strings or scalars are refused before any value is read or cast."""
-    for name, ok, allowed in (("input_ids", pa.types.is_integer, "integers"),
-                              ("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t),
-                               "integers 0/1 or booleans")):
+    for name, ok, allowed in (
+        ("input_ids", pa.types.is_integer, "integers"),
+        ("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "integers 0/1 or booleans"),
+    ):
         kind = schema.field(name).type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not ok(kind.value_type):
             raise DFlashError(f"holds {kind}, not a list of {allowed} per sample", file=uri, field=name)

@@ -42,7 +42,7 @@ def _offsets_values(column: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray,
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     offsets = array.offsets.to_numpy().astype(np.int64)
     values = array.values.to_numpy(zero_copy_only=False)
-    return offsets - offsets[0], values[offsets[0]: offsets[-1]]
+    return offsets - offsets[0], values[offsets[0] : offsets[-1]]
 
 
 def _first_null(column: pa.ChunkedArray | pa.ListArray) -> int | None:
@@ -59,8 +59,9 @@ def _first_null(column: pa.ChunkedArray | pa.ListArray) -> int | None:
     return min(rows) if rows else None
 
 
-def _empty_thinking(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, think: int,
-                    think_end: int, blank: set[int]) -> int:
+def _empty_thinking(
+    ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, think: int, think_end: int, blank: set[int]
+) -> int:
     """Samples whose response opens with a thinking block holding only whitespace."""
     masked = np.flatnonzero(mask)
     if think < 0 or masked.size == 0:
@@ -84,8 +85,11 @@ def _empty_thinking(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, thin
 def scan(data: TokenizedData, tokenizer) -> _Scan:
     think = tokenizer.convert_tokens_to_ids("<think>") if "<think>" in tokenizer.get_vocab() else -1
     think_end = tokenizer.convert_tokens_to_ids("</think>") if think >= 0 else -1
-    blank = {i for t, i in tokenizer.get_vocab().items()
-             if len(t) <= 8 and tokenizer.convert_tokens_to_string([t]).strip() == ""}
+    blank = {
+        i
+        for t, i in tokenizer.get_vocab().items()
+        if len(t) <= 8 and tokenizer.convert_tokens_to_string([t]).strip() == ""
+    }
     sums, lens, locations = [], [], []
     empty = 0
     sources: collections.Counter[str] = collections.Counter()
@@ -100,31 +104,47 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
             for name in ("input_ids", "loss_mask"):  # a null passes every range check as NaN
                 row = _first_null(batch.column(name))
                 if row is not None:
-                    raise DFlashError("holds a missing (null) value: every token id and mask value must be set",
-                                      file=uri, record=rows + row + 1, field=name)
+                    raise DFlashError(
+                        "holds a missing (null) value: every token id and mask value must be set",
+                        file=uri,
+                        record=rows + row + 1,
+                        field=name,
+                    )
             moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
             ioffsets, ivalues = _offsets_values(batch.column("input_ids"))
             if not np.array_equal(moffsets, ioffsets):
                 i = int(np.flatnonzero(np.diff(moffsets) != np.diff(ioffsets))[0])
-                raise DFlashError(f"input_ids has {ioffsets[i + 1] - ioffsets[i]} tokens but loss_mask "
-                                  f"{moffsets[i + 1] - moffsets[i]}", file=uri, record=rows + i + 1, field="loss_mask")
+                raise DFlashError(
+                    f"input_ids has {ioffsets[i + 1] - ioffsets[i]} tokens but loss_mask "
+                    f"{moffsets[i + 1] - moffsets[i]}",
+                    file=uri,
+                    record=rows + i + 1,
+                    field="loss_mask",
+                )
             if mvalues.size and (mvalues.min() < 0 or mvalues.max() > 1):
                 i = int(np.searchsorted(moffsets, np.flatnonzero((mvalues < 0) | (mvalues > 1))[0], "right")) - 1
                 raise DFlashError("loss_mask values must be 0 or 1", file=uri, record=rows + i + 1, field="loss_mask")
             if ivalues.size and (ivalues.min() < 0 or ivalues.max() >= vocab):  # training would index past the table
                 k = int(np.flatnonzero((ivalues < 0) | (ivalues >= vocab))[0])
                 i = int(np.searchsorted(ioffsets, k, "right")) - 1
-                raise DFlashError(f"token id {int(ivalues[k])} is outside the tokenizer's vocabulary of {vocab}: "
-                                  "the ids were made by another tokenizer", file=uri, record=rows + i + 1,
-                                  field="input_ids")
+                raise DFlashError(
+                    f"token id {int(ivalues[k])} is outside the tokenizer's vocabulary of {vocab}: "
+                    "the ids were made by another tokenizer",
+                    file=uri,
+                    record=rows + i + 1,
+                    field="input_ids",
+                )
             if "seq_len" in columns:
                 stated = np.asarray(batch.column("seq_len").to_numpy(zero_copy_only=False), dtype=np.int64)
                 wrong = np.flatnonzero(stated != np.diff(ioffsets))
                 if wrong.size:
                     i = int(wrong[0])
-                    raise DFlashError(f"seq_len is {int(stated[i])} but input_ids has "
-                                      f"{int(ioffsets[i + 1] - ioffsets[i])} tokens", file=uri, record=rows + i + 1,
-                                      field="seq_len")
+                    raise DFlashError(
+                        f"seq_len is {int(stated[i])} but input_ids has {int(ioffsets[i + 1] - ioffsets[i])} tokens",
+                        file=uri,
+                        record=rows + i + 1,
+                        field="seq_len",
+                    )
             csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
             batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
             sums.append(batch_sums)
@@ -139,16 +159,28 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
             rows += batch.num_rows
         locations.append((uri, rows))
     empty_arr = np.zeros(0, dtype=np.int64)
-    return _Scan(np.concatenate(sums) if sums else empty_arr, np.concatenate(lens) if lens else empty_arr,
-                 empty, sources, source_loss, locations)
+    return _Scan(
+        np.concatenate(sums) if sums else empty_arr,
+        np.concatenate(lens) if lens else empty_arr,
+        empty,
+        sources,
+        source_loss,
+        locations,
+    )
 
 
 def distribution(values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {"mean": 0.0, "median": 0.0, "p10": 0.0, "p90": 0.0, "min": 0, "max": 0}
     p10, median, p90 = np.percentile(values, [10, 50, 90])
-    return {"mean": float(values.mean()), "median": float(median), "p10": float(p10),
-            "p90": float(p90), "min": int(values.min()), "max": int(values.max())}
+    return {
+        "mean": float(values.mean()),
+        "median": float(median),
+        "p10": float(p10),
+        "p90": float(p90),
+        "min": int(values.min()),
+        "max": int(values.max()),
+    }
 
 
 def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
@@ -156,25 +188,57 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
     top = stats["loss_mask_sum"]["most_common"]
     at_max = bool(top) and top[0]["value"] == stats["loss_mask_sum"]["max"]
     rules = [
-        ("max_mode_share", top[0]["share"] if top else 0.0, gate.max_mode_share, "<=",
-         f"one loss-mask sum value ({top[0]['value'] if top else '-'} tokens) holds "
-         f"{(top[0]['share'] if top else 0):.1%} of samples"
-         + (" and it is the longest response: answers cut at the generation's max_tokens? raise "
-            "generate.max_tokens, or set generate.truncated=reject" if at_max else "")),
-        ("min_median_response", stats["loss_mask_sum"]["median"], gate.min_median_response, ">=",
-         f"median response is {stats['loss_mask_sum']['median']:g} tokens"),
-        ("max_no_loss_share", stats["no_loss_share"], gate.max_no_loss_share, "<=",
-         f"{stats['no_loss_share']:.1%} of samples have no loss token"),
+        (
+            "max_mode_share",
+            top[0]["share"] if top else 0.0,
+            gate.max_mode_share,
+            "<=",
+            f"one loss-mask sum value ({top[0]['value'] if top else '-'} tokens) holds "
+            f"{(top[0]['share'] if top else 0):.1%} of samples"
+            + (
+                " and it is the longest response: answers cut at the generation's max_tokens? raise "
+                "generate.max_tokens, or set generate.truncated=reject"
+                if at_max
+                else ""
+            ),
+        ),
+        (
+            "min_median_response",
+            stats["loss_mask_sum"]["median"],
+            gate.min_median_response,
+            ">=",
+            f"median response is {stats['loss_mask_sum']['median']:g} tokens",
+        ),
+        (
+            "max_no_loss_share",
+            stats["no_loss_share"],
+            gate.max_no_loss_share,
+            "<=",
+            f"{stats['no_loss_share']:.1%} of samples have no loss token",
+        ),
     ]
     if stats["empty_thinking_share"] is not None:
-        rules.append(("max_empty_thinking_share", stats["empty_thinking_share"],
-                      gate.max_empty_thinking_share, "<=",
-                      f"{stats['empty_thinking_share']:.1%} of samples have an empty thinking block"))
+        rules.append(
+            (
+                "max_empty_thinking_share",
+                stats["empty_thinking_share"],
+                gate.max_empty_thinking_share,
+                "<=",
+                f"{stats['empty_thinking_share']:.1%} of samples have an empty thinking block",
+            )
+        )
     out = []
     for name, value, limit, op, text in rules:
         passed = value <= limit if op == "<=" else value >= limit
-        out.append({"rule": name, "value": value, "limit": limit, "passed": bool(passed),
-                    "message": f"{text} (limit: {op} {limit:g})"})
+        out.append(
+            {
+                "rule": name,
+                "value": value,
+                "limit": limit,
+                "passed": bool(passed),
+                "message": f"{text} (limit: {op} {limit:g})",
+            }
+        )
     return out
 
 
@@ -191,7 +255,8 @@ def examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[d
             for i, row in zip(local, table.to_pylist()):
                 ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], dtype=bool)
                 out[base + i] = {
-                    "id": row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}", "seq_len": int(ids.size),
+                    "id": row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}",
+                    "seq_len": int(ids.size),
                     "loss_mask_sum": int(mask.sum()),
                     "prompt_tail": tokenizer.decode(ids[~mask].tolist())[-300:],
                     "response": tokenizer.decode(ids[mask].tolist())[:DECODE_CHARS],
@@ -226,30 +291,47 @@ def _human_bytes(n: float) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     s, lm = report["stats"], report["stats"]["loss_mask_sum"]
-    lines = [f"# Validation report: {report['input']}", "",
-             f"**Gate: {'PASSED' if report['passed'] else 'FAILED'}**", ""]
+    lines = [
+        f"# Validation report: {report['input']}",
+        "",
+        f"**Gate: {'PASSED' if report['passed'] else 'FAILED'}**",
+        "",
+    ]
     lines += [f"- {'ok  ' if r['passed'] else 'FAIL'} `{r['rule']}`: {r['message']}" for r in report["rules"]]
-    lines += ["", "| figure | value |", "|---|---|",
-              f"| samples | {s['samples']:,} |", f"| tokens | {s['tokens']:,} |",
-              f"| loss tokens | {s['loss_tokens']:,} |",
-              f"| response-token fraction | {s['response_fraction']:.1%} |",
-              f"| loss-mask sum mean / median / p10 / p90 / max | {lm['mean']:.1f} / {lm['median']:g} / "
-              f"{lm['p10']:g} / {lm['p90']:g} / {lm['max']} |",
-              f"| seq_len mean / median / p90 / max | {s['seq_len']['mean']:.1f} / {s['seq_len']['median']:g}"
-              f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
-              f"| samples with no loss token | {s['no_loss_share']:.1%} |",
-              f"| empty thinking blocks | {_share(s['empty_thinking_share'])} |",
-              f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |", "",
-              "Most common loss-mask sums: " + ", ".join(
-                  f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"])]
+    lines += [
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| samples | {s['samples']:,} |",
+        f"| tokens | {s['tokens']:,} |",
+        f"| loss tokens | {s['loss_tokens']:,} |",
+        f"| response-token fraction | {s['response_fraction']:.1%} |",
+        f"| loss-mask sum mean / median / p10 / p90 / max | {lm['mean']:.1f} / {lm['median']:g} / "
+        f"{lm['p10']:g} / {lm['p90']:g} / {lm['max']} |",
+        f"| seq_len mean / median / p90 / max | {s['seq_len']['mean']:.1f} / {s['seq_len']['median']:g}"
+        f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
+        f"| samples with no loss token | {s['no_loss_share']:.1%} |",
+        f"| empty thinking blocks | {_share(s['empty_thinking_share'])} |",
+        f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |",
+        "",
+        "Most common loss-mask sums: " + ", ".join(f"{v['value']} ({v['share']:.1%})" for v in lm["most_common"]),
+    ]
     if s["sources"]:  # only when the dataset has a `source` column
         lines += ["", "| source | samples | median response |", "|---|---|---|"]
         lines += [f"| {k} | {v['samples']:,} | {v['median_response']:g} |" for k, v in s["sources"].items()]
-    for title, key in (("Samples of the dominant loss-mask sum", "dominant_examples"),
-                       ("Random samples", "random_examples")):
+    for title, key in (
+        ("Samples of the dominant loss-mask sum", "dominant_examples"),
+        ("Random samples", "random_examples"),
+    ):
         lines += ["", f"## {title}"]
         for ex in report[key]:
-            lines += ["", f"`{ex['id']}`: {ex['loss_mask_sum']} response tokens of {ex['seq_len']}",
-                      "", "```", ex["response"], "```"]
+            lines += [
+                "",
+                f"`{ex['id']}`: {ex['loss_mask_sum']} response tokens of {ex['seq_len']}",
+                "",
+                "```",
+                ex["response"],
+                "```",
+            ]
     lines += ["", "![loss-mask sums](loss_mask_sum.png)", "", "![seq_len](seq_len.png)", ""]
     return "\n".join(lines)

@@ -42,8 +42,9 @@ class Blocks:
         return self.anchors.shape[1]
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` anchors per sequence, uniform without replacement, sorted."""
     mask = loss_mask.bool()
     valid = torch.zeros_like(mask)
@@ -70,8 +71,13 @@ def position_weights(block_size: int, first_prediction: int, gamma: float) -> to
     return torch.where(i >= 0, torch.exp(-i / gamma), torch.zeros(()))
 
 
-def soft_targets(labels_BAK: torch.Tensor, teacher_ids_BSk: torch.Tensor, teacher_probs_BSk: torch.Tensor,
-                 label_pos_BAK: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_targets(
+    labels_BAK: torch.Tensor,
+    teacher_ids_BSk: torch.Tensor,
+    teacher_probs_BSk: torch.Tensor,
+    label_pos_BAK: torch.Tensor,
+    weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What each block position learns: (1 - weight) on its label and `weight` on the target's own
     next-token distribution there (its top-k, renormalized), which is the target's distribution at
     the position before the label's. Returns ids and probabilities [B, A, K, 1 + k]."""
@@ -85,10 +91,19 @@ def soft_targets(labels_BAK: torch.Tensor, teacher_ids_BSk: torch.Tensor, teache
     return torch.cat([labels_BAK[..., None], ids], -1), torch.cat([hard, probs], -1)
 
 
-def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
-                *, mask_token_id: int, block_size: int, gamma: float | None = None,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, distill: float = 0.0,
-                first_prediction: int = 1) -> Blocks:
+def make_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    mask_token_id: int,
+    block_size: int,
+    gamma: float | None = None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+    distill: float = 0.0,
+    first_prediction: int = 1,
+) -> Blocks:
     """Block position k predicts x[a + k + 1 - first_prediction] (DFlash: x[a+k]; the anchor's own
     next token for a family whose first prediction is k = 0), weighted by `position_weights`; gamma
     None: 7 for block 16, scaled with the block (DFlash's)."""
@@ -110,9 +125,17 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
     if teacher is not None and distill > 0:
         soft_ids, soft_probs = soft_targets(labels, *teacher, safe, distill)
         soft_ids, soft_probs = soft_ids.view(B, A * K, -1), soft_probs.view(B, A * K, -1)
-    return Blocks(anchors=anchors, keep=keep, token_ids=tokens.view(B, -1), positions=pos.view(B, -1),
-                  labels=labels.view(B, -1), weights=weights.view(B, -1).float(), block_size=K,
-                  soft_ids=soft_ids, soft_probs=soft_probs)
+    return Blocks(
+        anchors=anchors,
+        keep=keep,
+        token_ids=tokens.view(B, -1),
+        positions=pos.view(B, -1),
+        labels=labels.view(B, -1),
+        weights=weights.view(B, -1).float(),
+        block_size=K,
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
+    )
 
 
 def bucket_length(seq_len: int, bucket: int) -> int:
@@ -143,8 +166,9 @@ def _visible(q_idx, kv_idx, anchors_b, seq_len: int, block_size: int, window, lo
     return (is_ctx & ctx_ok) | (~is_ctx & block_ok)
 
 
-def dense_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL,
-               sliding_window: int = 2048) -> torch.Tensor:
+def dense_mask(
+    anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL, sliding_window: int = 2048
+) -> torch.Tensor:
     """[B, 1, Q, S + Q] bool (True = attend), for SDPA."""
     B, A = anchors.shape
     Q = A * block_size
@@ -155,8 +179,9 @@ def dense_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type:
     return torch.stack(masks)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL,
-                    sliding_window: int = 2048):
+def flex_block_mask(
+    anchors: torch.Tensor, seq_len: int, block_size: int, layer_type: str = FULL, sliding_window: int = 2048
+):
     """The same rule as a flex_attention BlockMask (never materializes the dense mask on GPU). Built
     by a compiled `create_block_mask` on the GPU (one graph per shape, as for the attention); eagerly
     on the CPU, where inductor fails to compile it (torch 2.13)."""
@@ -164,8 +189,10 @@ def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, layer_
 
     B, A = anchors.shape
     Q = A * block_size
-    window, lookahead = (torch.tensor(x, device=anchors.device)
-                         for x in _window_and_lookahead(layer_type, seq_len, block_size, sliding_window))
+    window, lookahead = (
+        torch.tensor(x, device=anchors.device)
+        for x in _window_and_lookahead(layer_type, seq_len, block_size, sliding_window)
+    )
 
     def mask_mod(b, h, q_idx, kv_idx):
         return _visible(q_idx, kv_idx, anchors[b], seq_len, block_size, window, lookahead)

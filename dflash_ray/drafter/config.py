@@ -60,8 +60,10 @@ class DrafterConfig:
         object.__setattr__(self, "settings", families.settings(self.family, self.settings, "settings"))
         self.settings.check(self)
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's "
-                             f"{self.vocab_size}-entry embedding table")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is not a row of the target's "
+                f"{self.vocab_size}-entry embedding table"
+            )
 
     @property
     def num_features(self) -> int:
@@ -81,13 +83,24 @@ def _rope_theta(target_config) -> float:
     return float(getattr(target_config, "rope_theta", 10000.0))
 
 
-def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
-                target_layer_ids: list[int] | None = None, num_target_features: int = 5,
-                layer_types: list[str] | None = None, intermediate_size: int | None = None,
-                num_heads: int | None = None, num_kv_heads: int | None = None,
-                head_dim: int | None = None, sliding_window: int = 2048, block_size: int = BLOCK_SIZE,
-                special_token_ids: tuple[int, ...] = (), family: str = "dflash",
-                settings: Any = None) -> DrafterConfig:
+def from_target(
+    target_config,
+    *,
+    mask_token_id: int,
+    num_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+    num_target_features: int = 5,
+    layer_types: list[str] | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    sliding_window: int = 2048,
+    block_size: int = BLOCK_SIZE,
+    special_token_ids: tuple[int, ...] = (),
+    family: str = "dflash",
+    settings: Any = None,
+) -> DrafterConfig:
     """A drafter for `target_config` (any HF causal LM config; for multimodal ones, its text config).
 
     `special_token_ids` (pad, eos, bos) may not be the mask token: the drafter would learn to
@@ -111,11 +124,13 @@ def from_target(target_config, *, mask_token_id: int, num_layers: int = 1,
         num_target_layers=num_target_layers,
         target_layer_ids=list(ids),
         mask_token_id=mask_token_id,
-        layer_types=layer_types or ["full_attention"] * num_layers, block_size=block_size,
+        layer_types=layer_types or ["full_attention"] * num_layers,
+        block_size=block_size,
         sliding_window=sliding_window,
         rope_theta=_rope_theta(text),
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
         tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
-        family=family, settings=settings,
+        family=family,
+        settings=settings,
     )

@@ -32,8 +32,15 @@ class DFlash:
     def forward_loss(self, drafter, *args, **kwargs):
         return forward_loss(drafter, *args, **kwargs)
 
-    def propose(self, drafter: DFlashDrafter, context_1nF: torch.Tensor, last_token: int, embed_VH: torch.Tensor,
-                head_VH: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self,
+        drafter: DFlashDrafter,
+        context_1nF: torch.Tensor,
+        last_token: int,
+        embed_VH: torch.Tensor,
+        head_VH: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = drafter.cfg
         device, n = context_1nF.device, context_1nF.shape[1]
         dtype = next(drafter.parameters()).dtype
@@ -49,12 +56,16 @@ class DFlash:
         return torch.multinomial(q, 1, generator=sampling.generator)[:, 0], q
 
     def hf_config(self, cfg: DrafterConfig) -> dict:
-        return {"architectures": [self.architecture],
-                "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}}
+        return {
+            "architectures": [self.architecture],
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        }
 
     def read_hf_config(self, data: dict) -> dict:
-        return {"mask_token_id": data["dflash_config"]["mask_token_id"],
-                "target_layer_ids": list(data["dflash_config"]["target_layer_ids"])}
+        return {
+            "mask_token_id": data["dflash_config"]["mask_token_id"],
+            "target_layer_ids": list(data["dflash_config"]["target_layer_ids"]),
+        }
 
 
 FAMILY = DFlash()

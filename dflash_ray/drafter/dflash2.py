@@ -67,8 +67,13 @@ class Settings(families.Settings):
     selector_top_k: int = 16  # candidates C per block position (the target head's top-C)
     selector_weight: float = 1.0  # the selector's CE beside the DFlash CE in the loss
 
-    minimum = {"conv_kernel_size": 1, "conv_group_size": 1, "selector_rank": 1, "selector_top_k": 1,
-               "selector_weight": 0}
+    minimum = {
+        "conv_kernel_size": 1,
+        "conv_group_size": 1,
+        "selector_rank": 1,
+        "selector_top_k": 1,
+        "selector_weight": 0,
+    }
 
     def check(self, cfg: DrafterConfig) -> None:
         if cfg.hidden_size % self.conv_group_size:
@@ -145,15 +150,17 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.successor_codebook, std=CODEBOOK_STD)
         nn.init.zeros_(self.hidden_projection.weight)
 
-    def pair_scores(self, hidden_NH: torch.Tensor, pred_ids_NP: torch.Tensor,
-                    cand_ids_NC: torch.Tensor) -> torch.Tensor:
+    def pair_scores(
+        self, hidden_NH: torch.Tensor, pred_ids_NP: torch.Tensor, cand_ids_NC: torch.Tensor
+    ) -> torch.Tensor:
         """Σ_r A[p, r]·(W h)_r·B[c, r] [N, P, C] (float32)."""
         wh = self.hidden_projection(hidden_NH).float()
         pred = self.predecessor_codebook[pred_ids_NP].float() * wh[:, None]
         return torch.einsum("npr,ncr->npc", pred, self.successor_codebook[cand_ids_NC].float())
 
-    def edge_scores(self, hidden_DH: torch.Tensor, anchor: int, cand_ids_DC: torch.Tensor,
-                    unary_DC: torch.Tensor) -> torch.Tensor:
+    def edge_scores(
+        self, hidden_DH: torch.Tensor, anchor: int, cand_ids_DC: torch.Tensor, unary_DC: torch.Tensor
+    ) -> torch.Tensor:
         """Every edge of the walk [D, C, C]: row p of position l scores candidate p of position l - 1
         (the anchor, repeated, at l = 0) followed by each candidate of position l."""
         first = torch.full_like(cand_ids_DC[:1], anchor)
@@ -166,8 +173,9 @@ class DFlash2Drafter(DFlashDrafter):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
-        self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.settings.selector_rank,
-                                                    cfg.settings.selector_top_k)
+        self.candidate_selector = CandidateSelector(
+            cfg.hidden_size, cfg.vocab_size, cfg.settings.selector_rank, cfg.settings.selector_top_k
+        )
 
     def reset_parameters(self, std: float = 0.02) -> None:
         super().reset_parameters(std)  # draws every Linear, the kernel projections among them: undo that
@@ -182,8 +190,9 @@ class DFlash2Drafter(DFlashDrafter):
 def top_candidates(hidden_NH: torch.Tensor, head_VH: torch.Tensor, top_k: int) -> torch.Tensor:
     """The target head's top-C token ids [N, C], in row chunks."""
     chunk = max(1, MAX_CHUNK_LOGITS // head_VH.shape[0])
-    return torch.cat([(h.to(head_VH.dtype) @ head_VH.t()).float().topk(top_k, -1).indices
-                      for h in hidden_NH.split(chunk)])
+    return torch.cat(
+        [(h.to(head_VH.dtype) @ head_VH.t()).float().topk(top_k, -1).indices for h in hidden_NH.split(chunk)]
+    )
 
 
 def place_labels(cand_ids_NC: torch.Tensor, labels_N: torch.Tensor, rule: str):
@@ -201,9 +210,16 @@ def place_labels(cand_ids_NC: torch.Tensor, labels_N: torch.Tensor, rule: str):
     return ids, torch.where(found, target, ids.shape[1] - 1), torch.ones_like(found), found
 
 
-def selector_loss(selector: CandidateSelector, hidden_NH: torch.Tensor, head_VH: torch.Tensor, prev_N: torch.Tensor,
-                  labels_N: torch.Tensor, weights_N: torch.Tensor, rule: str = MISSING_TRUE_TOKEN,
-                  detach: bool = DETACH_SELECTOR_INPUTS) -> tuple[torch.Tensor, torch.Tensor]:
+def selector_loss(
+    selector: CandidateSelector,
+    hidden_NH: torch.Tensor,
+    head_VH: torch.Tensor,
+    prev_N: torch.Tensor,
+    labels_N: torch.Tensor,
+    weights_N: torch.Tensor,
+    rule: str = MISSING_TRUE_TOKEN,
+    detach: bool = DETACH_SELECTOR_INPUTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The C-way CE of the selector given the true previous token, and its hits [N] (label found
     among the real candidates and scored best)."""
     if detach:
@@ -216,33 +232,72 @@ def selector_loss(selector: CandidateSelector, hidden_NH: torch.Tensor, head_VH:
     return (ce * w).sum() / w.sum().clamp_min(1e-12), found & (scores.argmax(-1) == target)
 
 
-def forward_loss(drafter: DFlash2Drafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
-                 input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
-                 generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
-                 gamma: float | None = None, teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 distill: float = 0.0, length_bucket: int = 1, rule: str = MISSING_TRUE_TOKEN,
-                 detach_selector: bool = DETACH_SELECTOR_INPUTS) -> StepOutput:
+def forward_loss(
+    drafter: DFlash2Drafter,
+    embed_VH: torch.Tensor,
+    head_VH: torch.Tensor,
+    features_BSF: torch.Tensor,
+    input_ids_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    *,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    attention: str = "sdpa",
+    fused: bool = True,
+    gamma: float | None = None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+    distill: float = 0.0,
+    length_bucket: int = 1,
+    rule: str = MISSING_TRUE_TOKEN,
+    detach_selector: bool = DETACH_SELECTOR_INPUTS,
+) -> StepOutput:
     """DFlash's training forward (its blocks, weights, distillation and padding) plus the selector's
     CE; hits and the simulated tau are the selector walk's with true predecessors, which is the
     greedy walk up to its first miss."""
     cfg = drafter.cfg
-    drafted = draft_blocks(drafter, embed_VH, features_BSF, input_ids_BS, loss_mask_BS, num_anchors=num_anchors,
-                           generator=generator, attention=attention, gamma=gamma, teacher=teacher,
-                           distill=distill, length_bucket=length_bucket)
+    drafted = draft_blocks(
+        drafter,
+        embed_VH,
+        features_BSF,
+        input_ids_BS,
+        loss_mask_BS,
+        num_anchors=num_anchors,
+        generator=generator,
+        attention=attention,
+        gamma=gamma,
+        teacher=teacher,
+        distill=distill,
+        length_bucket=length_bucket,
+    )
     hidden, blocks, input_ids_BS = drafted.hidden_BQH, drafted.blocks, drafted.input_ids_BS
     B, S = input_ids_BS.shape
-    backbone = dflash_loss(hidden, head_VH, blocks.labels, blocks.weights, fused=fused,
-                           soft_ids_BQm=blocks.soft_ids, soft_probs_BQm=blocks.soft_probs)
+    backbone = dflash_loss(
+        hidden,
+        head_VH,
+        blocks.labels,
+        blocks.weights,
+        fused=fused,
+        soft_ids_BQm=blocks.soft_ids,
+        soft_probs_BQm=blocks.soft_probs,
+    )
     prev = torch.gather(input_ids_BS, 1, (blocks.positions - 1).clamp(0, S - 1))  # k = 0 carries no weight
-    sel, correct = selector_loss(drafter.candidate_selector, hidden.reshape(-1, cfg.hidden_size), head_VH,
-                                 prev.reshape(-1), blocks.labels.reshape(-1), blocks.weights.reshape(-1), rule,
-                                 detach_selector)
+    sel, correct = selector_loss(
+        drafter.candidate_selector,
+        hidden.reshape(-1, cfg.hidden_size),
+        head_VH,
+        prev.reshape(-1),
+        blocks.labels.reshape(-1),
+        blocks.weights.reshape(-1),
+        rule,
+        detach_selector,
+    )
     out = LossOutput(backbone.loss + cfg.settings.selector_weight * sel, correct.view(B, -1), backbone.weight_sum)
     return StepOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, cfg.block_size))
 
 
-def walk(edges_DCC: torch.Tensor, cand_ids_DC: torch.Tensor, vocab_size: int,
-         sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+def walk(
+    edges_DCC: torch.Tensor, cand_ids_DC: torch.Tensor, vocab_size: int, sampling: Sampling
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The selector's walk from the anchor: drafts [D] and, when sampled, q [D, V] (zero off the
     candidates), each row the distribution its draft was drawn from given the drafts before it."""
     argmax = sampling.greedy or sampling.greedy_drafts
@@ -276,8 +331,15 @@ class DFlash2:
         return forward_loss(drafter, *args, **kwargs)
 
     @torch.no_grad()
-    def propose(self, drafter: DFlash2Drafter, context_1nF: torch.Tensor, last_token: int, embed_VH: torch.Tensor,
-                head_VH: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self,
+        drafter: DFlash2Drafter,
+        context_1nF: torch.Tensor,
+        last_token: int,
+        embed_VH: torch.Tensor,
+        head_VH: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K - 1 drafts: one backbone pass as DFlash's, the top-C per position, then the walk."""
         cfg = drafter.cfg
         device, n, K = context_1nF.device, context_1nF.shape[1], cfg.block_size
@@ -293,14 +355,22 @@ class DFlash2:
 
     def hf_config(self, cfg: DrafterConfig) -> dict:
         own = {key: getattr(cfg.settings, key) for key in self._own_keys}
-        return {"architectures": [self.architecture],
-                "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                                  **own}}
+        return {
+            "architectures": [self.architecture],
+            "dflash_config": {
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+                **own,
+            },
+        }
 
     def read_hf_config(self, data: dict) -> dict:
         nested = data["dflash_config"]
-        return {"mask_token_id": nested["mask_token_id"], "target_layer_ids": list(nested["target_layer_ids"]),
-                "settings": {key: int(nested[key]) for key in self._own_keys}}
+        return {
+            "mask_token_id": nested["mask_token_id"],
+            "target_layer_ids": list(nested["target_layer_ids"]),
+            "settings": {key: int(nested[key]) for key in self._own_keys},
+        }
 
 
 FAMILY = DFlash2()

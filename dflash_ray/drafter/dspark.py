@@ -134,9 +134,15 @@ def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_
     return own.ce_weight * ce + own.tv_weight * tv + own.bce_weight * bce, correct
 
 
-def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch.Tensor, prev_BQ: torch.Tensor,
-                labels_BQ: torch.Tensor, weights_BQ: torch.Tensor, target_hidden_BQH: torch.Tensor | None = None
-                ) -> LossOutput:
+def dspark_loss(
+    drafter: DSparkDrafter,
+    hidden_BQH: torch.Tensor,
+    head_VH: torch.Tensor,
+    prev_BQ: torch.Tensor,
+    labels_BQ: torch.Tensor,
+    weights_BQ: torch.Tensor,
+    target_hidden_BQH: torch.Tensor | None = None,
+) -> LossOutput:
     """sum(w * per-position loss) / sum(w), in row chunks whose logits are recomputed in backward."""
     B, Q, H = hidden_BQH.shape
     hidden, prev = hidden_BQH.reshape(-1, H), prev_BQ.reshape(-1)
@@ -153,8 +159,16 @@ def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch
     total, hits = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk):
         part = slice(s, s + chunk)
-        args = (hidden[part], markov[part], conf_logit[part], head_VH, w2, labels[part],
-                None if t_hidden is None else t_hidden[part], drafter.cfg.settings)
+        args = (
+            hidden[part],
+            markov[part],
+            conf_logit[part],
+            head_VH,
+            w2,
+            labels[part],
+            None if t_hidden is None else t_hidden[part],
+            drafter.cfg.settings,
+        )
         if torch.is_grad_enabled():
             per, correct = checkpoint(_position_losses, *args, use_reentrant=False)
         else:
@@ -165,27 +179,52 @@ def dspark_loss(drafter: DSparkDrafter, hidden_BQH: torch.Tensor, head_VH: torch
     return LossOutput(loss, torch.cat(hits).view(B, Q), weights_BQ.sum())
 
 
-def acceptance_lengths(correct_BQ: torch.Tensor, weights_BQ: torch.Tensor, keep_BA: torch.Tensor,
-                       block_size: int) -> torch.Tensor:
+def acceptance_lengths(
+    correct_BQ: torch.Tensor, weights_BQ: torch.Tensor, keep_BA: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Simulated acceptance length of every kept block: consecutive hits from k = 0, plus one."""
     B, A = keep_BA.shape
     hit = (correct_BQ & (weights_BQ > 0)).view(B, A, block_size)
     return (hit.long().cumprod(-1).sum(-1) + 1)[keep_BA].float()
 
 
-def forward_loss(drafter: DSparkDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor, features_BSF: torch.Tensor,
-                 input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *, num_anchors: int,
-                 generator: torch.Generator | None = None, attention: str = "sdpa", fused: bool = True,
-                 gamma: float | None = None, teacher: torch.Tensor | None = None,
-                 distill: float = 0.0, length_bucket: int = 1) -> StepOutput:
+def forward_loss(
+    drafter: DSparkDrafter,
+    embed_VH: torch.Tensor,
+    head_VH: torch.Tensor,
+    features_BSF: torch.Tensor,
+    input_ids_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    *,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    attention: str = "sdpa",
+    fused: bool = True,
+    gamma: float | None = None,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
+    length_bucket: int = 1,
+) -> StepOutput:
     """`teacher`: the target's final-normed last hidden states [B, S, H] (position p: the distribution
     of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on
     hits. `fused` and `distill` are DFlash's (the TV term already learns the target's distribution).
     `length_bucket`: as DFlash's, padding the context so attention meets a bounded set of shapes."""
     K = drafter.cfg.block_size
-    drafted = draft_blocks(drafter, embed_VH, features_BSF, input_ids_BS, loss_mask_BS, num_anchors=num_anchors,
-                           generator=generator, attention=attention, gamma=gamma if gamma is not None else GAMMA,
-                           teacher=teacher, distill=0.0, length_bucket=length_bucket, first_prediction=0)
+    drafted = draft_blocks(
+        drafter,
+        embed_VH,
+        features_BSF,
+        input_ids_BS,
+        loss_mask_BS,
+        num_anchors=num_anchors,
+        generator=generator,
+        attention=attention,
+        gamma=gamma if gamma is not None else GAMMA,
+        teacher=teacher,
+        distill=0.0,
+        length_bucket=length_bucket,
+        first_prediction=0,
+    )
     blocks, input_ids_BS = drafted.blocks, drafted.input_ids_BS
     teacher = drafted.teacher if isinstance(drafted.teacher, torch.Tensor) else None  # padded as the batch
     S = input_ids_BS.shape[1]
@@ -205,8 +244,17 @@ class DSpark:
     first_prediction = 0
     wants_target_distribution = True
     vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
-    hf_keys = frozenset({"mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type",
-                         "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"})
+    hf_keys = frozenset(
+        {
+            "mask_token_id",
+            "target_layer_ids",
+            "markov_rank",
+            "markov_head_type",
+            "enable_confidence_head",
+            "confidence_head_with_markov",
+            "sample_from_anchor",
+        }
+    )
     Settings = Settings
 
     def build(self, cfg: DrafterConfig) -> DSparkDrafter:
@@ -216,8 +264,15 @@ class DSpark:
         return forward_loss(drafter, *args, **kwargs)
 
     @torch.no_grad()
-    def propose(self, drafter: DSparkDrafter, context_1nF: torch.Tensor, last_token: int, embed_VH: torch.Tensor,
-                head_VH: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self,
+        drafter: DSparkDrafter,
+        context_1nF: torch.Tensor,
+        last_token: int,
+        embed_VH: torch.Tensor,
+        head_VH: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K drafts: one backbone pass, then left to right, each with the Markov bias of the token
         drafted before it (the anchor first)."""
         cfg = drafter.cfg
@@ -246,16 +301,27 @@ class DSpark:
         """vLLM's Qwen3 DSpark keys, flat at the top level (it reads `target_layer_ids` as DFlash's
         `dflash_config.target_layer_ids`: the output of 0-based layer i)."""
         own = cfg.settings
-        return {"architectures": [self.architecture], "mask_token_id": cfg.mask_token_id,
-                "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": own.markov_rank,
-                "markov_head_type": "vanilla", "enable_confidence_head": own.confidence_head,
-                "confidence_head_with_markov": own.confidence_with_markov, "sample_from_anchor": True}
+        return {
+            "architectures": [self.architecture],
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "markov_rank": own.markov_rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": own.confidence_head,
+            "confidence_head_with_markov": own.confidence_with_markov,
+            "sample_from_anchor": True,
+        }
 
     def read_hf_config(self, data: dict) -> dict:
-        return {"mask_token_id": data["mask_token_id"], "target_layer_ids": list(data["target_layer_ids"]),
-                "settings": {"markov_rank": data["markov_rank"],
-                             "confidence_head": data.get("enable_confidence_head", False),
-                             "confidence_with_markov": data.get("confidence_head_with_markov", False)}}
+        return {
+            "mask_token_id": data["mask_token_id"],
+            "target_layer_ids": list(data["target_layer_ids"]),
+            "settings": {
+                "markov_rank": data["markov_rank"],
+                "confidence_head": data.get("enable_confidence_head", False),
+                "confidence_with_markov": data.get("confidence_head_with_markov", False),
+            },
+        }
 
 
 FAMILY = DSpark()

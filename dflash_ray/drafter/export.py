@@ -67,28 +67,61 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 def from_hf_config(data: dict) -> DrafterConfig:
     family = families.of_architecture(data.get("architectures") or [])
-    known = {"architectures", "model_type", "block_size", "num_target_layers", "layer_types",
-             "sliding_window", "use_sliding_window", "max_window_layers", "hidden_size", "intermediate_size",
-             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-             "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
-             "hidden_act", "attention_bias", "attention_dropout", "tie_word_embeddings", "torch_dtype"}
+    known = {
+        "architectures",
+        "model_type",
+        "block_size",
+        "num_target_layers",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "hidden_act",
+        "attention_bias",
+        "attention_dropout",
+        "tie_word_embeddings",
+        "torch_dtype",
+    }
     known |= family.hf_keys | {SETTINGS}
     own = family.read_hf_config(data)
     own["settings"] = {**data.get(SETTINGS, {}), **own.get("settings", {})}  # what serving reads wins
     return DrafterConfig(
-        hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
-        num_layers=data["num_hidden_layers"], num_heads=data["num_attention_heads"],
-        num_kv_heads=data["num_key_value_heads"], head_dim=data["head_dim"], vocab_size=data["vocab_size"],
-        num_target_layers=data["num_target_layers"], layer_types=list(data["layer_types"]),
-        sliding_window=data.get("sliding_window") or 2048, rope_theta=float(data["rope_theta"]),
-        rms_norm_eps=data["rms_norm_eps"], max_position_embeddings=data["max_position_embeddings"],
-        block_size=data["block_size"], tie_word_embeddings=data.get("tie_word_embeddings", False),
-        family=family.name, **own,
-        extra={k: v for k, v in data.items() if k not in known})
+        hidden_size=data["hidden_size"],
+        intermediate_size=data["intermediate_size"],
+        num_layers=data["num_hidden_layers"],
+        num_heads=data["num_attention_heads"],
+        num_kv_heads=data["num_key_value_heads"],
+        head_dim=data["head_dim"],
+        vocab_size=data["vocab_size"],
+        num_target_layers=data["num_target_layers"],
+        layer_types=list(data["layer_types"]),
+        sliding_window=data.get("sliding_window") or 2048,
+        rope_theta=float(data["rope_theta"]),
+        rms_norm_eps=data["rms_norm_eps"],
+        max_position_embeddings=data["max_position_embeddings"],
+        block_size=data["block_size"],
+        tie_word_embeddings=data.get("tie_word_embeddings", False),
+        family=family.name,
+        **own,
+        extra={k: v for k, v in data.items() if k not in known},
+    )
 
 
-def drafter_files(drafter: DFlashDrafter, dtype: torch.dtype | None = None,
-                  state: dict[str, torch.Tensor] | None = None) -> dict[str, bytes]:
+def drafter_files(
+    drafter: DFlashDrafter, dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, bytes]:
     """{WEIGHTS: safetensors bytes, CONFIG: JSON bytes}: a copy, taken now, of the weights (`state`:
     the weights to write, when the module's own are sharded)."""
     from safetensors.torch import save
@@ -96,12 +129,18 @@ def drafter_files(drafter: DFlashDrafter, dtype: torch.dtype | None = None,
     dtype = dtype or next(drafter.parameters()).dtype
     state = drafter.state_dict() if state is None else state
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    return {WEIGHTS: save(tensors, metadata={"format": "pt"}),
-            CONFIG: json.dumps(to_hf_config(drafter.cfg, dtype), indent=2).encode()}
+    return {
+        WEIGHTS: save(tensors, metadata={"format": "pt"}),
+        CONFIG: json.dumps(to_hf_config(drafter.cfg, dtype), indent=2).encode(),
+    }
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
-                 state: dict[str, torch.Tensor] | None = None) -> Path:
+def save_drafter(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write config.json + model.safetensors; files land under temporary names, then are renamed."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,8 +178,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
     if not (Path(source) / CONFIG).exists() or not (Path(source) / WEIGHTS).exists():
         from dflash_ray.errors import DFlashError
 
-        raise DFlashError(f"no {CONFIG} and {WEIGHTS}: not a drafter folder or a checkpoint holding one",
-                          file=checkpoint)
+        raise DFlashError(
+            f"no {CONFIG} and {WEIGHTS}: not a drafter folder or a checkpoint holding one", file=checkpoint
+        )
     return {**export_drafter(load_drafter(source), out_dir, dtype), "checkpoint": checkpoint}
 
 
@@ -157,6 +197,11 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: str = "bfloat16"
                 storage.upload_file(Path(local) / name, storage.join(out_dir, name))
     else:
         save_drafter(drafter, out_dir, dtype=getattr(torch, dtype))
-    return {"stage": "export", "out_dir": out_dir, "dtype": dtype,
-            "parameters": sum(p.numel() for p in drafter.parameters()),
-            "layers": drafter.cfg.num_layers, "target_layer_ids": drafter.cfg.target_layer_ids}
+    return {
+        "stage": "export",
+        "out_dir": out_dir,
+        "dtype": dtype,
+        "parameters": sum(p.numel() for p in drafter.parameters()),
+        "layers": drafter.cfg.num_layers,
+        "target_layer_ids": drafter.cfg.target_layer_ids,
+    }

@@ -77,20 +77,39 @@ class Family(Protocol):
     def build(self, cfg: DrafterConfig) -> DFlashDrafter:
         """A freshly initialized drafter (the same under the same torch seed)."""
 
-    def forward_loss(self, drafter: nn.Module, embed_VH: torch.Tensor, head_VH: torch.Tensor,
-                     features_BSF: torch.Tensor, input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, *,
-                     num_anchors: int, generator: torch.Generator | None = None, attention: str = "sdpa",
-                     fused: bool = True, gamma: float | None = None,
-                     teacher: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None, distill: float = 0.0,
-                     length_bucket: int = 1) -> StepOutput:
+    def forward_loss(
+        self,
+        drafter: nn.Module,
+        embed_VH: torch.Tensor,
+        head_VH: torch.Tensor,
+        features_BSF: torch.Tensor,
+        input_ids_BS: torch.Tensor,
+        loss_mask_BS: torch.Tensor,
+        *,
+        num_anchors: int,
+        generator: torch.Generator | None = None,
+        attention: str = "sdpa",
+        fused: bool = True,
+        gamma: float | None = None,
+        teacher: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
+        distill: float = 0.0,
+        length_bucket: int = 1,
+    ) -> StepOutput:
         """One training forward: anchors, blocks, the drafter, the loss and the simulated tau.
         `gamma`: `train.loss_decay` (None: the family's default; `blocks.position_weights`);
         `teacher`: the target's last hidden states [B, S, H] for a family that `wants_target_distribution`,
         else distillation's top-k next-token ids and probabilities [B, S, k] (position p holds
         the distribution of token p + 1); `length_bucket`: the context is padded to a multiple of it."""
 
-    def propose(self, drafter: nn.Module, context_1nF: torch.Tensor, last_token: int, embed_VH: torch.Tensor,
-                head_VH: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self,
+        drafter: nn.Module,
+        context_1nF: torch.Tensor,
+        last_token: int,
+        embed_VH: torch.Tensor,
+        head_VH: torch.Tensor,
+        sampling: Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts [D] that follow `last_token` (at position n, after the n context positions) and
         the distributions they were drawn from [D, V] (None: argmax drafts, q one-hot on them)."""
 
@@ -106,8 +125,11 @@ class Family(Protocol):
 def names() -> tuple[str, ...]:
     """Every family: the modules beside this one that define `FAMILY` (read, not imported)."""
     folder = Path(__file__).parent
-    return tuple(sorted(p.stem for p in folder.glob("*.py")
-                        if re.search(r"^FAMILY = ", p.read_text(encoding="utf-8"), re.MULTILINE)))
+    return tuple(
+        sorted(
+            p.stem for p in folder.glob("*.py") if re.search(r"^FAMILY = ", p.read_text(encoding="utf-8"), re.MULTILINE)
+        )
+    )
 
 
 def get(name: str) -> Family:
@@ -122,8 +144,10 @@ def of_architecture(architectures: list[str]) -> Family:
         family = get(name)
         if family.architecture in architectures:
             return family
-    raise ValueError(f"architectures {architectures} belong to no drafter family; known: "
-                     f"{', '.join(get(n).architecture for n in names())}")
+    raise ValueError(
+        f"architectures {architectures} belong to no drafter family; known: "
+        f"{', '.join(get(n).architecture for n in names())}"
+    )
 
 
 def settings(name: str, data: Settings | dict[str, Any] | None, where: str = "train.family") -> Settings:
@@ -139,8 +163,9 @@ def settings(name: str, data: Settings | dict[str, Any] | None, where: str = "tr
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in data or {}:
         if key not in valid:
-            raise DFlashError(f"unknown setting of drafter family '{name}'; valid keys here: {valid}",
-                              field=f"{where}.{key}")
+            raise DFlashError(
+                f"unknown setting of drafter family '{name}'; valid keys here: {valid}", field=f"{where}.{key}"
+            )
     values = {k: coerce_field(cls, k, v, f"{where}.{k}") for k, v in (data or {}).items()}
     try:
         return cls(**values)
@@ -152,5 +177,7 @@ def mask_and_layer_ids(hf_config: dict[str, Any]) -> tuple[int, list[int]]:
     """The mask token id and target layer ids of any family's config.json, without importing the
     family (vLLM's order: `dflash_config` first, then the top level)."""
     nested: Any = hf_config.get("dflash_config") or {}
-    return (nested.get("mask_token_id", hf_config.get("mask_token_id")),
-            list(nested.get("target_layer_ids", hf_config.get("target_layer_ids"))))
+    return (
+        nested.get("mask_token_id", hf_config.get("mask_token_id")),
+        list(nested.get("target_layer_ids", hf_config.get("target_layer_ids"))),
+    )

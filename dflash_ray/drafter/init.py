@@ -59,12 +59,13 @@ def init_from_target(drafter: DFlashDrafter, target_dir: str | Path) -> list[int
                     continue
                 raise ValueError(f"target layer {src} has no '{name}' to start the drafter from")
             if value.shape != param.shape:
-                raise ValueError(f"target layer {src} '{name}' is {tuple(value.shape)}, "
-                                 f"the drafter's is {tuple(param.shape)}")
+                raise ValueError(
+                    f"target layer {src} '{name}' is {tuple(value.shape)}, the drafter's is {tuple(param.shape)}"
+                )
             param.copy_(value)
     H, deepest = cfg.hidden_size, cfg.target_layer_ids.index(max(cfg.target_layer_ids))
     drafter.fc.weight.zero_()
-    drafter.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.eye(H)
+    drafter.fc.weight[:, deepest * H : (deepest + 1) * H] = torch.eye(H)
     drafter.hidden_norm.weight.copy_(layer_tensors[(sources[0], "input_layernorm.weight")])
     norm = next((v for k, v in tensors.items() if _NORM.match(k)), None)
     if norm is not None:
@@ -73,15 +74,17 @@ def init_from_target(drafter: DFlashDrafter, target_dir: str | Path) -> list[int
 
 
 def init_mode(target_config, init: str) -> str:
-    """"target" or "random" for the `train.init` setting ("auto": the target's layers where they fit)."""
+    """ "target" or "random" for the `train.init` setting ("auto": the target's layers where they fit)."""
     if init == "random":
         return "random"
     model_type = getattr(getattr(target_config, "text_config", None) or target_config, "model_type", None)
     if model_type in COPYABLE:
         return "target"
     if init == "target":
-        raise ValueError(f"init 'target' copies decoder layers of {', '.join(COPYABLE)} targets; "
-                         f"this target is '{model_type}' (use init 'auto' or 'random')")
+        raise ValueError(
+            f"init 'target' copies decoder layers of {', '.join(COPYABLE)} targets; "
+            f"this target is '{model_type}' (use init 'auto' or 'random')"
+        )
     return "random"
 
 

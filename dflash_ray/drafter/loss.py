@@ -26,9 +26,14 @@ class LossOutput:
     weight_sum: torch.Tensor  # scalar: sum of weights (for averaging across streams)
 
 
-def naive_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torch.Tensor,
-               weights_N: torch.Tensor, soft_ids_Nm: torch.Tensor | None = None,
-               soft_probs_Nm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def naive_loss(
+    hidden_NH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    weights_N: torch.Tensor,
+    soft_ids_Nm: torch.Tensor | None = None,
+    soft_probs_Nm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: materializes the full [N, V] fp32 logits. Returns (loss, correct[N])."""
     logits = hidden_NH.float() @ lm_head_VH.float().t()
     if soft_ids_Nm is None:
@@ -41,12 +46,23 @@ def naive_loss(hidden_NH: torch.Tensor, lm_head_VH: torch.Tensor, labels_N: torc
     return loss, logits.argmax(-1) == labels_N
 
 
-def dflash_loss(hidden_BQH: torch.Tensor, lm_head_VH: torch.Tensor, labels_BQ: torch.Tensor,
-                weights_BQ: torch.Tensor, *, fused: bool = True, soft_ids_BQm: torch.Tensor | None = None,
-                soft_probs_BQm: torch.Tensor | None = None) -> LossOutput:
+def dflash_loss(
+    hidden_BQH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    labels_BQ: torch.Tensor,
+    weights_BQ: torch.Tensor,
+    *,
+    fused: bool = True,
+    soft_ids_BQm: torch.Tensor | None = None,
+    soft_probs_BQm: torch.Tensor | None = None,
+) -> LossOutput:
     B, Q, H = hidden_BQH.shape
-    args: tuple[torch.Tensor, ...] = (hidden_BQH.reshape(-1, H), lm_head_VH, labels_BQ.reshape(-1),
-                                      weights_BQ.reshape(-1))
+    args: tuple[torch.Tensor, ...] = (
+        hidden_BQH.reshape(-1, H),
+        lm_head_VH,
+        labels_BQ.reshape(-1),
+        weights_BQ.reshape(-1),
+    )
     if soft_ids_BQm is not None:
         assert soft_probs_BQm is not None  # given with the ids
         m = soft_ids_BQm.shape[-1]
@@ -60,8 +76,9 @@ def dflash_loss(hidden_BQH: torch.Tensor, lm_head_VH: torch.Tensor, labels_BQ: t
     return LossOutput(loss, correct.view(B, Q), weights_BQ.sum())
 
 
-def acceptance_lengths(correct_BQ: torch.Tensor, weights_BQ: torch.Tensor, keep_BA: torch.Tensor,
-                       block_size: int) -> torch.Tensor:
+def acceptance_lengths(
+    correct_BQ: torch.Tensor, weights_BQ: torch.Tensor, keep_BA: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Simulated acceptance length of every kept block, [num_kept] float."""
     B, A = keep_BA.shape
     hit = (correct_BQ & (weights_BQ > 0)).view(B, A, block_size)[:, :, 1:]

@@ -163,8 +163,14 @@ class DFlashDrafter(nn.Module):
     def context(self, features_BSF: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(features_BSF))
 
-    def forward(self, features_BSF: torch.Tensor, block_embeds_BQH: torch.Tensor, block_positions_BQ: torch.Tensor,
-                masks: dict[str, Any], ctx_positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        features_BSF: torch.Tensor,
+        block_embeds_BQH: torch.Tensor,
+        block_positions_BQ: torch.Tensor,
+        masks: dict[str, Any],
+        ctx_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final-normed hidden states of the block queries [B, Q, H]; `masks` maps each layer type
         to a dense SDPA mask or a flex BlockMask."""
         cfg = self.cfg

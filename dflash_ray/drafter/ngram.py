@@ -17,21 +17,23 @@ def propose(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n: start + n + num_tokens]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + num_tokens]
     return []
 
 
 class Step(NamedTuple):
     """One verify step of lookup: tokens committed (accepted + 1, fewer at the output's end), tokens
     drafted (0: no suffix matched, no draft) and tokens accepted."""
+
     commit: int
     drafted: int
     accepted: int
 
 
-def simulate_steps(prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2,
-                   max_n: int = 4) -> list[Step]:
+def simulate_steps(
+    prompt: list[int], output: list[int], num_tokens: int = 15, min_n: int = 2, max_n: int = 4
+) -> list[Step]:
     """Every verify step if n-gram lookup had drafted `output` after `prompt`."""
     steps = []
     done = 1  # the first output token comes from the prefill, as with any drafter

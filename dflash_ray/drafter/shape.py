@@ -35,18 +35,38 @@ def drafter_config_of(target_cfg, cfg: RunConfig) -> dict:
 
     tcfg = cfg.train
     text = getattr(target_cfg, "text_config", None) or target_cfg
-    special = tuple(t for t in (getattr(text, "bos_token_id", None), getattr(text, "eos_token_id", None),
-                                getattr(text, "pad_token_id", None)) if isinstance(t, int))
-    mask_id = tcfg.mask_token_id if tcfg.mask_token_id is not None else next(
-        i for i in range(text.vocab_size - 1, -1, -1) if i not in special)
+    special = tuple(
+        t
+        for t in (
+            getattr(text, "bos_token_id", None),
+            getattr(text, "eos_token_id", None),
+            getattr(text, "pad_token_id", None),
+        )
+        if isinstance(t, int)
+    )
+    mask_id = (
+        tcfg.mask_token_id
+        if tcfg.mask_token_id is not None
+        else next(i for i in range(text.vocab_size - 1, -1, -1) if i not in special)
+    )
     try:
-        dcfg = from_target(target_cfg, mask_token_id=mask_id, num_layers=tcfg.num_layers,
-                           num_target_features=tcfg.num_target_features, target_layer_ids=tcfg.target_layer_ids,
-                           layer_types=tcfg.layer_types, sliding_window=tcfg.sliding_window,
-                           block_size=tcfg.block_size, special_token_ids=special, num_heads=tcfg.num_heads,
-                           num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
-                           intermediate_size=tcfg.intermediate_size, family=tcfg.drafter,
-                           settings=tcfg.family)
+        dcfg = from_target(
+            target_cfg,
+            mask_token_id=mask_id,
+            num_layers=tcfg.num_layers,
+            num_target_features=tcfg.num_target_features,
+            target_layer_ids=tcfg.target_layer_ids,
+            layer_types=tcfg.layer_types,
+            sliding_window=tcfg.sliding_window,
+            block_size=tcfg.block_size,
+            special_token_ids=special,
+            num_heads=tcfg.num_heads,
+            num_kv_heads=tcfg.num_kv_heads,
+            head_dim=tcfg.head_dim,
+            intermediate_size=tcfg.intermediate_size,
+            family=tcfg.drafter,
+            settings=tcfg.family,
+        )
     except ValueError as e:  # a drafter shape the target cannot have
         raise DFlashError(str(e), field="train") from None
     return to_hf_config(dcfg, planned_placement(cfg).dtype)
@@ -66,9 +86,11 @@ def check_mask_row(target: str, drafter_cfg: dict) -> None:
     norms = embedding_rows(resolve(target), [mask_id] + sample).norm(dim=-1)
     typical = float(norms[1:].median())
     if float(norms[0]) < 0.05 * typical:
-        raise DFlashError(f"the embedding row of mask token {mask_id} has norm {float(norms[0]):.3g} against a "
-                          f"typical {typical:.3g}: an untrained row; choose a trained token",
-                          field="train.mask_token_id")
+        raise DFlashError(
+            f"the embedding row of mask token {mask_id} has norm {float(norms[0]):.3g} against a "
+            f"typical {typical:.3g}: an untrained row; choose a trained token",
+            field="train.mask_token_id",
+        )
 
 
 def drafter_init(target: str, cfg: RunConfig) -> str:

@@ -61,6 +61,7 @@ class Sampling:
     `greedy_drafts`: under sampling the drafter still proposes its argmax (q is one-hot there), as
     vLLM's DFlash proposer does; otherwise drafts are sampled from its warped distribution. Both
     keep the output distributed as the target's; they differ in how often drafts are accepted."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None  # on the target's device
@@ -98,8 +99,9 @@ def has_recurrent_layers(target) -> bool:
 
 
 @torch.no_grad()
-def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
-                  sampling: Sampling = Sampling()) -> Generation:
+def target_decode(
+    target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int], sampling: Sampling = Sampling()
+) -> Generation:
     """The target alone, one token per forward, with its KV cache: the reference (greedy, or
     sampled with `sampling`)."""
     from transformers import DynamicCache
@@ -119,8 +121,9 @@ def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
     return Generation(out_tokens, seconds=time.perf_counter() - start)
 
 
-def verify_sampled(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
-                   generator: torch.Generator | None) -> tuple[int, int]:
+def verify_sampled(
+    drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
     """The speculative-sampling rule over one block: `drafts` [D] drawn from `q` [D, V] (None: q
     one-hot on the drafts, never built); `p` [D + 1, V] the target's warped distributions after each
     block token. Returns (accepted drafts, the token that follows them: a residual sample at the
@@ -145,9 +148,16 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
 
 
 @torch.no_grad()
-def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, head_VH: torch.Tensor,
-                       prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
-                       sampling: Sampling = Sampling()) -> Generation:
+def speculative_decode(
+    target,
+    drafter: DFlashDrafter,
+    embed_VH: torch.Tensor,
+    head_VH: torch.Tensor,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    sampling: Sampling = Sampling(),
+) -> Generation:
     """Speculative decoding, greedy by default; with a sampling `sampling` the speculative-sampling
     rule (the output is distributed as the target's own samples)."""
     from transformers import DynamicCache
@@ -159,8 +169,9 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
     cache = DynamicCache(config=target.config)
     recurrent = has_recurrent_layers(target)
     with capture(target, layer_ids, stop_after_last=False) as captured:
-        logits = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache,
-                        use_cache=True).logits
+        logits = target(
+            input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True
+        ).logits
         context = torch.cat([captured[i] for i in layer_ids], -1)  # [1, n, F]
     out_tokens = [_choose(logits[0, -1], sampling)]
     acceptance: list[int] = []
@@ -172,8 +183,9 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         positions = torch.arange(n, n + block_ids.shape[1], device=device)[None]
         before = copy.deepcopy(cache) if recurrent else None  # a recurrent state cannot be cropped
         with capture(target, layer_ids, stop_after_last=False) as captured:
-            logits = target(input_ids=block_ids, past_key_values=cache, use_cache=True,
-                            position_ids=positions).logits[0]
+            logits = target(input_ids=block_ids, past_key_values=cache, use_cache=True, position_ids=positions).logits[
+                0
+            ]
             feats = torch.cat([captured[i] for i in layer_ids], -1)
         if sampling.greedy:
             greedy = logits.argmax(-1)  # greedy[i]: the target's choice after block token i
@@ -197,8 +209,12 @@ def speculative_decode(target, drafter: DFlashDrafter, embed_VH: torch.Tensor, h
         if recurrent:  # back to the state before the block, then forward through the kept tokens only
             assert before is not None  # copied above for a recurrent target
             cache = before
-            target(input_ids=block_ids[:, : accepted + 1], past_key_values=cache, use_cache=True,
-                   position_ids=positions[:, : accepted + 1])
+            target(
+                input_ids=block_ids[:, : accepted + 1],
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=positions[:, : accepted + 1],
+            )
         else:
             cache.crop(n + accepted + 1)
         context = torch.cat([context, feats[:, : accepted + 1]], dim=1)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm import TokensPrompt
 
+
 def _metric(metrics, name: str) -> float:
     total = 0.0
     for m in metrics:
@@ -30,12 +31,19 @@ def _acceptance(llm, before: tuple[float, float]) -> tuple[dict, tuple[float, fl
     metrics = llm.get_metrics()
     now = (_metric(metrics, "vllm:spec_decode_num_drafts"), _metric(metrics, "vllm:spec_decode_num_accepted_tokens"))
     drafts, accepted = now[0] - before[0], now[1] - before[1]
-    return {"drafts": drafts, "accepted": accepted,
-            "acceptance_length": 1 + accepted / drafts if drafts else None}, now
+    return {"drafts": drafts, "accepted": accepted, "acceptance_length": 1 + accepted / drafts if drafts else None}, now
 
 
-def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: int, dtype: str = "float32",
-        num_speculative_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+def run(
+    target: str,
+    drafter: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: str = "float32",
+    num_speculative_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> dict:
     import torch
 
     from dflash_ray.config import GenerateConfig
@@ -54,27 +62,38 @@ def run(target: str, drafter: str | None, prompts: list[list[int]], max_tokens: 
         family = of_architecture(config.get("architectures", []))
         # the drafts of one block, as this project's decoding proposes them (`None`: the block's)
         drafts = num_speculative_tokens or config["block_size"] - family.first_prediction
-        kwargs["speculative_config"] = {"method": family.vllm_method, "model": drafter,
-                                        "num_speculative_tokens": drafts}
+        kwargs["speculative_config"] = {
+            "method": family.vllm_method,
+            "model": drafter,
+            "num_speculative_tokens": drafts,
+        }
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.25
     else:  # bytes for the prompts at once, within what this NUMA node has free
-        sizing = GenerateConfig(max_model_len=2048, batch_size=len(prompts), dtype=dtype,
-                                engine_args={k: v for k, v in kwargs.items() if k == "speculative_config"})
+        sizing = GenerateConfig(
+            max_model_len=2048,
+            batch_size=len(prompts),
+            dtype=dtype,
+            engine_args={k: v for k, v in kwargs.items() if k == "speculative_config"},
+        )
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(target, sizing)
     llm = LLM(model=target, **kwargs)
     requests: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
-    outputs = llm.generate(requests,
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     result: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outputs]}
     if drafter:
         greedy, seen = _acceptance(llm, (0.0, 0.0))
         result.update(greedy)
         if temperature > 0:
             again: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
-            llm.generate(again,
-                         [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=i)
-                          for i in range(len(prompts))], use_tqdm=False)
+            llm.generate(
+                again,
+                [
+                    SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=i)
+                    for i in range(len(prompts))
+                ],
+                use_tqdm=False,
+            )
             result["sampled"] = _acceptance(llm, seen)[0]
     return result
 
@@ -87,8 +106,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: also a sampled run")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--plain", action="store_true",
-                        help="with --drafter: first the same prompts without it, in this process (plain_outputs)")
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="with --drafter: first the same prompts without it, in this process (plain_outputs)",
+    )
     args = parser.parse_args()
     prompts = json.load(open(args.prompts_json))
     plain = None

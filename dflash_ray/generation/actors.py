@@ -30,26 +30,35 @@ HEARTBEAT_S = 5.0  # a generator renews its leases this often while its engine r
 
 @ray.remote(num_cpus=0)
 class ShardPool:
-    def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], cfg: GenerateConfig,
-                 output: str, plan: dict[str, str]):
+    def __init__(
+        self,
+        units: list[dict[str, Any]],
+        done: dict[int, dict[str, Any]],
+        cfg: GenerateConfig,
+        output: str,
+        plan: dict[str, str],
+    ):
         from ray.util import metrics
 
-        self.book = ShardBook(units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused,
-                              autoscale=cfg.autoscale)
+        self.book = ShardBook(
+            units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused, autoscale=cfg.autoscale
+        )
         self._changed = asyncio.Event()  # set (and replaced) when a held `lease` call should look again
         self.asked: set[str] = set()  # generators that asked for work: their engine started
         self.output, self.plan = output, plan
         tags = {"run": cfg.name}
         self.m_prompts = metrics.Counter("dflash_generate_prompts_done", "prompts generated", tag_keys=("run",))
         self.m_tokens = metrics.Counter("dflash_generate_tokens", "output tokens generated", tag_keys=("run",))
-        self.m_queue = metrics.Gauge("dflash_generate_queue_depth", "shards waiting for a generator",
-                                     tag_keys=("run",))
-        self.m_alive = metrics.Gauge("dflash_generate_generators_alive", "generator actors alive",
-                                     tag_keys=("run",))
-        self.m_target = metrics.Gauge("dflash_generate_generators_target",
-                                      "generator actors wanted (by `scale` or the autoscaler)", tag_keys=("run",))
-        self.m_rate = metrics.Gauge("dflash_generate_tokens_per_s", "output tokens per second, all generators",
-                                    tag_keys=("run",))
+        self.m_queue = metrics.Gauge("dflash_generate_queue_depth", "shards waiting for a generator", tag_keys=("run",))
+        self.m_alive = metrics.Gauge("dflash_generate_generators_alive", "generator actors alive", tag_keys=("run",))
+        self.m_target = metrics.Gauge(
+            "dflash_generate_generators_target",
+            "generator actors wanted (by `scale` or the autoscaler)",
+            tag_keys=("run",),
+        )
+        self.m_rate = metrics.Gauge(
+            "dflash_generate_tokens_per_s", "output tokens per second, all generators", tag_keys=("run",)
+        )
         for m in (self.m_prompts, self.m_tokens, self.m_queue, self.m_alive, self.m_target, self.m_rate):
             m.set_default_tags(tags)
         self._publish()
@@ -65,8 +74,11 @@ class ShardPool:
         return status
 
     def _save(self) -> None:
-        body = {"plan": self.plan, "done": {str(k): v for k, v in sorted(self.book.done.items())},
-                "updated": time.time()}
+        body = {
+            "plan": self.plan,
+            "done": {str(k): v for k, v in sorted(self.book.done.items())},
+            "updated": time.time(),
+        }
         storage.write_text(storage.join(self.output, PROGRESS), json.dumps(body, indent=1))
 
     def register(self, gid: str) -> None:
@@ -162,8 +174,9 @@ class Generator:
         engine = make_engine(model_dir, cfg, stop_token_ids(tokenizer))
         self.gen = ShardGenerator(tokenizer, engine, cfg, model, gid)
         self.gid, self.output, self.pool = gid, output, pool
-        self.rate = metrics.Gauge("dflash_generate_generator_tokens_per_s", "output tokens per second",
-                                  tag_keys=("run", "generator"))
+        self.rate = metrics.Gauge(
+            "dflash_generate_generator_tokens_per_s", "output tokens per second", tag_keys=("run", "generator")
+        )
         self.rate.set_default_tags({"run": cfg.name, "generator": gid})
 
     def run(self) -> dict[str, Any]:
@@ -191,8 +204,12 @@ class Generator:
                         stream.add(int(unit["index"]), read_unit(unit))
             if not len(stream):
                 if stopping:
-                    return {"generator": self.gid, "shards": counts["shards"], "refused": counts["refused"],
-                            "pid": os.getpid()}
+                    return {
+                        "generator": self.gid,
+                        "shards": counts["shards"],
+                        "refused": counts["refused"],
+                        "pid": os.getpid(),
+                    }
                 continue
             for index, result in stream.step():
                 self._commit(units.pop(index), result, counts)
@@ -205,10 +222,17 @@ class Generator:
         from dflash_ray.generation.shard import write_result
 
         names, written = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
-        entry = {**names, "prompts": int(unit["count"]), "rows": len(result.completions), **written,
-                 "counts": result.counts(), "output_tokens": result.output_tokens,
-                 "seconds": round(result.seconds, 3), "generator": self.gid,
-                 "node": ray.util.get_node_ip_address()}  # where it ran: placement is checkable
+        entry = {
+            **names,
+            "prompts": int(unit["count"]),
+            "rows": len(result.completions),
+            **written,
+            "counts": result.counts(),
+            "output_tokens": result.output_tokens,
+            "seconds": round(result.seconds, 3),
+            "generator": self.gid,
+            "node": ray.util.get_node_ip_address(),
+        }  # where it ran: placement is checkable
         counts["tokens"] += result.output_tokens
         if ray.get(self.pool.complete.remote(self.gid, int(unit["index"]), entry)):
             counts["shards"] += 1

@@ -39,8 +39,9 @@ class Lease:
 RECENT = 8  # the shards whose durations set the autoscaler's rate: the last ones finished
 
 
-def wanted_generators(queued: int, leased: int, alive: int, shard_s: float | None, start_s: float | None,
-                      auto: AutoscaleConfig) -> int | None:
+def wanted_generators(
+    queued: int, leased: int, alive: int, shard_s: float | None, start_s: float | None, auto: AutoscaleConfig
+) -> int | None:
     """Generators to run: enough to clear the queue within `drain_within_s` at `shard_s` seconds a
     shard a generator; none added when those running clear it before a new engine would be up
     (`start_s`), never more than there are shards left; within [min, max]. None before any shard
@@ -64,9 +65,16 @@ def _generator_order(gid: str) -> tuple[int, str]:
 
 
 class ShardBook:
-    def __init__(self, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], target: int,
-                 lease_timeout_s: float, clock: Callable[[], float] = time.monotonic, paused: bool = False,
-                 autoscale: AutoscaleConfig | None = None):
+    def __init__(
+        self,
+        units: list[dict[str, Any]],
+        done: dict[int, dict[str, Any]],
+        target: int,
+        lease_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        paused: bool = False,
+        autoscale: AutoscaleConfig | None = None,
+    ):
         self.units = {int(u["index"]): u for u in units}
         self.done = {int(k): v for k, v in done.items()}
         self.pending = collections.deque(i for i in sorted(self.units) if i not in self.done)
@@ -124,8 +132,9 @@ class ShardBook:
             return
         shard_s = sum(self.shard_s) / len(self.shard_s) if self.shard_s else None
         start_s = max(self.start_s) if self.start_s else None
-        want = wanted_generators(len(self.pending), len(self.leases), len(self.alive - self.draining),
-                                 shard_s, start_s, self.auto)
+        want = wanted_generators(
+            len(self.pending), len(self.leases), len(self.alive - self.draining), shard_s, start_s, self.auto
+        )
         if want is not None:
             self.target = want
             self.next_revision = now + self.auto.interval_s
@@ -134,7 +143,7 @@ class ShardBook:
         """(generators to start, generators newly asked to drain) to meet the target."""
         self.revise()
         active = sorted(self.alive - self.draining, key=_generator_order)
-        drain = active[self.target:] if len(active) > self.target else []
+        drain = active[self.target :] if len(active) > self.target else []
         self.draining.update(drain)
         start = max(0, min(self.target - len(active), len(self.pending)))
         return start, drain
@@ -199,16 +208,27 @@ class ShardBook:
         elapsed = (self.last_done or 0) - (self.first_lease or 0) if self.first_lease and self.last_done else 0
         rate = self.prompts_run / elapsed if elapsed > 0 else None
         return {
-            "shards_total": len(self.units), "shards_done": len(self.done), "shards_leased": len(self.leases),
-            "queue_depth": len(self.pending), "prompts_total": total, "prompts_done": done,
-            "generators_target": self.target, "generators_alive": len(self.alive),
-            "generators_draining": len(self.draining), "generators": sorted(self.alive, key=_generator_order),
-            "generators_peak": self.peak, "autoscale": self.auto is not None,
-            "leased_by": {g: sorted(i for i, lease in self.leases.items() if lease.generator == g)
-                          for g in sorted({lease.generator for lease in self.leases.values()})},
+            "shards_total": len(self.units),
+            "shards_done": len(self.done),
+            "shards_leased": len(self.leases),
+            "queue_depth": len(self.pending),
+            "prompts_total": total,
+            "prompts_done": done,
+            "generators_target": self.target,
+            "generators_alive": len(self.alive),
+            "generators_draining": len(self.draining),
+            "generators": sorted(self.alive, key=_generator_order),
+            "generators_peak": self.peak,
+            "autoscale": self.auto is not None,
+            "leased_by": {
+                g: sorted(i for i, lease in self.leases.items() if lease.generator == g)
+                for g in sorted({lease.generator for lease in self.leases.values()})
+            },
             "done_by": dict(collections.Counter(str(e.get("generator")) for e in self.done.values())),
-            "paused": self.paused, "tokens_generated": self.tokens,
+            "paused": self.paused,
+            "tokens_generated": self.tokens,
             "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else None,
             "eta_s": round((total - done) / rate, 1) if rate else None,
-            "finished": self.finished, "seconds_lost": round(self.lost_s, 1),
+            "finished": self.finished,
+            "seconds_lost": round(self.lost_s, 1),
         }

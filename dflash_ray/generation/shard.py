@@ -81,14 +81,21 @@ class ShardGenerator:
         tools = json.loads(row["tools"]) if row.get("tools") else None
         try:
             text = self.tokenizer.apply_chat_template(
-                row["messages"], tools=tools, add_generation_prompt=True, tokenize=False,
-                enable_thinking=self.cfg.enable_thinking, **self.cfg.chat_template_kwargs)
+                row["messages"],
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                enable_thinking=self.cfg.enable_thinking,
+                **self.cfg.chat_template_kwargs,
+            )
         except Exception as e:  # jinja errors carry no common base class
             raise BadRecord(f"chat template error: {e}", "template_error") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= self.cfg.max_model_len:
-            raise BadRecord(f"prompt has {len(ids)} tokens; the engine's max_model_len is "
-                            f"{self.cfg.max_model_len}", "prompt_too_long")
+            raise BadRecord(
+                f"prompt has {len(ids)} tokens; the engine's max_model_len is {self.cfg.max_model_len}",
+                "prompt_too_long",
+            )
         return ids
 
     def run(self, rows: list[dict[str, Any]], heartbeat: Callable[[], None] = lambda: None) -> ShardResult:
@@ -132,15 +139,28 @@ class ShardGenerator:
         raw = self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
         reasoning, answer = split_reasoning(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
         c = self.cfg
-        sampling = {"temperature": c.temperature, "top_p": c.top_p, "max_tokens": c.max_tokens, "seed": seed,
-                    "enable_thinking": c.enable_thinking, "chat_template_kwargs": c.chat_template_kwargs,
-                    "backend": c.backend}
-        record = {**{k: row.get(k) for k in schema.PROMPTS.names},
-                  "prompt_token_ids": ids, "output_token_ids": out.token_ids, "text": answer,
-                  "reasoning": reasoning, "finish_reason": out.finish_reason,
-                  "num_prompt_tokens": len(ids), "num_output_tokens": len(out.token_ids),
-                  "model": self.model_name, "sampling": json.dumps(sampling, sort_keys=True),
-                  "generator_id": self.generator_id}
+        sampling = {
+            "temperature": c.temperature,
+            "top_p": c.top_p,
+            "max_tokens": c.max_tokens,
+            "seed": seed,
+            "enable_thinking": c.enable_thinking,
+            "chat_template_kwargs": c.chat_template_kwargs,
+            "backend": c.backend,
+        }
+        record = {
+            **{k: row.get(k) for k in schema.PROMPTS.names},
+            "prompt_token_ids": ids,
+            "output_token_ids": out.token_ids,
+            "text": answer,
+            "reasoning": reasoning,
+            "finish_reason": out.finish_reason,
+            "num_prompt_tokens": len(ids),
+            "num_output_tokens": len(out.token_ids),
+            "model": self.model_name,
+            "sampling": json.dumps(sampling, sort_keys=True),
+            "generator_id": self.generator_id,
+        }
         return record, classify(out.token_ids, raw, answer, out.finish_reason, bool(row.get("tools")), c)
 
     def _keeps(self, bad) -> bool:
@@ -268,6 +288,7 @@ class Stream:
 class Conversation:
     """A prompt row on its way through its user turns: the messages so far (system, user turns, the
     target's answers) and the user turns still to answer. A row that is not `regenerate` is one turn."""
+
     row: dict[str, Any]
     history: list[dict[str, str]]
     pending: list[dict[str, str]]
@@ -281,8 +302,9 @@ class Conversation:
         return cls(row, messages[:cut], messages[cut:])
 
     def sample(self, index: int) -> Conversation:
-        return Conversation({**self.row, "id": sample_id(self.row["id"], index)}, list(self.history),
-                            list(self.pending), self.turn)
+        return Conversation(
+            {**self.row, "id": sample_id(self.row["id"], index)}, list(self.history), list(self.pending), self.turn
+        )
 
     def prompt(self) -> dict[str, Any]:
         """The row as the engine answers it now: its history up to the current user turn."""
@@ -301,8 +323,13 @@ class Conversation:
 
 
 def _reject(row: dict[str, Any], kind: str, reason: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": row["id"], "source": row.get("source"), "kind": kind, "reason": reason,
-            "record": record or {k: row.get(k) for k in schema.PROMPTS.names}}
+    return {
+        "id": row["id"],
+        "source": row.get("source"),
+        "kind": kind,
+        "reason": reason,
+        "record": record or {k: row.get(k) for k in schema.PROMPTS.names},
+    }
 
 
 def write_result(output: str, stem: str, result: ShardResult) -> tuple[dict[str, str], dict[str, Any]]:
@@ -312,8 +339,9 @@ def write_result(output: str, stem: str, result: ShardResult) -> tuple[dict[str,
     import pyarrow.parquet as pq
 
     rejected, completions = f"rejected-{stem}.jsonl", f"completions-{stem}.parquet"
-    storage.write_text(storage.join(output, rejected),
-                       "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.rejects))
+    storage.write_text(
+        storage.join(output, rejected), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.rejects)
+    )
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(result.completions, schema=schema.COMPLETIONS), sink)
     data = sink.getvalue()

@@ -27,21 +27,38 @@ DEMO_FILES = SMALL_FILES + ("demo_mix.jsonl",)  # + code, math, explanations, ch
 # Generation is greedy because evaluation is: the drafter learns the very outputs it is scored on.
 # One generator with both cores: on 2 cores a second engine adds little (bench/RESULTS.md).
 DEMO_SETTINGS = [
-    f"prompts.tokenizer={SMOLLM2}", f"tokenize.tokenizer={SMOLLM2}",
-    "generate.name=demo", "generate.generators=1", "generate.generator_cpus=2", "generate.shard_size=32",
-    "generate.max_tokens=256", "generate.max_model_len=2048", "generate.truncated=keep",
+    f"prompts.tokenizer={SMOLLM2}",
+    f"tokenize.tokenizer={SMOLLM2}",
+    "generate.name=demo",
+    "generate.generators=1",
+    "generate.generator_cpus=2",
+    "generate.shard_size=32",
+    "generate.max_tokens=256",
+    "generate.max_model_len=2048",
+    "generate.truncated=keep",
     "generate.temperature=0",
-    "train.num_streams=2", "train.actor_cpus=0.5", "train.num_anchors=32",
-    "train.epochs=3", "train.lr=3e-3", "train.checkpoint_every=1000", "train.heldout=8", "train.eval_every=20",
+    "train.num_streams=2",
+    "train.actor_cpus=0.5",
+    "train.num_anchors=32",
+    "train.epochs=3",
+    "train.lr=3e-3",
+    "train.checkpoint_every=1000",
+    "train.heldout=8",
+    "train.eval_every=20",
     # the drafter: DSpark (block 7, Markov head of rank 64) with two layers, scored at 256 new tokens.
     # Of the three families at equal steps DSpark drafts best (bench.families), and at 256 tokens,
     # where prompt lookup is strongest, only the two-layer one beats it (1.43 against 1.38; one layer
     # 1.35): the first draft position, which every later one waits on, is what the second layer lifts
-    "train.drafter=dspark", "train.block_size=7", "train.family.markov_rank=64", "train.num_layers=2",
+    "train.drafter=dspark",
+    "train.block_size=7",
+    "train.family.markov_rank=64",
+    "train.num_layers=2",
     # a few hundred steps: the loss goes to the first block positions, the ones acceptance depends on
     # at this size (gamma 2 against the reference's 7: tau 1.25 against 1.12 at equal steps, bench/RESULTS.md)
     "train.loss_decay=2",
-    "evaluate.max_new_tokens=256", "pipeline.min_tau_gain=0.05", "pipeline.beat_ngram=true",
+    "evaluate.max_new_tokens=256",
+    "pipeline.min_tau_gain=0.05",
+    "pipeline.beat_ngram=true",
 ]
 # The demo's earlier drafter (one-layer DFlash, block 16, scored at 64 new tokens), which vLLM on a CPU
 # also serves: the benchmarks measured against it keep it (bench.distill, bench.families' start).
@@ -74,8 +91,9 @@ def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str
     import dataclasses
 
     work = str(Path(workdir).absolute())
-    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
-        cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2))
+    cfg = dataclasses.replace(
+        cfg, pipeline=dataclasses.replace(cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2)
+    )
     try:
         return {**run_pipeline(cfg, progress=progress, fresh_training=True), "stage": "demo"}
     except DFlashError as e:

@@ -50,8 +50,9 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
         mask = torch.tensor([row["loss_mask"]], device=head.device)
         feats = target_features(target, ids, drafter.cfg.target_layer_ids)
         with torch.no_grad():
-            out = forward_loss(drafter, embed, head, feats.to(embed.dtype), ids, mask,
-                               num_anchors=ecfg.num_anchors, generator=g)
+            out = forward_loss(
+                drafter, embed, head, feats.to(embed.dtype), ids, mask, num_anchors=ecfg.num_anchors, generator=g
+            )
         taus += out.tau.tolist()
     return sum(taus) / len(taus) if taus else None
 
@@ -63,8 +64,16 @@ def evaluation_device(setting: str, cuda_available: bool) -> str:
     return "cuda" if setting == "cuda" or (setting == "auto" and cuda_available) else "cpu"
 
 
-def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]], max_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0, *, plain: bool = False) -> dict:
+def run_vllm(
+    target_dir: str,
+    drafter_dir: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    *,
+    plain: bool = False,
+) -> dict:
     """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance, and
     with `temperature` > 0 that of a sampled run too; `plain`: also those without the drafter, as
     `plain_outputs`), in vLLM's own process: it spawns workers and wants a `__main__` guard."""
@@ -72,9 +81,21 @@ def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]],
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    cmd = [sys.executable, "-m", "dflash_ray.drafter.vllm_check", "--target", target_dir,
-           "--prompts-json", f.name, "--max-tokens", str(max_tokens), "--temperature", str(temperature),
-           "--top-p", str(top_p)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_ray.drafter.vllm_check",
+        "--target",
+        target_dir,
+        "--prompts-json",
+        f.name,
+        "--max-tokens",
+        str(max_tokens),
+        "--temperature",
+        str(temperature),
+        "--top-p",
+        str(top_p),
+    ]
     if drafter_dir:
         cmd += ["--drafter", str(drafter_dir)] + (["--plain"] if plain else [])
     try:
@@ -84,13 +105,22 @@ def run_vllm(target_dir: str, drafter_dir: str | None, prompts: list[list[int]],
     line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
     if line is None:
         raise DFlashError(f"vLLM run failed: {done.stderr[-2000:]}", file=str(drafter_dir or target_dir))
-    return json.loads(line[len("VLLM_RESULT "):])
+    return json.loads(line[len("VLLM_RESULT ") :])
 
 
-def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunConfig, *,
-                 heldout_uri: str | None = None, engine: str = "hf", tokenizer_name: str | None = None,
-                 sampled: bool = True, reference_cache: dict | None = None,
-                 report_dir: str | None = None) -> dict[str, Any]:
+def run_evaluate(
+    drafter_uri: str,
+    target_uri: str,
+    prompts_uri: str,
+    cfg: RunConfig,
+    *,
+    heldout_uri: str | None = None,
+    engine: str = "hf",
+    tokenizer_name: str | None = None,
+    sampled: bool = True,
+    reference_cache: dict | None = None,
+    report_dir: str | None = None,
+) -> dict[str, Any]:
     """`sampled=False` skips the serving-temperature run; `reference_cache` (a dict the caller keeps)
     holds the target's own greedy outputs across calls on the same target and prompts, so a second
     drafter's evaluation does not decode them again. `report_dir`: where `evaluation.png` goes
@@ -121,8 +151,11 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     rows_of_embedding = target.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows_of_embedding:
-        raise DFlashError(f"the tokenizer has {len(tokenizer)} ids, past the target's {rows_of_embedding}-entry "
-                          "embedding: it is not the target's", field="--tokenizer")
+        raise DFlashError(
+            f"the tokenizer has {len(tokenizer)} ids, past the target's {rows_of_embedding}-entry "
+            "embedding: it is not the target's",
+            field="--tokenizer",
+        )
     embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
     eos = set(stop_token_ids(tokenizer))
     # the n-gram baseline drafts as many tokens a step as the drafter does
@@ -139,8 +172,13 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
     tokens = mismatches = 0
     for row in tqdm(rows, desc="evaluate", unit=" prompts"):
         tools = json.loads(row["tools"]) if row.get("tools") else None
-        text = tokenizer.apply_chat_template(row["messages"], tools=tools, add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=ecfg.enable_thinking)
+        text = tokenizer.apply_chat_template(
+            row["messages"],
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=ecfg.enable_thinking,
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt_ids.append(ids)
         key = (target_uri, ecfg.max_new_tokens, tuple(ids))
@@ -157,8 +195,16 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         ngram_steps += lookup
         ngram_per_source[row["source"]] += [step.commit for step in lookup]
         if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
-            drawn = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos,
-                                       Sampling(ecfg.temperature, ecfg.top_p, generator))
+            drawn = speculative_decode(
+                target,
+                drafter,
+                embed,
+                head,
+                ids,
+                ecfg.max_new_tokens,
+                eos,
+                Sampling(ecfg.temperature, ecfg.top_p, generator),
+            )
             sampled_steps += drawn.acceptance
             verified_sampled += drawn.verified
         spec_s, base_s, tokens = spec_s + spec.seconds, base_s + ref.seconds, tokens + len(ref.token_ids)
@@ -167,23 +213,33 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         return round(sum(xs) / len(xs), 4) if xs else None
 
     summary = {
-        "stage": "evaluate", "drafter": drafter_uri, "target": target_uri, "device": device, "prompts": len(rows),
-        "tokens": tokens, "tau": mean(all_steps), "verify_steps": len(all_steps),
+        "stage": "evaluate",
+        "drafter": drafter_uri,
+        "target": target_uri,
+        "device": device,
+        "prompts": len(rows),
+        "tokens": tokens,
+        "tau": mean(all_steps),
+        "verify_steps": len(all_steps),
         "tau_per_source": {s: mean(v) for s, v in sorted(per_source.items())},
         "acceptance_by_position": acceptance_by_position(verified),
-        "tau_sampled": mean(sampled_steps), "acceptance_by_position_sampled": acceptance_by_position(verified_sampled),
+        "tau_sampled": mean(sampled_steps),
+        "acceptance_by_position_sampled": acceptance_by_position(verified_sampled),
         "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
         "tau_ngram": mean([step.commit for step in ngram_steps]),
         "tau_ngram_per_source": {s: mean(v) for s, v in sorted(ngram_per_source.items())},
-        "ngram_acceptance_by_position": acceptance_by_position([(s.drafted, s.accepted) for s in ngram_steps
-                                                                if s.drafted]),
+        "ngram_acceptance_by_position": acceptance_by_position(
+            [(s.drafted, s.accepted) for s in ngram_steps if s.drafted]
+        ),
         "tau_ngram_per_draft": mean([step.commit for step in ngram_steps if step.drafted]),
         "ngram_draft_share": round(sum(s.drafted > 0 for s in ngram_steps) / len(ngram_steps), 4)
-        if ngram_steps else None,
+        if ngram_steps
+        else None,
         "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
         "target_tokens_per_s": round(tokens / base_s, 2) if base_s else None,
         "speedup": round(base_s / spec_s, 3) if spec_s else None,
-        "lossless": mismatches == 0, "mismatched_prompts": mismatches,
+        "lossless": mismatches == 0,
+        "mismatched_prompts": mismatches,
     }
     if heldout_uri:
         summary["tau_simulated_heldout"] = _heldout_tau(target, drafter, embed, head, heldout_uri, cfg)
@@ -199,6 +255,9 @@ def run_evaluate(drafter_uri: str, target_uri: str, prompts_uri: str, cfg: RunCo
         summary["evaluation_png"] = storage.join(report_dir, "evaluation.png")
         storage.write_bytes(summary["evaluation_png"], acceptance_png(summary))
     if mismatches:
-        raise DFlashError(f"speculative output differs from the target's greedy output on {mismatches} "
-                          "prompt(s): the drafter path is broken", file=drafter_uri).with_summary(summary)
+        raise DFlashError(
+            f"speculative output differs from the target's greedy output on {mismatches} "
+            "prompt(s): the drafter path is broken",
+            file=drafter_uri,
+        ).with_summary(summary)
     return summary

@@ -22,9 +22,11 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
     from dflash_ray.train import shards
 
     if storage.overlaps(checkpoint, out_dir):  # the export would overwrite what it reads
-        raise DFlashError(f"the output {out_dir} and the checkpoint {checkpoint} overlap (one is, or is inside, "
-                          "the other): nothing was exported; choose an output folder outside the checkpoint",
-                          file=out_dir)
+        raise DFlashError(
+            f"the output {out_dir} and the checkpoint {checkpoint} overlap (one is, or is inside, "
+            "the other): nothing was exported; choose an output folder outside the checkpoint",
+            file=out_dir,
+        )
     if not storage.is_s3(out_dir) and storage.local_path(out_dir).exists() and not storage.local_path(out_dir).is_dir():
         raise DFlashError("is a file, not a folder: nothing was exported; choose a folder", file=out_dir)
     _check_replaceable(out_dir)
@@ -37,8 +39,11 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
         folder = checkpoint.rstrip("/")
         step, output = ckpt.step_of(folder), folder.rsplit("/", 2)[0]  # OUTPUT/checkpoints/step-N
         earlier = [s for s in ckpt.complete_steps(output) if step is not None and s < step]
-        hint = f"export an earlier checkpoint ({ckpt.step_dir(output, earlier[-1])})" if earlier \
+        hint = (
+            f"export an earlier checkpoint ({ckpt.step_dir(output, earlier[-1])})"
+            if earlier
             else "resume the training run to write a new checkpoint"
+        )
         raise DFlashError(f"{e}; nothing was exported: {hint}") from None
     return {**export_drafter(drafter, out_dir, dtype), "checkpoint": checkpoint, "verified_files": verified}
 
@@ -59,11 +64,16 @@ def _check_replaceable(out_dir: str) -> None:
             return
         except (ValueError, AttributeError):  # not JSON, not a mapping, or no drafter's architecture
             pass
-        raise DFlashError("holds a config.json that is no drafter export: nothing was exported or replaced; "
-                          "choose an empty folder", file=config)
+        raise DFlashError(
+            "holds a config.json that is no drafter export: nothing was exported or replaced; choose an empty folder",
+            file=config,
+        )
     if storage.exists(weights):
-        raise DFlashError("holds a model.safetensors without a drafter's config.json: nothing was exported or "
-                          "replaced; choose an empty folder", file=weights)
+        raise DFlashError(
+            "holds a model.safetensors without a drafter's config.json: nothing was exported or "
+            "replaced; choose an empty folder",
+            file=weights,
+        )
 
 
 def _verify_whole_files(folder: str) -> int:

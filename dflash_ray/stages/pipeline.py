@@ -22,8 +22,9 @@ from dflash_ray.preflight import preflight
 from dflash_ray.errors import DFlashError, GateFailed
 
 
-def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int,
-                  answered: bool = False) -> int:
+def split_prompts(
+    prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int, answered: bool = False
+) -> int:
     """Keep `eval_count` prompts (a seeded choice by id) out of generation and training. `answered`:
     the rows are completions (existing responses); the kept-aside part keeps their prompt fields."""
     from dflash_ray.data import schema
@@ -32,17 +33,23 @@ def split_prompts(prompts: str, train_out: str, eval_out: str, eval_count: int, 
     train_schema = schema.COMPLETIONS if answered else schema.PROMPTS
     rows = manifest.read_rows(prompts, list(train_schema.names), 10**9)
     if eval_count >= len(rows):
-        raise DFlashError(f"{eval_count} prompts kept aside for evaluation out of {len(rows)}: none would be left "
-                          "to train on; allowed: fewer than the prompts", field="pipeline.eval_prompts")
+        raise DFlashError(
+            f"{eval_count} prompts kept aside for evaluation out of {len(rows)}: none would be left "
+            "to train on; allowed: fewer than the prompts",
+            field="pipeline.eval_prompts",
+        )
     order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
     held = {r["id"] for r in order[:eval_count]}
-    for out, part, table_schema in ((eval_out, [r for r in rows if r["id"] in held], schema.PROMPTS),
-                                    (train_out, [r for r in rows if r["id"] not in held], train_schema)):
+    for out, part, table_schema in (
+        (eval_out, [r for r in rows if r["id"] in held], schema.PROMPTS),
+        (train_out, [r for r in rows if r["id"] not in held], train_schema),
+    ):
         kind = "completions" if table_schema is schema.COMPLETIONS else "prompts"
         rows_part = [{k: r.get(k) for k in table_schema.names} for r in part]
         storage.write_bytes(storage.join(out, f"{kind}-00000.parquet"), shard_bytes(rows_part, table_schema))
-        manifest.write_manifest(out, kind=kind, files=[{"name": f"{kind}-00000.parquet", "rows": len(part)}],
-                                summary={kind: len(part)})
+        manifest.write_manifest(
+            out, kind=kind, files=[{"name": f"{kind}-00000.parquet", "rows": len(part)}], summary={kind: len(part)}
+        )
     return len(rows) - len(held)
 
 
@@ -58,11 +65,15 @@ def clear_training(folder: str, cfg: RunConfig) -> None:
     names = {name for name, _ in drafters.expand(cfg) if name}
     files = storage.list_files(folder) + storage.skipped_files(folder)
     unknown = [storage.basename(f) for f in files if storage.basename(f) not in TRAINING_FILES]
-    unknown += [storage.basename(d) + "/" for d in storage.list_dirs(folder)
-                if storage.basename(d) not in TRAINING_DIRS | names]
+    unknown += [
+        storage.basename(d) + "/" for d in storage.list_dirs(folder) if storage.basename(d) not in TRAINING_DIRS | names
+    ]
     if unknown:
-        raise DFlashError(f"holds {', '.join(sorted(unknown)[:10])}, which no training run wrote: nothing was deleted; "
-                          "move them, or choose another workdir", file=folder)
+        raise DFlashError(
+            f"holds {', '.join(sorted(unknown)[:10])}, which no training run wrote: nothing was deleted; "
+            "move them, or choose another workdir",
+            file=folder,
+        )
     storage.delete_tree(folder)
 
 
@@ -123,45 +134,65 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool 
             inputs.append(at("self-prompts"))
         prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress, responses=pcfg.responses)
         if pcfg.responses:  # the answers are the completions; their contexts are the kept-aside prompts
-            kept = split_prompts(at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed,
-                                 answered=True)
-            generated = {"completions": kept, "rejected_kinds": {}, "generator_nodes": [], "output_tokens": 0,
-                         "tokens_per_s": None}
+            kept = split_prompts(
+                at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed, answered=True
+            )
+            generated = {
+                "completions": kept,
+                "rejected_kinds": {},
+                "generator_nodes": [],
+                "output_tokens": 0,
+                "tokens_per_s": None,
+            }
         else:
             split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
-            generated = timed("generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg,
-                              progress=progress)
+            generated = timed(
+                "generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg, progress=progress
+            )
         tokenized = timed("tokenize", run_tokenize, at("completions"), at("tokenized"), cfg)
         report = timed("validate", run_validate, at("tokenized"), cfg, report_dir=at("report"))
         summary = {
-            "stage": "pipeline", "workdir": work, "target": pcfg.target, "responses": pcfg.responses,
-            "records": prompts["records"], "prompts": prompts["prompts"],
-            "quarantined": prompts["quarantined"], "quarantine_kinds": prompts["quarantine_kinds"],
+            "stage": "pipeline",
+            "workdir": work,
+            "target": pcfg.target,
+            "responses": pcfg.responses,
+            "records": prompts["records"],
+            "prompts": prompts["prompts"],
+            "quarantined": prompts["quarantined"],
+            "quarantine_kinds": prompts["quarantine_kinds"],
             "self_prompts": written["prompts"] if written else 0,
             "self_prompts_dropped": written["dropped"] if written else {},
             "eval_prompts": pcfg.eval_prompts,
-            "completions": generated["completions"], "generation_rejected": generated["rejected_kinds"],
+            "completions": generated["completions"],
+            "generation_rejected": generated["rejected_kinds"],
             "generator_nodes": generated["generator_nodes"],
-            "generated_tokens": generated["output_tokens"], "generate_tokens_per_s": generated["tokens_per_s"],
-            "samples": tokenized["rows_out"], "tokens": tokenized["tokens"],
-            "tokens_cut": tokenized["tokens_cut"], "share_kept": tokenized["share_kept"],
+            "generated_tokens": generated["output_tokens"],
+            "generate_tokens_per_s": generated["tokens_per_s"],
+            "samples": tokenized["rows_out"],
+            "tokens": tokenized["tokens"],
+            "tokens_cut": tokenized["tokens_cut"],
+            "share_kept": tokenized["share_kept"],
             "length_warning": generated.get("length_warning"),
             "loss_tokens": report["stats"]["loss_tokens"],
             "response_fraction": round(report["stats"]["response_fraction"], 4),
             "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
-            "gate_passed": report["passed"], "failed_rules": report["failed_rules"],
+            "gate_passed": report["passed"],
+            "failed_rules": report["failed_rules"],
             "report": at("report/report.md"),
         }
         if not report["passed"]:
-            raise GateFailed(f"validation gate failed: {report['failed_rules']}", file=at("tokenized")
-                             ).with_summary(summary)
+            raise GateFailed(f"validation gate failed: {report['failed_rules']}", file=at("tokenized")).with_summary(
+                summary
+            )
         summary.update(_train_and_evaluate(work, cfg, progress, timed))
     if cfg.chaos.faults:  # the run got here: every fault fired was recovered from
         drill = chaos.summary()
-        summary["chaos"] = {**drill, "recovered": drill["injected"],
-                            "restarts": {"generate": generated.get("restarts", 0), "train": summary["train_restarts"]},
-                            "seconds_lost": {"generate": generated.get("seconds_lost", 0.0),
-                                             "train": summary["train_seconds_lost"]}}
+        summary["chaos"] = {
+            **drill,
+            "recovered": drill["injected"],
+            "restarts": {"generate": generated.get("restarts", 0), "train": summary["train_restarts"]},
+            "seconds_lost": {"generate": generated.get("seconds_lost", 0.0), "train": summary["train_seconds_lost"]},
+        }
     summary["stage_seconds"] = timings
     summary["seconds"] = round(time.time() - started, 1)
     teams = summary.get("drafters") or {"": summary}
@@ -183,12 +214,17 @@ def _gate(result: dict[str, Any], name: str, pcfg) -> None:
     gain = result["tau_gain"]
     who = f"drafter {name!r}: " if name else ""
     if gain < pcfg.min_tau_gain:
-        raise DFlashError(f"{who}the trained drafter's tau {result['tau_trained']} beats the untrained one's "
-                          f"{result['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
-                          field="pipeline.min_tau_gain")
+        raise DFlashError(
+            f"{who}the trained drafter's tau {result['tau_trained']} beats the untrained one's "
+            f"{result['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
+            field="pipeline.min_tau_gain",
+        )
     if pcfg.beat_ngram and (result["tau_trained"] or 0) <= (result["tau_ngram"] or 0):
-        raise DFlashError(f"{who}the trained drafter's tau {result['tau_trained']} does not beat n-gram prompt "
-                          f"lookup's {result['tau_ngram']} on the same prompts", field="pipeline.beat_ngram")
+        raise DFlashError(
+            f"{who}the trained drafter's tau {result['tau_trained']} does not beat n-gram prompt "
+            f"lookup's {result['tau_ngram']} on the same prompts",
+            field="pipeline.beat_ngram",
+        )
 
 
 def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dict[str, Any]:
@@ -197,22 +233,37 @@ def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dic
     from dflash_ray.stages.train import run_train
     from dflash_ray.train import drafters
 
-    train = timed("train", run_train, cfg.pipeline.target, storage.join(work, "tokenized"),
-                  storage.join(work, "train"), cfg, progress=progress)
+    train = timed(
+        "train",
+        run_train,
+        cfg.pipeline.target,
+        storage.join(work, "tokenized"),
+        storage.join(work, "train"),
+        cfg,
+        progress=progress,
+    )
     references: dict = {}  # the target's own outputs, decoded once for every drafter
     folders = drafters.outputs(storage.join(work, "train"), cfg)  # each drafter's training folder
-    results = {name: _export_and_evaluate(work, name, team_cfg, train["drafters"][name] if name else train, folder,
-                                          references, timed)
-               for (name, team_cfg), folder in zip(drafters.expand(cfg), folders)}
-    shared = {"training_steps": train["step"], "stream_nodes": train["stream_nodes"],
-              "coordinator_node": train["coordinator_node"], "train_restarts": train["restarts"],
-              "train_seconds_lost": train["seconds_lost"]}
+    results = {
+        name: _export_and_evaluate(
+            work, name, team_cfg, train["drafters"][name] if name else train, folder, references, timed
+        )
+        for (name, team_cfg), folder in zip(drafters.expand(cfg), folders)
+    }
+    shared = {
+        "training_steps": train["step"],
+        "stream_nodes": train["stream_nodes"],
+        "coordinator_node": train["coordinator_node"],
+        "train_restarts": train["restarts"],
+        "train_seconds_lost": train["seconds_lost"],
+    }
     first = next(iter(results.values()))
     return {**shared, **first, **({"drafters": results} if cfg.train.drafters else {})}
 
 
-def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str, Any], folder: str,
-                         references: dict, timed) -> dict[str, Any]:
+def _export_and_evaluate(
+    work: str, name: str, cfg: RunConfig, trained: dict[str, Any], folder: str, references: dict, timed
+) -> dict[str, Any]:
     """One trained drafter (`name` "" for a run of one): exported under `drafter/`, evaluated beside
     the drafter its training started from, on the kept-aside prompts."""
     import importlib.util
@@ -232,34 +283,60 @@ def _export_and_evaluate(work: str, name: str, cfg: RunConfig, trained: dict[str
     drafter = storage.join(work, "drafter", name) if name else storage.join(work, "drafter")
     run_export(trained["checkpoint"], drafter, dtype="float32")
     untrained = tempfile.mkdtemp(prefix="dflash-untrained-")  # the drafter training started from
-    start = initial_drafter(from_hf_config(drafter_config(target, cfg)), resolve(target), drafter_init(target, cfg),
-                            cfg.train.seed)
+    start = initial_drafter(
+        from_hf_config(drafter_config(target, cfg)), resolve(target), drafter_init(target, cfg), cfg.train.seed
+    )
     save_drafter(start, untrained, dtype=torch.float32)
     eval_prompts = storage.join(work, "prompts-eval")
     tag = f"[{name}]" if name else ""
     # the start is measured greedy only: its sampled tau says nothing the greedy one does not
-    before = timed(f"evaluate_untrained{tag}", run_evaluate, untrained, target, eval_prompts, cfg, sampled=False,
-                   reference_cache=references)
+    before = timed(
+        f"evaluate_untrained{tag}",
+        run_evaluate,
+        untrained,
+        target,
+        eval_prompts,
+        cfg,
+        sampled=False,
+        reference_cache=references,
+    )
     # vLLM's own acceptance of the exported drafter, on the same prompts, where vLLM serves its family
     served = families.get(cfg.train.drafter).vllm_on_cpu or torch.cuda.is_available()
     engine = "vllm" if cfg.pipeline.vllm_evaluate and served and importlib.util.find_spec("vllm") else "hf"
-    after = timed(f"evaluate_trained{tag}", run_evaluate, drafter, target, eval_prompts, cfg, engine=engine,
-                  reference_cache=references, report_dir=folder)
+    after = timed(
+        f"evaluate_trained{tag}",
+        run_evaluate,
+        drafter,
+        target,
+        eval_prompts,
+        cfg,
+        engine=engine,
+        reference_cache=references,
+        report_dir=folder,
+    )
     return {
-        "family": cfg.train.drafter, "train_loss": trained["loss"],
-        "heldout_tau_start": trained["heldout_tau_start"], "heldout_tau_end": trained["heldout_tau"],
-        "tau_untrained": before["tau"], "tau_trained": after["tau"], "tau_ngram": after["tau_ngram"],
+        "family": cfg.train.drafter,
+        "train_loss": trained["loss"],
+        "heldout_tau_start": trained["heldout_tau_start"],
+        "heldout_tau_end": trained["heldout_tau"],
+        "tau_untrained": before["tau"],
+        "tau_trained": after["tau"],
+        "tau_ngram": after["tau_ngram"],
         "tau_trained_sampled": after["tau_sampled"],
         "acceptance_by_position": after["acceptance_by_position"],
         "acceptance_by_position_sampled": after["acceptance_by_position_sampled"],
         "ngram_acceptance_by_position": after["ngram_acceptance_by_position"],
-        "tau_per_source": after["tau_per_source"], "tau_ngram_per_source": after["tau_ngram_per_source"],
+        "tau_per_source": after["tau_per_source"],
+        "tau_ngram_per_source": after["tau_ngram_per_source"],
         "evaluation_png": after["evaluation_png"],
-        "sampling": after["sampling"], "tau_ngram_per_draft": after["tau_ngram_per_draft"],
+        "sampling": after["sampling"],
+        "tau_ngram_per_draft": after["tau_ngram_per_draft"],
         "ngram_draft_share": after["ngram_draft_share"],
-        "tau_trained_vllm": after.get("tau_vllm"), "vllm_outputs_equal": after.get("vllm_outputs_equal"),
+        "tau_trained_vllm": after.get("tau_vllm"),
+        "vllm_outputs_equal": after.get("vllm_outputs_equal"),
         "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
-        "spec_tokens_per_s": after["tokens_per_s"], "target_tokens_per_s": after["target_tokens_per_s"],
+        "spec_tokens_per_s": after["tokens_per_s"],
+        "target_tokens_per_s": after["target_tokens_per_s"],
         "lossless": before["lossless"] and after["lossless"],
         "plots": storage.join(folder, "metrics.png"),
         "drafter": drafter,

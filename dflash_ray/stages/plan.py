@@ -31,9 +31,11 @@ from dflash_ray.errors import DFlashError
 COMPUTE_EFFICIENCY = 0.426
 OPTIMIZER_BANDWIDTH_EFFICIENCY = 0.25
 OPTIMIZER_PASSES = 7  # AdamW reads the weight, gradient and both moments and writes three of them
-ESTIMATOR = (f"counted FLOPs at {COMPUTE_EFFICIENCY:.1%} of the GPU's dense bf16 peak, plus AdamW's "
-             f"{OPTIMIZER_PASSES} passes over the rank's fp32 shard at {OPTIMIZER_BANDWIDTH_EFFICIENCY:.0%} of its "
-             "memory bandwidth; both shares calibrated on the H200 GPU check of 2026-11-30 (bench/RESULTS.md)")
+ESTIMATOR = (
+    f"counted FLOPs at {COMPUTE_EFFICIENCY:.1%} of the GPU's dense bf16 peak, plus AdamW's "
+    f"{OPTIMIZER_PASSES} passes over the rank's fp32 shard at {OPTIMIZER_BANDWIDTH_EFFICIENCY:.0%} of its "
+    "memory bandwidth; both shares calibrated on the H200 GPU check of 2026-11-30 (bench/RESULTS.md)"
+)
 BUNDLED_TARGETS = ("qwen3.6-27b",)  # targets a plan needs no copy of: their config.json ships here
 DEFAULT_TARGET = "qwen3.6-27b"  # the seed workload's target
 
@@ -46,8 +48,11 @@ def cluster_gpus(uri: str) -> tuple[int, int]:
     except (yaml.YAMLError, KeyError, TypeError) as e:
         raise DFlashError(f"not a cluster launcher config: {e}", file=uri) from None
     if not isinstance(types, dict):
-        raise DFlashError("not a cluster launcher config: `available_node_types` must map names to node types",
-                          file=uri, field="available_node_types")
+        raise DFlashError(
+            "not a cluster launcher config: `available_node_types` must map names to node types",
+            file=uri,
+            field="available_node_types",
+        )
     gen = train = 0
     for name, node in types.items():
         where = f"available_node_types.{name}"
@@ -84,8 +89,9 @@ def _config_from_json(text: str, where: str):
         config = AutoConfig.for_model(**data)
     except Exception as e:  # transformers' own validation of the fields (its error types vary by version)
         reason = str(e).split(". Should contain")[0]  # not transformers' list of every model type
-        raise DFlashError(f"not a model config.json transformers knows: {reason}", file=where,
-                          field="model_type") from None
+        raise DFlashError(
+            f"not a model config.json transformers knows: {reason}", file=where, field="model_type"
+        ) from None
     text_config = getattr(config, "text_config", None) or config
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         value = getattr(text_config, key, None)
@@ -111,8 +117,9 @@ def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
     try:
         return resolved(source), source
     except (ValueError, OSError) as e:  # a folder without a config.json, or one transformers cannot read
-        raise DFlashError(f"no model config.json transformers can read: {str(e).splitlines()[0]}",
-                          file=source) from None
+        raise DFlashError(
+            f"no model config.json transformers can read: {str(e).splitlines()[0]}", file=source
+        ) from None
 
 
 def gpu_of(cfg: RunConfig):
@@ -122,6 +129,7 @@ def gpu_of(cfg: RunConfig):
 
 
 # -- the simulated roles -------------------------------------------------------------------------
+
 
 def samples(cfg: RunConfig):
     """(longest, mean) sequences a stream steps on: the longest the config keeps (its prompt what the
@@ -156,14 +164,35 @@ def _target_step(hf_json: str, layers: tuple, seq: int, prompt: int, batch: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _drafter_step(dcfg_json: str, seq: int, prompt: int, batch: int, anchors: int, world: int, tied: bool,
-                  top_k: int, distill: float, gamma: float | None, bucket: int) -> dict:
+def _drafter_step(
+    dcfg_json: str,
+    seq: int,
+    prompt: int,
+    batch: int,
+    anchors: int,
+    world: int,
+    tied: bool,
+    top_k: int,
+    distill: float,
+    gamma: float | None,
+    bucket: int,
+) -> dict:
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.simulate import Sample, drafter_step
 
     dcfg = from_hf_config(json.loads(dcfg_json))
-    return drafter_step(dcfg, dcfg.family, Sample(seq, prompt, batch), num_anchors=anchors, world=world,
-                        tied_head=tied, teacher_k=top_k, distill=distill, gamma=gamma, length_bucket=bucket)
+    return drafter_step(
+        dcfg,
+        dcfg.family,
+        Sample(seq, prompt, batch),
+        num_anchors=anchors,
+        world=world,
+        tied_head=tied,
+        teacher_k=top_k,
+        distill=distill,
+        gamma=gamma,
+        length_bucket=bucket,
+    )
 
 
 def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
@@ -185,20 +214,41 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
     target = dict(_target_step(hf_json, tuple(layers), sample.seq_len, sample.prompt_len, sample.batch, top_k, last))
     spread = max(1, int(target_gpus(tr) or 1))
     target_memory = {k: round(v / spread, 2) for k, v in target["memory_gb"].items()}
-    roles = {"target": {"gpus": spread, "memory_gb": target_memory, "flops_per_step": target["flops_per_step"],
-                        "step_seconds": _seconds(target["flops_per_step"], 0, gpu) / spread,
-                        "weights_gb": target["memory_gb"]["parameters"],  # whole, over all its GPUs
-                        "simulated_in_s": target["simulated_in_s"]}}
+    roles = {
+        "target": {
+            "gpus": spread,
+            "memory_gb": target_memory,
+            "flops_per_step": target["flops_per_step"],
+            "step_seconds": _seconds(target["flops_per_step"], 0, gpu) / spread,
+            "weights_gb": target["memory_gb"]["parameters"],  # whole, over all its GPUs
+            "simulated_in_s": target["simulated_in_s"],
+        }
+    }
     tied = bool(getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False))
     for (name, team, dcfg), wanted in zip(teams, distilled):
         t = team.train
-        step = _drafter_step(json.dumps(to_hf_config(dcfg, torch.float32), sort_keys=True), sample.seq_len,
-                             sample.prompt_len, sample.batch, t.num_anchors, t.num_streams, tied,
-                             top_k if wanted else 0, t.distill, t.loss_decay, t.length_bucket)
+        step = _drafter_step(
+            json.dumps(to_hf_config(dcfg, torch.float32), sort_keys=True),
+            sample.seq_len,
+            sample.prompt_len,
+            sample.batch,
+            t.num_anchors,
+            t.num_streams,
+            tied,
+            top_k if wanted else 0,
+            t.distill,
+            t.loss_decay,
+            t.length_bucket,
+        )
         shard_gb = step["parameters"] * 4 / t.num_streams / 1e9
-        role = {"gpus": 1, "memory_gb": dict(step["memory_gb"]), "flops_per_step": step["flops_per_step"],
-                "step_seconds": _seconds(step["flops_per_step"], shard_gb, gpu),
-                "parameters": step["parameters"], "simulated_in_s": step["simulated_in_s"]}
+        role = {
+            "gpus": 1,
+            "memory_gb": dict(step["memory_gb"]),
+            "flops_per_step": step["flops_per_step"],
+            "step_seconds": _seconds(step["flops_per_step"], shard_gb, gpu),
+            "parameters": step["parameters"],
+            "simulated_in_s": step["simulated_in_s"],
+        }
         if t.num_streams > 1:  # FSDP2: bf16 weights gathered forward and backward, fp32 gradients reduce-scattered
             moved = step["parameters"] * (2 + 2 + 4) * (t.num_streams - 1) / t.num_streams / 1e9
             role["collective_gb_per_step"] = round(moved, 2)
@@ -208,12 +258,18 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
     if tr.colocate:  # one GPU holds both: the drafter's step runs after the target's forward
         drafter = roles.pop("drafter")
         target = roles.pop("target")
-        memory = {k: round(drafter["memory_gb"].get(k, 0) + (target["memory_gb"].get(k, 0) if k != "activations"
-                                                               else 0), 2) for k in drafter["memory_gb"]}
+        memory = {
+            k: round(drafter["memory_gb"].get(k, 0) + (target["memory_gb"].get(k, 0) if k != "activations" else 0), 2)
+            for k in drafter["memory_gb"]
+        }
         memory["total"] = round(sum(v for k, v in memory.items() if k != "total"), 2)
-        roles["stream"] = {**drafter, "memory_gb": memory, "flops_per_step": drafter["flops_per_step"]
-                           + target["flops_per_step"], "step_seconds": drafter["step_seconds"] + target["step_seconds"],
-                           "weights_gb": target["weights_gb"]}
+        roles["stream"] = {
+            **drafter,
+            "memory_gb": memory,
+            "flops_per_step": drafter["flops_per_step"] + target["flops_per_step"],
+            "step_seconds": drafter["step_seconds"] + target["step_seconds"],
+            "weights_gb": target["weights_gb"],
+        }
     return roles
 
 
@@ -233,17 +289,23 @@ def generator_role(cfg: RunConfig, hf, weights_gb: float) -> dict:
     kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_per_token = kinds.count("full_attention") * 2 * text.num_key_value_heads * head_dim * 2
-    state = kinds.count("linear_attention") * (getattr(text, "linear_num_value_heads", 0)
-                                               * getattr(text, "linear_key_head_dim", 0)
-                                               * getattr(text, "linear_value_head_dim", 0) * 2)
+    state = kinds.count("linear_attention") * (
+        getattr(text, "linear_num_value_heads", 0)
+        * getattr(text, "linear_key_head_dim", 0)
+        * getattr(text, "linear_value_head_dim", 0)
+        * 2
+    )
     per_sequence = (kv_per_token * g.max_model_len + state) / g.tensor_parallel_size / 1e9
     cache = max(0.0, usable - weights)
-    return {"gpus": g.tensor_parallel_size, "memory_gb": {"parameters": round(weights, 2), "kv_cache": round(cache, 2),
-                                                        "total": round(usable, 2)},
-            "sequences_at_max_model_len": math.floor(cache / per_sequence) if per_sequence else None,
-            "engine_batch": g.batch_size, "fits": cache >= per_sequence,
-            "note": "vLLM sizes its own cache: the figures are its weights and what is left of "
-                    "generate.memory_utilization for the cache"}
+    return {
+        "gpus": g.tensor_parallel_size,
+        "memory_gb": {"parameters": round(weights, 2), "kv_cache": round(cache, 2), "total": round(usable, 2)},
+        "sequences_at_max_model_len": math.floor(cache / per_sequence) if per_sequence else None,
+        "engine_batch": g.batch_size,
+        "fits": cache >= per_sequence,
+        "note": "vLLM sizes its own cache: the figures are its weights and what is left of "
+        "generate.memory_utilization for the cache",
+    }
 
 
 def fitting(cfg: RunConfig, roles: dict[str, dict]) -> None:
@@ -261,20 +323,32 @@ def fitting(cfg: RunConfig, roles: dict[str, dict]) -> None:
         parts = ", ".join(f"{k} {v:.1f}" for v, k in top)
         tr = cfg.train
         if name == "generator":
-            fields, field = "generate.tensor_parallel_size or a lower generate.max_model_len", \
-                "generate.tensor_parallel_size"
+            fields, field = (
+                "generate.tensor_parallel_size or a lower generate.max_model_len",
+                "generate.tensor_parallel_size",
+            )
         elif name == "target":
-            fields, field = (f"train.target_gpus above {tr.target_gpus or tr.actor_gpus or 1:g} (its layers spread), "
-                             f"a lower tokenize.max_seq_len ({cfg.tokenize.max_seq_len})"), "train.target_gpus"
+            fields, field = (
+                (
+                    f"train.target_gpus above {tr.target_gpus or tr.actor_gpus or 1:g} (its layers spread), "
+                    f"a lower tokenize.max_seq_len ({cfg.tokenize.max_seq_len})"
+                ),
+                "train.target_gpus",
+            )
         else:
-            fields = (f"a lower train.num_anchors ({tr.num_anchors}) or tokenize.max_seq_len "
-                      f"({cfg.tokenize.max_seq_len}), more train.num_streams ({tr.num_streams}: a smaller "
-                      "shard), or a smaller drafter (train.num_layers, train.intermediate_size)")
+            fields = (
+                f"a lower train.num_anchors ({tr.num_anchors}) or tokenize.max_seq_len "
+                f"({cfg.tokenize.max_seq_len}), more train.num_streams ({tr.num_streams}: a smaller "
+                "shard), or a smaller drafter (train.num_layers, train.intermediate_size)"
+            )
             field = "train.num_anchors"
-        raise DFlashError(f"the {name} role needs {role['memory_gb']['total']:.1f} GB per GPU at its peak ({parts} GB) "
-                          f"at the longest sequence ({cfg.tokenize.max_seq_len} tokens), above the "
-                          f"{cfg.plan.memory_headroom:.0%} of a {gpu.name}'s {gpu.memory_gb:.1f} GB the plan "
-                          f"allows ({room:.1f} GB); bring it under with {fields}", field=field)
+        raise DFlashError(
+            f"the {name} role needs {role['memory_gb']['total']:.1f} GB per GPU at its peak ({parts} GB) "
+            f"at the longest sequence ({cfg.tokenize.max_seq_len} tokens), above the "
+            f"{cfg.plan.memory_headroom:.0%} of a {gpu.name}'s {gpu.memory_gb:.1f} GB the plan "
+            f"allows ({room:.1f} GB); bring it under with {fields}",
+            field=field,
+        )
 
 
 def check_memory(cfg: RunConfig, target: str) -> dict[str, dict]:
@@ -298,8 +372,9 @@ def straggler_ratios(cfg: RunConfig) -> dict[str, float]:
     group = length_group(tr)
     out = {}
     for name, g in (("unbalanced", 0), ("balanced", group)):
-        schedule = Schedule(samples, tr.num_streams, tr.batch_size, tr.seed, window=tr.shard_window, lengths=lengths,
-                            group=g)
+        schedule = Schedule(
+            samples, tr.num_streams, tr.batch_size, tr.seed, window=tr.shard_window, lengths=lengths, group=g
+        )
         out[name] = round(schedule.straggler_ratio(range(schedule.steps_per_epoch)), 3)
     return out
 
@@ -322,11 +397,21 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
 
     # a stream's step: the target's forward overlaps its drafters' steps when batches are sent ahead
     drafter_s = max(r["step_seconds"] for k, r in at_mean.items() if k.startswith("drafter") or k == "stream")
-    step_s = drafter_s if tr.colocate else (max(drafter_s, at_mean["target"]["step_seconds"]) if tr.max_in_flight
-                                            else drafter_s + at_mean["target"]["step_seconds"])
+    step_s = (
+        drafter_s
+        if tr.colocate
+        else (
+            max(drafter_s, at_mean["target"]["step_seconds"])
+            if tr.max_in_flight
+            else drafter_s + at_mean["target"]["step_seconds"]
+        )
+    )
     if stragglers and not tr.colocate:  # the step waits for the stream with the longest sample
-        step_s = max(drafter_s, at_mean["target"]["step_seconds"] * stragglers["balanced"]) if tr.max_in_flight \
+        step_s = (
+            max(drafter_s, at_mean["target"]["step_seconds"] * stragglers["balanced"])
+            if tr.max_in_flight
             else drafter_s + at_mean["target"]["step_seconds"] * stragglers["balanced"]
+        )
     per_stream = sum(r["gpus"] for r in at_mean.values())
     if p.training_tokens_per_s_per_gpu > 0:
         train_rate, rate_source = p.training_tokens_per_s_per_gpu, "measured (plan.training_tokens_per_s_per_gpu)"
@@ -338,32 +423,59 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     for name, role in at_mean.items():
         comm = role.get("collective_seconds_at_min_bus_bandwidth")
         if comm and comm > role["step_seconds"]:
-            warnings.append(f"the {name} role's FSDP2 traffic ({role['collective_gb_per_step']} GB a step) takes "
-                            f"{comm:.2f} s at train.min_bus_bandwidth={tr.min_bus_bandwidth:g} GB/s, more than its "
-                            f"{role['step_seconds']:.2f} s of compute: it cannot hide behind it; the step needs "
-                            f"{role['collective_gb_per_step'] / role['step_seconds']:.0f} GB/s of bus bandwidth")
+            warnings.append(
+                f"the {name} role's FSDP2 traffic ({role['collective_gb_per_step']} GB a step) takes "
+                f"{comm:.2f} s at train.min_bus_bandwidth={tr.min_bus_bandwidth:g} GB/s, more than its "
+                f"{role['step_seconds']:.2f} s of compute: it cannot hide behind it; the step needs "
+                f"{role['collective_gb_per_step'] / role['step_seconds']:.0f} GB/s of bus bandwidth"
+            )
     v = cfg.validate
     offline = p.train_tokens * v.num_feature_layers * v.hidden_size * 2  # bf16 features of every token
-    roles = {name: {**role, "step_seconds_at_mean": at_mean.get(name, {}).get("step_seconds"),
-                    "flops_per_step_at_mean": at_mean.get(name, {}).get("flops_per_step")}
-             for name, role in peak.items()}
+    roles = {
+        name: {
+            **role,
+            "step_seconds_at_mean": at_mean.get(name, {}).get("step_seconds"),
+            "flops_per_step_at_mean": at_mean.get(name, {}).get("flops_per_step"),
+        }
+        for name, role in peak.items()
+    }
     return {
-        "stage": "plan", "cluster": p.cluster or None, "target_config": source,
-        "gpu": {"name": gpu.name, "memory_gb": gpu.memory_gb, "usable_gb": round(gpu.memory_gb * p.memory_headroom, 1),
-                "bf16_tflops": gpu.bf16_tflops, "bandwidth_tbs": gpu.bandwidth_tbs},
+        "stage": "plan",
+        "cluster": p.cluster or None,
+        "target_config": source,
+        "gpu": {
+            "name": gpu.name,
+            "memory_gb": gpu.memory_gb,
+            "usable_gb": round(gpu.memory_gb * p.memory_headroom, 1),
+            "bf16_tflops": gpu.bf16_tflops,
+            "bandwidth_tbs": gpu.bandwidth_tbs,
+        },
         "estimator": ESTIMATOR,
         "shapes": {"longest": vars(longest), "mean": vars(mean)},
         "roles": roles,
-        "workload": {"prompts": p.prompts, "output_tokens": p.output_tokens, "train_tokens": p.train_tokens,
-                     "epochs": p.epochs},
-        "generation": {"gpus": gen_gpus, "tokens_per_s_per_gpu": p.generation_tokens_per_s_per_gpu,
-                       "gpu_hours": round(gen_gpu_h, 1), "wall_hours": round(gen_gpu_h / gen_gpus, 2)},
-        "training": {"gpus": train_gpus, "gpus_per_stream": per_stream, "tokens_per_s_per_gpu": round(train_rate, 1),
-                     "straggler_ratio": stragglers or "no plan.dataset: the step assumes streams of equal lengths",
-                     "rate_source": rate_source, "gpu_hours": round(train_gpu_h, 1),
-                     "wall_hours": round(train_gpu_h / train_gpus, 2)},
+        "workload": {
+            "prompts": p.prompts,
+            "output_tokens": p.output_tokens,
+            "train_tokens": p.train_tokens,
+            "epochs": p.epochs,
+        },
+        "generation": {
+            "gpus": gen_gpus,
+            "tokens_per_s_per_gpu": p.generation_tokens_per_s_per_gpu,
+            "gpu_hours": round(gen_gpu_h, 1),
+            "wall_hours": round(gen_gpu_h / gen_gpus, 2),
+        },
+        "training": {
+            "gpus": train_gpus,
+            "gpus_per_stream": per_stream,
+            "tokens_per_s_per_gpu": round(train_rate, 1),
+            "straggler_ratio": stragglers or "no plan.dataset: the step assumes streams of equal lengths",
+            "rate_source": rate_source,
+            "gpu_hours": round(train_gpu_h, 1),
+            "wall_hours": round(train_gpu_h / train_gpus, 2),
+        },
         "offline_storage_avoided_tb": round(offline / 1e12, 1),
         "offline_storage_note": f"{v.num_feature_layers} layers x hidden {v.hidden_size} x 2 bytes per token, "
-                                "written once and read every epoch",
+        "written once and read every epoch",
         "warnings": warnings,
     }

@@ -46,14 +46,14 @@ class PromptBudget:
     def check(self, prompt: Prompt) -> None:
         tools = json.loads(prompt.tools) if prompt.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(prompt.messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                prompt.messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # jinja errors carry no common base class
             raise BadRecord(f"chat template error: {e}", "template_error") from None
         count = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if count > self.max_tokens:
-            raise BadRecord(f"prompt has {count} tokens, over the budget of {self.max_tokens}",
-                            "over_budget")
+            raise BadRecord(f"prompt has {count} tokens, over the budget of {self.max_tokens}", "over_budget")
 
 
 def shard_bytes(rows: list[dict[str, Any]], table_schema: pa.Schema = schema.PROMPTS) -> bytes:
@@ -62,8 +62,9 @@ def shard_bytes(rows: list[dict[str, Any]], table_schema: pa.Schema = schema.PRO
     return sink.getvalue()
 
 
-def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: bool = True,
-                responses: bool = False) -> dict[str, Any]:
+def run_prompts(
+    inputs: list[str], output: str, cfg: RunConfig, *, progress: bool = True, responses: bool = False
+) -> dict[str, Any]:
     """Prompt shards for generation; with `responses`, completion shards of the records' own last
     assistant answers instead (existing responses: tokenize reads them as it reads generated ones).
     The sources are `inputs` (all of each) and the mix of `prompts.sources` (see `mix`)."""
@@ -71,15 +72,18 @@ def run_prompts(inputs: list[str], output: str, cfg: RunConfig, *, progress: boo
 
     for uri in inputs:  # a commit replaces the output's shards: never where the user's own files are read
         if not hub.is_hub_dataset(uri) and storage.overlaps(uri, output):
-            raise DFlashError(f"the output {output} and the input {uri} overlap (one is, or is inside, the other): "
-                              "writing there could replace the input's files; give an output folder of its own",
-                              file=output)
+            raise DFlashError(
+                f"the output {output} and the input {uri} overlap (one is, or is inside, the other): "
+                "writing there could replace the input's files; give an output folder of its own",
+                file=output,
+            )
     with writer.claim(output, "completions" if responses else "prompts") as held:
         return _prompts(inputs, output, cfg, progress, responses, held)
 
 
-def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, responses: bool,
-             held: writer.Claim) -> dict[str, Any]:
+def _prompts(
+    inputs: list[str], output: str, cfg: RunConfig, progress: bool, responses: bool, held: writer.Claim
+) -> dict[str, Any]:
     import sys
 
     pcfg = cfg.prompts
@@ -111,8 +115,12 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
     def quarantined(item: RawRecord, error: BadRecord, tally: collections.Counter[str]) -> None:
         kinds[error.kind] += 1
         tally["quarantined"] += 1
-        quarantine.append(json.dumps({**item.where(), "kind": error.kind, "reason": str(error),
-                                      "record": raw_preview(item)}, ensure_ascii=False))
+        quarantine.append(
+            json.dumps(
+                {**item.where(), "kind": error.kind, "reason": str(error), "record": raw_preview(item)},
+                ensure_ascii=False,
+            )
+        )
 
     from tqdm import tqdm
 
@@ -127,8 +135,9 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
                 quarantined(item, item.error, tally)
                 continue
             try:
-                made: Sequence[Prompt | Answered] = [normalize_answered(item.record)] if responses else \
-                    normalize(item.record, pcfg.multi_turn)
+                made: Sequence[Prompt | Answered] = (
+                    [normalize_answered(item.record)] if responses else normalize(item.record, pcfg.multi_turn)
+                )
                 for one in made:
                     if budget is not None:
                         budget.check(_prompt(one))
@@ -152,39 +161,58 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
             if tally["prompts"] == source.count:  # read no further
                 break
         counts.update(tally)
-        per_source.append({**source.entry(), **{k: tally[k] for k in (
-            "records", "records_ok", "quarantined", "duplicates", "prompts")}})
+        per_source.append(
+            {
+                **source.entry(),
+                **{k: tally[k] for k in ("records", "records_ok", "quarantined", "duplicates", "prompts")},
+            }
+        )
         if tally["over_count"]:
             per_source[-1]["over_count"] = tally["over_count"]
         if source.count is not None and tally["prompts"] < source.count:
-            warnings.append(f"{per_source[-1]['uri']} gave {tally['prompts']} of the {source.count} prompts "
-                            "asked of it: it has no more that pass quarantine and dedup")
+            warnings.append(
+                f"{per_source[-1]['uri']} gave {tally['prompts']} of the {source.count} prompts "
+                "asked of it: it has no more that pass quarantine and dedup"
+            )
             print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     bar.close()
     inputs_read = sum(len(s.files) if s.dataset is None else 1 for s in sources)
     skipped = [f for s in sources for f in s.skipped()]
     if skipped:  # never without a word: `_b.jsonl`, `notes.txt` and the like are named
-        warnings.append(f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
-                        f"or named with a leading . or _): {', '.join(skipped[:10])}")
+        warnings.append(
+            f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
+            f"or named with a leading . or _): {', '.join(skipped[:10])}"
+        )
         print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     summary: dict[str, Any] = {
-        "stage": stage, "output": output, "input_files": inputs_read, "skipped_files": skipped,
+        "stage": stage,
+        "output": output,
+        "input_files": inputs_read,
+        "skipped_files": skipped,
         # every record read is quarantined or makes prompts: records = records_ok + quarantined
-        "records": counts["records"], "records_ok": counts["records_ok"], "prompts": len(seen),
-        "duplicates": counts["duplicates"], "quarantined": len(quarantine),
-        "quarantine_kinds": dict(sorted(kinds.items())), "quarantine_file": storage.join(output, QUARANTINE),
-        "shards": len(shards) + bool(rows), "sources": per_source, "warnings": warnings,
+        "records": counts["records"],
+        "records_ok": counts["records_ok"],
+        "prompts": len(seen),
+        "duplicates": counts["duplicates"],
+        "quarantined": len(quarantine),
+        "quarantine_kinds": dict(sorted(kinds.items())),
+        "quarantine_file": storage.join(output, QUARANTINE),
+        "shards": len(shards) + bool(rows),
+        "sources": per_source,
+        "warnings": warnings,
     }
     report = "".join(line + "\n" for line in quarantine)
     if not seen:
         summary["quarantine_file"] = manifest.report_uri(output, QUARANTINE)
         storage.write_text(summary["quarantine_file"], report)
         kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
-        raise DFlashError(f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in "
-                          f"{inputs_read} files or datasets "
-                          f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
-                          f"{summary['quarantine_file']}",
-                          file=", ".join(s.uri for s in sources)).with_summary(summary)
+        raise DFlashError(
+            f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in "
+            f"{inputs_read} files or datasets "
+            f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
+            f"{summary['quarantine_file']}",
+            file=", ".join(s.uri for s in sources),
+        ).with_summary(summary)
     if responses:
         checks = _response_checks(len(seen), thinking, pcfg.tokenizer)
         summary.update({**checks, "warnings": warnings + checks["warnings"]})
@@ -192,8 +220,14 @@ def _prompts(inputs: list[str], output: str, cfg: RunConfig, progress: bool, res
         flush()
     held.check()
     storage.write_text(storage.join(output, QUARANTINE), report)
-    manifest.commit(output, kind="completions" if responses else "prompts", files=shards, summary=summary,
-                    config=cfg.to_dict(), prefix=f"{stage}-")
+    manifest.commit(
+        output,
+        kind="completions" if responses else "prompts",
+        files=shards,
+        summary=summary,
+        config=cfg.to_dict(),
+        prefix=f"{stage}-",
+    )
     return summary
 
 
@@ -215,8 +249,10 @@ def _response_checks(answers: int, thinking: int, tokenizer: str) -> dict[str, A
     share = thinking / answers if answers else 0.0
     warnings = []
     if thinking_target and share < 0.5:
-        warnings.append(f"{tokenizer}'s chat template is a thinking model's, but only {share:.0%} of the answers "
-                        "have a thinking block: responses not written by the target teach the drafter "
-                        "another model's text; regenerating them (`dflash-ray generate`) is safer")
+        warnings.append(
+            f"{tokenizer}'s chat template is a thinking model's, but only {share:.0%} of the answers "
+            "have a thinking block: responses not written by the target teach the drafter "
+            "another model's text; regenerating them (`dflash-ray generate`) is safer"
+        )
         print(f"dflash-ray responses: warning: {warnings[-1]}", file=sys.stderr)
     return {"thinking_share": round(share, 4), "thinking_target": thinking_target, "warnings": warnings}

@@ -54,12 +54,15 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     made = manifest.read_manifest(output)
     if made is not None:
         if made.get("config") != settings:
-            raise DFlashError("holds prompts written with other settings; choose another --output or delete it",
-                              file=storage.join(output, manifest.MANIFEST))
+            raise DFlashError(
+                "holds prompts written with other settings; choose another --output or delete it",
+                file=storage.join(output, manifest.MANIFEST),
+            )
         return {**made["summary"], "reused": True, "seconds": round(time.time() - started, 1)}
     check_model(model)
-    gcfg = dataclasses.replace(cfg.generate, temperature=scfg.temperature, top_p=scfg.top_p,
-                               max_tokens=scfg.max_tokens, seed=scfg.seed)
+    gcfg = dataclasses.replace(
+        cfg.generate, temperature=scfg.temperature, top_p=scfg.top_p, max_tokens=scfg.max_tokens, seed=scfg.seed
+    )
     connect(cfg.ray)
     tasks = max(1, min(gcfg.generators, scfg.count))
     write = ray.remote(_write).options(**engine_options(gcfg), num_returns="streaming")
@@ -82,8 +85,16 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
             bar.update(len(part))
     records, dropped = select(candidates, scfg)
     storage.write_text(storage.join(output, FILE), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    summary = {"stage": "selfprompt", "output": output, "file": storage.join(output, FILE), "model": model,
-               "candidates": len(candidates), "prompts": len(records), "dropped": dropped}
-    manifest.write_manifest(output, kind="prompts-jsonl", files=[{"name": FILE, "rows": len(records)}],
-                            summary=summary, config=settings)
+    summary = {
+        "stage": "selfprompt",
+        "output": output,
+        "file": storage.join(output, FILE),
+        "model": model,
+        "candidates": len(candidates),
+        "prompts": len(records),
+        "dropped": dropped,
+    }
+    manifest.write_manifest(
+        output, kind="prompts-jsonl", files=[{"name": FILE, "rows": len(records)}], summary=summary, config=settings
+    )
     return {**summary, "reused": False, "seconds": round(time.time() - started, 1)}

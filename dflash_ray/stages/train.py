@@ -28,15 +28,17 @@ def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
 
     steps = [m["step"] for m in metrics]
     with png_figure(3, (12, 3.2)) as (_, axes, buf):
-        for ax, key, title in zip(axes, ("loss", "tau", "tokens_per_s"),
-                                  ("loss", "simulated acceptance length", "tokens/s")):
+        for ax, key, title in zip(
+            axes, ("loss", "tau", "tokens_per_s"), ("loss", "simulated acceptance length", "tokens/s")
+        ):
             ax.plot(steps, [m[key] for m in metrics], color=COLOR, label="train batches")
             ax.set_title(title)
             ax.set_xlabel("step")
         held = [m for m in metrics if m.get("heldout_tau") is not None]
         if held:
-            axes[1].plot([m["step"] for m in held], [m["heldout_tau"] for m in held], "o-", color="#c0504d",
-                         label="held-out")
+            axes[1].plot(
+                [m["step"] for m in held], [m["heldout_tau"] for m in held], "o-", color="#c0504d", label="held-out"
+            )
             axes[1].legend()
     return buf.getvalue()
 
@@ -46,14 +48,24 @@ def _interrupted(output: str) -> Interrupted:
     from dflash_ray.train import checkpoint
 
     done = checkpoint.complete_steps(output)
-    where = (f"its last checkpoint is step {done[-1]} ({checkpoint.step_dir(output, done[-1])})" if done
-             else "no checkpoint was written yet, so it starts over")
-    return Interrupted(f"interrupted; {where}: run the same command with --resume to go on",
-                       file=output)
+    where = (
+        f"its last checkpoint is step {done[-1]} ({checkpoint.step_dir(output, done[-1])})"
+        if done
+        else "no checkpoint was written yet, so it starts over"
+    )
+    return Interrupted(f"interrupted; {where}: run the same command with --resume to go on", file=output)
 
 
-def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after_step: int | None = None,
-              progress: bool = True, run_name: str | None = None) -> dict[str, Any]:
+def run_train(
+    target: str,
+    data: str,
+    output: str,
+    cfg: RunConfig,
+    *,
+    stop_after_step: int | None = None,
+    progress: bool = True,
+    run_name: str | None = None,
+) -> dict[str, Any]:
     """Train, resuming from the newest complete checkpoint in `output` when there is one.
     `stop_after_step` ends the run (with a checkpoint) after that step, to train in slices."""
     import uuid
@@ -93,9 +105,11 @@ def run_train(target: str, data: str, output: str, cfg: RunConfig, *, stop_after
         check_floor(network, cfg.train.min_bus_bandwidth)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     # an actor handle: Ray's typing does not give its methods a `.remote`
-    coordinator: Any = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=2,
-                                                  resources=on_node(cfg.ray.head_resource)).remote(
-        target, data, output, cfg, run_name, teams, driver_env())
+    coordinator: Any = (
+        ray.remote(Coordinator)
+        .options(num_cpus=0, max_concurrency=2, resources=on_node(cfg.ray.head_resource))
+        .remote(target, data, output, cfg, run_name, teams, driver_env())
+    )
     run_ref = coordinator.run.remote(stop_after_step)
     bar = None
     seen = 0  # metric rows read

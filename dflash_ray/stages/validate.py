@@ -11,13 +11,13 @@ import numpy as np
 from dflash_ray import storage
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data.tokenized import open_tokenized
-from dflash_ray.data.validate import (
-    TOP_VALUES, distribution, examples, gate_rules, histogram_png, markdown, scan)
+from dflash_ray.data.validate import TOP_VALUES, distribution, examples, gate_rules, histogram_png, markdown, scan
 from dflash_ray.errors import DFlashError
 
 
-def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = None,
-                 tokenizer_name: str | None = None) -> dict[str, Any]:
+def run_validate(
+    input_uri: str, cfg: RunConfig, *, report_dir: str | None = None, tokenizer_name: str | None = None
+) -> dict[str, Any]:
     """Compute the report, write it (when `report_dir`), and return it; the caller enforces the gate."""
     from dflash_ray.registry import load_tokenizer
 
@@ -25,11 +25,14 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
     data = open_tokenized(input_uri)
     made_by = data.made_by or {}
     set_in_config = cfg.tokenize.tokenizer if cfg.tokenize.tokenizer != TokenizeConfig().tokenizer else None
-    tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") \
-        or set_in_config
+    tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") or set_in_config
     if not tokenizer_name:  # a guess would decode the report's samples into garbage, and check ids against it
-        raise DFlashError("the dataset's manifest names no tokenizer (it was not tokenized here): give the one "
-                          "that made its ids with --tokenizer NAME_OR_PATH", file=input_uri, field="tokenize.tokenizer")
+        raise DFlashError(
+            "the dataset's manifest names no tokenizer (it was not tokenized here): give the one "
+            "that made its ids with --tokenizer NAME_OR_PATH",
+            file=input_uri,
+            field="tokenize.tokenizer",
+        )
     tokenizer = load_tokenizer(tokenizer_name)
     found = scan(data, tokenizer)
     n = int(found.loss_sums.size)
@@ -39,17 +42,24 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
     order = np.argsort(-counts, kind="stable")[:TOP_VALUES]
     tokens, loss_tokens = int(found.seq_lens.sum()), int(found.loss_sums.sum())
     stats = {
-        "samples": n, "tokens": tokens, "loss_tokens": loss_tokens,
+        "samples": n,
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
         "response_fraction": loss_tokens / max(tokens, 1),
-        "loss_mask_sum": {**distribution(found.loss_sums), "most_common": [
-            {"value": int(values[i]), "count": int(counts[i]), "share": float(counts[i] / n)} for i in order]},
+        "loss_mask_sum": {
+            **distribution(found.loss_sums),
+            "most_common": [
+                {"value": int(values[i]), "count": int(counts[i]), "share": float(counts[i] / n)} for i in order
+            ],
+        },
         "seq_len": distribution(found.seq_lens),
         "no_loss_share": float((found.loss_sums == 0).mean()),
         "empty_thinking_share": (found.empty_thinking / n) if "<think>" in tokenizer.get_vocab() else None,
         "offline_storage_bytes": vcfg.num_feature_layers * vcfg.hidden_size * 2 * tokens,
-        "sources": {src: {"samples": int(c),
-                          "median_response": float(np.median(np.concatenate(found.source_loss[src])))}
-                    for src, c in found.sources.most_common()},
+        "sources": {
+            src: {"samples": int(c), "median_response": float(np.median(np.concatenate(found.source_loss[src])))}
+            for src, c in found.sources.most_common()
+        },
     }
     rules = gate_rules(stats, vcfg.gate)
     rng = np.random.default_rng(vcfg.seed)
@@ -57,18 +67,25 @@ def run_validate(input_uri: str, cfg: RunConfig, *, report_dir: str | None = Non
     dominant = np.flatnonzero(found.loss_sums == mode)[: vcfg.num_examples].tolist()
     random_rows = sorted(rng.choice(n, size=min(n, vcfg.num_examples), replace=False).tolist())
     report = {
-        "stage": "validate", "input": input_uri, "tokenizer": tokenizer_name,
-        "passed": all(r["passed"] for r in rules), "failed_rules": [r["rule"] for r in rules if not r["passed"]],
-        "rules": rules, "stats": stats,
+        "stage": "validate",
+        "input": input_uri,
+        "tokenizer": tokenizer_name,
+        "passed": all(r["passed"] for r in rules),
+        "failed_rules": [r["rule"] for r in rules if not r["passed"]],
+        "rules": rules,
+        "stats": stats,
         "dominant_examples": examples(found, dominant, tokenizer, "id" in data.columns),
         "random_examples": examples(found, random_rows, tokenizer, "id" in data.columns),
     }
     if report_dir:
         storage.write_text(storage.join(report_dir, "report.json"), json.dumps(report, indent=1))
         storage.write_text(storage.join(report_dir, "report.md"), markdown(report))
-        storage.write_bytes(storage.join(report_dir, "loss_mask_sum.png"), histogram_png(
-            found.loss_sums, "Response tokens per sample (loss-mask sum)", "loss-mask sum"))
-        storage.write_bytes(storage.join(report_dir, "seq_len.png"), histogram_png(
-            found.seq_lens, "Sequence length", "tokens"))
+        storage.write_bytes(
+            storage.join(report_dir, "loss_mask_sum.png"),
+            histogram_png(found.loss_sums, "Response tokens per sample (loss-mask sum)", "loss-mask sum"),
+        )
+        storage.write_bytes(
+            storage.join(report_dir, "seq_len.png"), histogram_png(found.seq_lens, "Sequence length", "tokens")
+        )
         report["report_dir"] = report_dir
     return report

@@ -40,8 +40,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 @contextmanager
-def capture(model: nn.Module, layer_ids: list[int], *,
-            stop_after_last: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+def capture(
+    model: nn.Module, layer_ids: list[int], *, stop_after_last: bool = True
+) -> Iterator[dict[int, torch.Tensor]]:
     """Hooks that record each chosen layer's output; removed on exit whatever happens."""
     layers = decoder_layers(model)
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
@@ -67,17 +68,25 @@ def capture(model: nn.Module, layer_ids: list[int], *,
 
 
 @torch.no_grad()
-def target_features(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int],
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def target_features(
+    model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int], attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, S, n*H]: the chosen layers' outputs, concatenated in `layer_ids` order."""
     return target_outputs(model, input_ids, layer_ids, attention_mask)[0]
 
 
 @torch.no_grad()
-def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[int],
-                   attention_mask: torch.Tensor | None = None, *, top_k: int = 0,
-                   want_BS: torch.Tensor | None = None, max_chunk_bytes: int = 256 * 1024**2,
-                   last_hidden: bool = False):
+def target_outputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    layer_ids: list[int],
+    attention_mask: torch.Tensor | None = None,
+    *,
+    top_k: int = 0,
+    want_BS: torch.Tensor | None = None,
+    max_chunk_bytes: int = 256 * 1024**2,
+    last_hidden: bool = False,
+):
     """The features, and with `top_k > 0` the target's own next-token distribution as its top-k:
     ids [B, S, k] and probabilities [B, S, k] (float32; softmax over the whole vocabulary, so a row
     sums to at most 1) at the positions `want_BS` marks (zeros elsewhere). Position p holds the
@@ -109,7 +118,7 @@ def target_outputs(model: nn.Module, input_ids: torch.Tensor, layer_ids: list[in
     rows = wanted.nonzero()
     chunk = max(1, max_chunk_bytes // (4 * head.shape[0]))
     for start in range(0, rows.shape[0], chunk):
-        b, s = rows[start:start + chunk].unbind(-1)
+        b, s = rows[start : start + chunk].unbind(-1)
         logp = torch.log_softmax((hidden[b, s].to(head.dtype) @ head.t()).float(), dim=-1)
         top = logp.topk(top_k, dim=-1)
         ids[b, s], probs[b, s] = top.indices, top.values.exp()
@@ -140,11 +149,13 @@ def embedding_rows(target_dir: str | Path, rows: list[int]) -> torch.Tensor:
     weight_map = _weight_map(target_dir)
     name = next((k for k in sorted(weight_map) if _is_embedding(k)), None)
     if name is None:
-        raise DFlashError("no embed_tokens weight: not a language model's checkpoint (a drafter folder?); give the "
-                          "target model", file=str(target_dir))
+        raise DFlashError(
+            "no embed_tokens weight: not a language model's checkpoint (a drafter folder?); give the target model",
+            file=str(target_dir),
+        )
     with safe_open(target_dir / weight_map[name], "pt") as f:
         table = f.get_slice(name)
-        return torch.cat([table[r:r + 1] for r in rows]).float()
+        return torch.cat([table[r : r + 1] for r in rows]).float()
 
 
 def read_tensors(target_dir: str | Path, want) -> dict[str, torch.Tensor]:
@@ -166,7 +177,9 @@ def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Ten
     tensors = read_tensors(target_dir, lambda k: _is_embedding(k) or k.endswith("lm_head.weight"))
     embed = next((v for k, v in sorted(tensors.items()) if k.endswith("embed_tokens.weight")), None)
     if embed is None:
-        raise DFlashError("no embed_tokens weight: not a language model's checkpoint (a drafter folder?); give the "
-                          "target model", file=str(target_dir))
+        raise DFlashError(
+            "no embed_tokens weight: not a language model's checkpoint (a drafter folder?); give the target model",
+            file=str(target_dir),
+        )
     head = next((v for k, v in tensors.items() if k.endswith("lm_head.weight")), embed)
     return embed, head

@@ -16,8 +16,10 @@ from torch import nn
 from dflash_ray.errors import DFlashError
 
 # the distribution to install -> (module, function transformers looks up in it)
-KERNELS = {"flash-linear-attention": ("fla", "chunk_gated_delta_rule"),
-           "causal-conv1d": ("causal_conv1d", "causal_conv1d_fn")}
+KERNELS = {
+    "flash-linear-attention": ("fla", "chunk_gated_delta_rule"),
+    "causal-conv1d": ("causal_conv1d", "causal_conv1d_fn"),
+}
 
 
 def linear_attention_layers(model: nn.Module) -> int:
@@ -44,9 +46,11 @@ def check(model: nn.Module, device: str, allow_slow: bool) -> list[str]:
         return []
     missing = missing_kernels()
     if missing and not allow_slow:
-        raise DFlashError(f"the target's {linear_attention_layers(model)} Gated-DeltaNet layers would run on "
-                          f"transformers' torch fallback, over 10x slower on a GPU: {', '.join(missing)} does not "
-                          f"import on the target's node; install it (pip install {' '.join(missing)}, the `gpu` "
-                          "extra), or set train.allow_slow_target=true to go on anyway",
-                          field="train.allow_slow_target")
+        raise DFlashError(
+            f"the target's {linear_attention_layers(model)} Gated-DeltaNet layers would run on "
+            f"transformers' torch fallback, over 10x slower on a GPU: {', '.join(missing)} does not "
+            f"import on the target's node; install it (pip install {' '.join(missing)}, the `gpu` "
+            "extra), or set train.allow_slow_target=true to go on anyway",
+            field="train.allow_slow_target",
+        )
     return missing

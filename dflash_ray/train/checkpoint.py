@@ -220,8 +220,7 @@ def rotate(output: str, keep: int, upto: int | None = None) -> list[int]:
     folder OLDER than the newest one that verifies. Nothing newer is touched (an unverified newer
     checkpoint is never what a resume takes, and deleting it could lose the only copy of a step), and
     with `upto` (the step just written) neither is anything after it. Returns the deleted steps."""
-    folders = [s for s in (step_of(f) for f in storage.list_dirs(storage.join(output, "checkpoints")))
-               if s is not None]
+    folders = [s for s in (step_of(f) for f in storage.list_dirs(storage.join(output, "checkpoints"))) if s is not None]
     kept: list[int] = []
     for step in reversed(complete_steps(output)):
         if upto is not None and step > upto:

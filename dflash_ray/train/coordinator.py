@@ -42,8 +42,14 @@ from dflash_ray.train import checkpoint
 from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.handoff import Layout
-from dflash_ray.train.schedule import (Schedule, dataset_samples, length_group, sample_lengths, sample_prompts,
-                                      split_heldout)
+from dflash_ray.train.schedule import (
+    Schedule,
+    dataset_samples,
+    length_group,
+    sample_lengths,
+    sample_prompts,
+    split_heldout,
+)
 from dflash_ray.train.trackers import Trackers
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
@@ -80,10 +86,12 @@ def place_stream(tcfg, stream: int, bundles: list[dict], what: str):
         ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        raise DFlashError(f"stream {stream}'s {what} ({bundles}, on one node) were not placed in "
-                          f"{tcfg.placement_timeout_s:g} s: the cluster has {ray.available_resources()} "
-                          "free; other work holds the rest, or the autoscaler cannot add such a node",
-                          field="train.placement_timeout_s") from None
+        raise DFlashError(
+            f"stream {stream}'s {what} ({bundles}, on one node) were not placed in "
+            f"{tcfg.placement_timeout_s:g} s: the cluster has {ray.available_resources()} "
+            "free; other work holds the rest, or the autoscaler cannot add such a node",
+            field="train.placement_timeout_s",
+        ) from None
     return pg
 
 
@@ -110,17 +118,33 @@ def first_error(refs: list) -> list:
 CHECKPOINT_THREAD = "checkpoint"  # a drafter actor's concurrency group for its checkpoint files
 
 # settings that change how a run executes, not what it trains: free to differ on resume
-OPERATIONAL = {"actor_cpus", "actor_gpus", "torch_threads", "max_in_flight", "checkpoint_every",
-               "keep_checkpoints", "max_restarts", "eval_every", "colocate", "node_resource", "trackers",
-               "collective_timeout_s", "fault_step", "min_bus_bandwidth", "feature_transport",
-               "allow_slow_target", "profile_steps",
-               "num_streams"}  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
+OPERATIONAL = {
+    "actor_cpus",
+    "actor_gpus",
+    "torch_threads",
+    "max_in_flight",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_restarts",
+    "eval_every",
+    "colocate",
+    "node_resource",
+    "trackers",
+    "collective_timeout_s",
+    "fault_step",
+    "min_bus_bandwidth",
+    "feature_transport",
+    "allow_slow_target",
+    "profile_steps",
+    "num_streams",
+}  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
 
 
 @dataclass
 class Team:
     """One drafter of the run: its settings, its actors (one per stream, a process group of their
     own), where it writes, and its figures."""
+
     name: str  # "" for a run's only drafter
     cfg: RunConfig  # the run's settings with this drafter's own (`train.drafters`)
     drafter_cfg_json: str
@@ -136,8 +160,16 @@ class Team:
 
 
 class Coordinator:
-    def __init__(self, target: str, data: str, output: str, cfg: RunConfig, run_name: str,
-                 drafters: list[tuple[str, RunConfig, dict, str]], tracking_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        target: str,
+        data: str,
+        output: str,
+        cfg: RunConfig,
+        run_name: str,
+        drafters: list[tuple[str, RunConfig, dict, str]],
+        tracking_env: dict[str, str] | None = None,
+    ):
         """`drafters`: (name, its settings, `drafter_config`, `drafter_init`) for each drafter of the
         run, computed on the driver; `tracking_env`: the trackers' settings from the driver's environment."""
         self.stopping = False
@@ -149,9 +181,17 @@ class Coordinator:
         self.total_steps: int | None = None
         self.failures: list[str] = []  # what each restart recovered from
         self.resumed_from: list[int] = []  # the checkpoint step each restart went on from (0: the start)
-        self.teams = [Team(name, team_cfg, json.dumps(drafter_cfg), init,
-                           storage.join(output, name) if name else output, mask_and_layer_ids(drafter_cfg)[1])
-                      for name, team_cfg, drafter_cfg, init in drafters]
+        self.teams = [
+            Team(
+                name,
+                team_cfg,
+                json.dumps(drafter_cfg),
+                init,
+                storage.join(output, name) if name else output,
+                mask_and_layer_ids(drafter_cfg)[1],
+            )
+            for name, team_cfg, drafter_cfg, init in drafters
+        ]
         self.layer_ids, picks = union_layers([t.layer_ids for t in self.teams])  # what the targets capture
         for team, pick in zip(self.teams, picks):
             team.pick = pick
@@ -190,8 +230,16 @@ class Coordinator:
         """The schedule (and the run's length) from `origin` (`Schedule`): the start, or where a
         checkpoint made on another number of streams stood."""
         tcfg = self.cfg.train
-        self.schedule = Schedule(self.train_samples, tcfg.num_streams, tcfg.batch_size, tcfg.seed, origin,
-                                 tcfg.shard_window, self.lengths, self.length_group)
+        self.schedule = Schedule(
+            self.train_samples,
+            tcfg.num_streams,
+            tcfg.batch_size,
+            tcfg.seed,
+            origin,
+            tcfg.shard_window,
+            self.lengths,
+            self.length_group,
+        )
         total = self.schedule.total_steps(tcfg.epochs)
         self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
 
@@ -212,22 +260,42 @@ class Coordinator:
 
             def at(index: int, role: str) -> dict:
                 gpus = bundles[index].get("GPU", 0)
-                return {"num_cpus": tcfg.actor_cpus, "num_gpus": gpus, "resources": resources,
-                        "name": f"{self.run_name}-{role}-{s}", "scheduling_strategy":
-                        PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+                return {
+                    "num_cpus": tcfg.actor_cpus,
+                    "num_gpus": gpus,
+                    "resources": resources,
+                    "name": f"{self.run_name}-{role}-{s}",
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                }
 
             if tcfg.colocate:  # the stream's one actor is its target and its drafter
                 team = self.teams[0]
-                team.drafters.append(drafter_actor(ColocatedWorker).options(**at(0, "stream")).remote(
-                    self.target, self.layer_ids, team.drafter_cfg_json, team.init, team.cfg.train, s,
-                    tcfg.num_streams))
+                team.drafters.append(
+                    drafter_actor(ColocatedWorker)
+                    .options(**at(0, "stream"))
+                    .remote(
+                        self.target,
+                        self.layer_ids,
+                        team.drafter_cfg_json,
+                        team.init,
+                        team.cfg.train,
+                        s,
+                        tcfg.num_streams,
+                    )
+                )
                 continue
-            self.targets.append(ray.remote(TargetWorker).options(**at(0, "target")).remote(
-                self.target, self.layer_ids, tcfg))
+            self.targets.append(
+                ray.remote(TargetWorker).options(**at(0, "target")).remote(self.target, self.layer_ids, tcfg)
+            )
             for i, team in enumerate(self.teams):
                 role = f"drafter-{team.name}" if team.name else "drafter"
-                team.drafters.append(drafter_actor(DrafterWorker).options(**at(1 + i, role)).remote(
-                    self.target, team.drafter_cfg_json, team.init, team.cfg.train, s, tcfg.num_streams, team.pick))
+                team.drafters.append(
+                    drafter_actor(DrafterWorker)
+                    .options(**at(1 + i, role))
+                    .remote(
+                        self.target, team.drafter_cfg_json, team.init, team.cfg.train, s, tcfg.num_streams, team.pick
+                    )
+                )
         self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.all_drafters]))
         # a hybrid target on its GPU without its fast kernels: refused now, not found slow in hour five
         missing = first_error([a.kernels.remote() for a in (self.all_drafters if tcfg.colocate else self.targets)])
@@ -236,9 +304,14 @@ class Coordinator:
             # target 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
             rendezvous = ray.get(self.targets[0].__ray_call__.remote(_rendezvous))
             layout = self.layout
-            first_error([t.join_run.remote(*rendezvous, s, layout) for s, t in enumerate(self.targets)]
-                        + [d.join_run.remote(*rendezvous, i, layout) for i, team in enumerate(self.teams)
-                           for d in team.drafters])
+            first_error(
+                [t.join_run.remote(*rendezvous, s, layout) for s, t in enumerate(self.targets)]
+                + [
+                    d.join_run.remote(*rendezvous, i, layout)
+                    for i, team in enumerate(self.teams)
+                    for d in team.drafters
+                ]
+            )
             for team in self.teams:
                 team.rendezvous = rendezvous
         else:
@@ -303,16 +376,25 @@ class Coordinator:
             saved = state["config"]["train"]
             # a setting newer than the checkpoint counts at its default (what the older run did)
             default = dataclasses.asdict(type(self.cfg.train)())
-            changed = [f"train.{k}" for k in sorted(now)
-                       if k not in OPERATIONAL and saved.get(k, default.get(k)) != now[k]]
-            changed += [f"{name} (checkpoint: {state.get(name)}, now: {value})"
-                        for name, value in (("data", self.data), ("target", self.target)) if state.get(name) != value]
+            changed = [
+                f"train.{k}" for k in sorted(now) if k not in OPERATIONAL and saved.get(k, default.get(k)) != now[k]
+            ]
+            changed += [
+                f"{name} (checkpoint: {state.get(name)}, now: {value})"
+                for name, value in (("data", self.data), ("target", self.target))
+                if state.get(name) != value
+            ]
             if state.get("data_print", self.data_print) != self.data_print:
-                changed.append(f"the data's content at {self.data} (checkpoint: {state['data_print']}, now: "
-                               f"{self.data_print}): it was rewritten since")
+                changed.append(
+                    f"the data's content at {self.data} (checkpoint: {state['data_print']}, now: "
+                    f"{self.data_print}): it was rewritten since"
+                )
             if changed:
-                raise DFlashError(f"the checkpoint was made with other settings ({', '.join(changed)} differ): "
-                                  "resuming would not continue the same run", file=self.output)
+                raise DFlashError(
+                    f"the checkpoint was made with other settings ({', '.join(changed)} differ): "
+                    "resuming would not continue the same run",
+                    file=self.output,
+                )
             try:
                 first_error([d.load_checkpoint.remote(team.output, step) for team in self.teams for d in team.drafters])
             except ray.exceptions.RayTaskError as e:
@@ -321,8 +403,9 @@ class Coordinator:
                 rejected.append(f"step {step}: {e.cause}")  # the drafter's own words, not its traceback
                 continue
             if rejected:
-                logging.getLogger(__name__).warning("resuming from step %d; newer checkpoints do not verify: %s",
-                                                    step, "; ".join(rejected))
+                logging.getLogger(__name__).warning(
+                    "resuming from step %d; newer checkpoints do not verify: %s", step, "; ".join(rejected)
+                )
             self.step = step
             # the data goes on from where it stood, whatever the number of streams that took it there
             self.length_group = state.get("length_group", self.length_group)
@@ -332,8 +415,11 @@ class Coordinator:
                 team.metrics = [m for m in team_state.get("metrics", []) if m["step"] <= self.step]
             return
         if rejected:
-            raise DFlashError(f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
-                              "the checkpoints or choose another --output", file=self.output)
+            raise DFlashError(
+                f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
+                "the checkpoints or choose another --output",
+                file=self.output,
+            )
 
     # -- checkpoints ------------------------------------------------------------------------
     def _checkpoint(self) -> None:
@@ -346,18 +432,31 @@ class Coordinator:
         self._commit(wait=True)
         for team in self.teams:  # a manifest of an earlier run at this step no longer counts
             checkpoint.begin(team.output, self.step)
-        first_error([d.write_checkpoint_files.remote(team.output, self.step)
-                     for team in self.teams for d in team.drafters])
+        first_error(
+            [d.write_checkpoint_files.remote(team.output, self.step) for team in self.teams for d in team.drafters]
+        )
         rngs = ray.get([d.rng_state.remote() for d in self.all_drafters])
         n = self.cfg.train.num_streams
         assert self.schedule is not None  # `_plan` ran
-        self.uploading = (self.step, [
-            {"step": self.step, "total_steps": self.total_steps, "drafter": team.name,
-             "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
-             "length_group": self.length_group,
-             "rng": [r.hex() for r in rngs[i * n:(i + 1) * n]], "metrics": list(team.metrics),
-             "config": self.cfg.to_dict(), "target": self.target, "data": self.data, "data_print": self.data_print}
-            for i, team in enumerate(self.teams)])
+        self.uploading = (
+            self.step,
+            [
+                {
+                    "step": self.step,
+                    "total_steps": self.total_steps,
+                    "drafter": team.name,
+                    "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
+                    "length_group": self.length_group,
+                    "rng": [r.hex() for r in rngs[i * n : (i + 1) * n]],
+                    "metrics": list(team.metrics),
+                    "config": self.cfg.to_dict(),
+                    "target": self.target,
+                    "data": self.data,
+                    "data_print": self.data_print,
+                }
+                for i, team in enumerate(self.teams)
+            ],
+        )
 
     def _commit(self, wait: bool) -> None:
         """Commit the checkpoint in flight once rank 0 of every drafter has written its files (now,
@@ -375,12 +474,13 @@ class Coordinator:
         assert self.uploading is not None  # a checkpoint is in flight
         step, states = self.uploading
         for i, (team, state) in enumerate(zip(self.teams, states)):
-            entries = {name: entry for ranks in written[i * n:(i + 1) * n] for name, entry in ranks.items()}
+            entries = {name: entry for ranks in written[i * n : (i + 1) * n] for name, entry in ranks.items()}
             entries["state.json"] = checkpoint.write_file(team.output, step, "state.json", json.dumps(state).encode())
             checkpoint.commit(team.output, step, entries, {"step": step})
             checkpoint.rotate(team.output, self.cfg.train.keep_checkpoints, upto=step)
-            storage.write_text(storage.join(team.output, "metrics.jsonl"),
-                               "".join(json.dumps(m) + "\n" for m in state["metrics"]))
+            storage.write_text(
+                storage.join(team.output, "metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in state["metrics"])
+            )
         self.uploading = None
         self.trackers.sync()
 
@@ -413,7 +513,7 @@ class Coordinator:
         if not self.heldout:
             return [None] * len(self.teams)
         bs, n = self.cfg.train.batch_size, self.cfg.train.num_streams
-        batches = [self.heldout[i:i + bs] for i in range(0, len(self.heldout), bs)]
+        batches = [self.heldout[i : i + bs] for i in range(0, len(self.heldout), bs)]
         counted = len(batches)
         # every rank runs as many forwards (sharded weights are gathered collectively): the last
         # round is filled with repeats whose results are dropped
@@ -423,12 +523,15 @@ class Coordinator:
             per_team = [ray.get([drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])]
         else:  # the training transport: with `handoff`, no training batch is in flight now (`_horizon`)
             if self.direct:
-                features = [self.targets[i % n].send_features.remote(
-                    b, [self.layout.drafter(t, i % n) for t in range(len(self.teams))]) for i, b in enumerate(batches)]
+                features = [
+                    self.targets[i % n].send_features.remote(
+                        b, [self.layout.drafter(t, i % n) for t in range(len(self.teams))]
+                    )
+                    for i, b in enumerate(batches)
+                ]
             else:
                 features = [self.targets[i % n].features.remote(b) for i, b in enumerate(batches)]
-            pending = [[team.drafters[i % n].evaluate.remote(f) for i, f in enumerate(features)]
-                       for team in self.teams]
+            pending = [[team.drafters[i % n].evaluate.remote(f) for i, f in enumerate(features)] for team in self.teams]
             per_team = [ray.get(refs) for refs in pending]
         means = []
         for taus in per_team:
@@ -439,17 +542,24 @@ class Coordinator:
     # -- the loop ---------------------------------------------------------------------------
     def _record(self, team: Team, stats: list[dict[str, float]], wait_s: float, step_s: float) -> None:
         tokens = sum(s["tokens"] for s in stats)
-        row = {"step": self.step, "loss": stats[0]["loss"], "lr": stats[0]["lr"],
-               "grad_norm": stats[0]["grad_norm"], "tau": sum(s["tau"] for s in stats) / len(stats),
-               "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
-               "target_seconds": max(s["target_seconds"] for s in stats),
-               "handoff_seconds": max(s["handoff_seconds"] for s in stats),
-               "read_bytes": sum(s["read_bytes"] for s in stats),  # tokenized data the targets read
-               # the longest stream's target tokens over the mean (the step waits for the longest)
-               "straggler_ratio": max(s["tokens"] for s in stats) / max(1e-9, tokens / len(stats)),
-               "drafter_seconds": max(s["drafter_seconds"] for s in stats),
-               "optimizer_seconds": max(s["optimizer_seconds"] for s in stats), "wait_seconds": wait_s,
-               "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9)}
+        row = {
+            "step": self.step,
+            "loss": stats[0]["loss"],
+            "lr": stats[0]["lr"],
+            "grad_norm": stats[0]["grad_norm"],
+            "tau": sum(s["tau"] for s in stats) / len(stats),
+            "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
+            "target_seconds": max(s["target_seconds"] for s in stats),
+            "handoff_seconds": max(s["handoff_seconds"] for s in stats),
+            "read_bytes": sum(s["read_bytes"] for s in stats),  # tokenized data the targets read
+            # the longest stream's target tokens over the mean (the step waits for the longest)
+            "straggler_ratio": max(s["tokens"] for s in stats) / max(1e-9, tokens / len(stats)),
+            "drafter_seconds": max(s["drafter_seconds"] for s in stats),
+            "optimizer_seconds": max(s["optimizer_seconds"] for s in stats),
+            "wait_seconds": wait_s,
+            "step_seconds": step_s,
+            "tokens_per_s": tokens / max(step_s, 1e-9),
+        }
         peaks = [s["peak_flops"] for s in stats]
         if all(peaks):  # the drafters' model FLOPs over what their GPUs could do in the step
             row["mfu"] = sum(s["flops"] for s in stats) / (step_s * sum(peaks))
@@ -525,9 +635,17 @@ class Coordinator:
             start = time.perf_counter()
             if tcfg.colocate:  # each stream computes its own features in place
                 wait_s = 0.0
-                stats = first_error([d.train_samples.remote(self.step, self.schedule.batch_for(self.step, s),
-                                                            self._fault(s), self._trace(self.step, "stream", s))
-                                     for s, d in enumerate(self.all_drafters)])
+                stats = first_error(
+                    [
+                        d.train_samples.remote(
+                            self.step,
+                            self.schedule.batch_for(self.step, s),
+                            self._fault(s),
+                            self._trace(self.step, "stream", s),
+                        )
+                        for s, d in enumerate(self.all_drafters)
+                    ]
+                )
             else:
                 for k in range(tcfg.max_in_flight + 1):
                     submit(self.step + k)
@@ -537,14 +655,20 @@ class Coordinator:
                 wait_s = time.perf_counter() - ready_at
                 # each drafter resolves its own stream's features (every drafter of a stream the same
                 # reference): they never pass through here
-                stats = first_error([d.train_step.remote(self.step, refs[s], self._fault(s),
-                                                         self._trace(self.step, "drafter", s, team))
-                                     for team in self.teams for s, d in enumerate(team.drafters)])
+                stats = first_error(
+                    [
+                        d.train_step.remote(
+                            self.step, refs[s], self._fault(s), self._trace(self.step, "drafter", s, team)
+                        )
+                        for team in self.teams
+                        for s, d in enumerate(team.drafters)
+                    ]
+                )
             self.step += 1
             self._regained()
             step_s = time.perf_counter() - start
             for i, team in enumerate(self.teams):
-                self._record(team, stats[i * n:(i + 1) * n], wait_s, step_s)
+                self._record(team, stats[i * n : (i + 1) * n], wait_s, step_s)
             if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == self.total_steps):
                 for team, tau in zip(self.teams, self._evaluate()):
                     team.metrics[-1]["heldout_tau"] = tau
@@ -553,8 +677,9 @@ class Coordinator:
             if len(self.teams) == 1:
                 self.trackers.log(self.step, self.metrics[-1])
             else:  # one run in the tracker, each drafter's figures under its name
-                self.trackers.log(self.step, {f"{t.name}/{k}": v for t in self.teams for k, v in t.metrics[-1].items()
-                                              if k != "step"})
+                self.trackers.log(
+                    self.step, {f"{t.name}/{k}": v for t in self.teams for k, v in t.metrics[-1].items() if k != "step"}
+                )
             if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self._checkpoint()
             else:
@@ -597,19 +722,31 @@ class Coordinator:
                     if self.lost_since is None:  # a failure while redoing steps: still the first one's loss
                         self.lost_since = (self.step, time.perf_counter())
                     if self.restarts > self.cfg.train.max_restarts:
-                        raise DFlashError(f"a stream failed {self.restarts} times, over the budget of "
-                                          f"{self.cfg.train.max_restarts} restarts; last: {failure_cause(e)}",
-                                          field="train.max_restarts") from None
+                        raise DFlashError(
+                            f"a stream failed {self.restarts} times, over the budget of "
+                            f"{self.cfg.train.max_restarts} restarts; last: {failure_cause(e)}",
+                            field="train.max_restarts",
+                        ) from None
                 finally:
                     self._stop_actors()
         finally:
             self.trackers.finish()
         summaries = [self._summary(team) for team in self.teams]
-        run = {"stage": "train", "output": self.output, "step": self.step, "total_steps": self.total_steps,
-               "restarts": self.restarts, "failures": self.failures, "resumed_from": self.resumed_from,
-               "slow_target_kernels": self.slow_kernels, "seconds_lost": round(self.seconds_lost, 1),
-               "coordinator_node": ray.util.get_node_ip_address(), "stream_nodes": sorted(self.stream_nodes),
-               "seconds": round(time.perf_counter() - started, 1), "trackers": tracked}
+        run = {
+            "stage": "train",
+            "output": self.output,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "restarts": self.restarts,
+            "failures": self.failures,
+            "resumed_from": self.resumed_from,
+            "slow_target_kernels": self.slow_kernels,
+            "seconds_lost": round(self.seconds_lost, 1),
+            "coordinator_node": ray.util.get_node_ip_address(),
+            "stream_nodes": sorted(self.stream_nodes),
+            "seconds": round(time.perf_counter() - started, 1),
+            "trackers": tracked,
+        }
         if self.cfg.train.drafters:  # each drafter's figures under its name
             return {**run, "drafters": {team.name: s for team, s in zip(self.teams, summaries)}}
         return {**run, **summaries[0]}
@@ -618,13 +755,18 @@ class Coordinator:
         last = team.metrics[-1] if team.metrics else {}
         heldout = [m for m in team.metrics if m.get("heldout_tau") is not None]
         ratios = [m["straggler_ratio"] for m in team.metrics if "straggler_ratio" in m]
-        return {"output": team.output, "loss": last.get("loss"), "tau": last.get("tau"),
-                "straggler_ratio": round(sum(ratios) / len(ratios), 3) if ratios else None,
-                "read_bytes": sum(m.get("read_bytes", 0) for m in team.metrics),
-                "rendezvous": f"{team.rendezvous[0]}:{team.rendezvous[1]}" if team.rendezvous else None,
-                "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
-                "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
-                "heldout_tau_start": team.heldout_start, "checkpoint": checkpoint.step_dir(team.output, self.step)}
+        return {
+            "output": team.output,
+            "loss": last.get("loss"),
+            "tau": last.get("tau"),
+            "straggler_ratio": round(sum(ratios) / len(ratios), 3) if ratios else None,
+            "read_bytes": sum(m.get("read_bytes", 0) for m in team.metrics),
+            "rendezvous": f"{team.rendezvous[0]}:{team.rendezvous[1]}" if team.rendezvous else None,
+            "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
+            "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
+            "heldout_tau_start": team.heldout_start,
+            "checkpoint": checkpoint.step_dir(team.output, self.step),
+        }
 
     def stop(self) -> None:
         """Stop the stream actors and free their placement groups now (the driver was interrupted):
@@ -635,8 +777,12 @@ class Coordinator:
 
     def progress(self, since: int = 0) -> dict[str, Any]:
         """Where the run stands, and the first drafter's metric rows from index `since` on."""
-        return {"step": self.step, "total_steps": self.total_steps, "restarts": self.restarts,
-                "last": self.metrics[-1] if self.metrics else None, "rows": self.metrics[since:],
-                "count": len(self.metrics), "begun_at": self.begun_at}
-
-
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "restarts": self.restarts,
+            "last": self.metrics[-1] if self.metrics else None,
+            "rows": self.metrics[since:],
+            "count": len(self.metrics),
+            "begun_at": self.begun_at,
+        }

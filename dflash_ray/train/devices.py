@@ -40,10 +40,15 @@ def placement(actor_gpus: float, cuda_devices: int, dtype: str = "auto", attenti
         raise ValueError(f"the actor holds {actor_gpus} GPU(s) but CUDA sees none: is this torch a CPU build?")
     on_gpu = actor_gpus > 0
     if attention == "flex" and not on_gpu:
-        raise ValueError("train.attention=flex needs GPU actors (train.actor_gpus > 0): flex attention's "
-                         "backward does not run on the CPU; use sdpa or auto")
-    chosen_dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
-                    "bfloat16": torch.bfloat16}[dtype]
+        raise ValueError(
+            "train.attention=flex needs GPU actors (train.actor_gpus > 0): flex attention's "
+            "backward does not run on the CPU; use sdpa or auto"
+        )
+    chosen_dtype = {
+        "auto": torch.bfloat16 if on_gpu else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+    }[dtype]
     return Placement(
         device="cuda:0" if on_gpu else "cpu",
         num_devices=max(1, min(int(actor_gpus), cuda_devices)) if on_gpu else 1,
@@ -61,8 +66,12 @@ def target_gpus(cfg) -> float:
 def actor_placement(cfg, *, target: bool = False) -> Placement:
     """This process's placement for the training config `cfg` (a `TrainConfig`); `target`: a target
     actor's, which may spread over several GPUs."""
-    return placement(target_gpus(cfg) if target else cfg.actor_gpus,
-                     torch.cuda.device_count() if torch.cuda.is_available() else 0, cfg.dtype, cfg.attention)
+    return placement(
+        target_gpus(cfg) if target else cfg.actor_gpus,
+        torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        cfg.dtype,
+        cfg.attention,
+    )
 
 
 def synchronize(device: str) -> None:
@@ -123,4 +132,6 @@ def check_resources(cfg, nodes: list[dict[str, float]]) -> None:
         raise DFlashError(
             f"{cfg.num_streams} training stream(s) need {asked} each, on one node; the cluster's nodes have "
             f"{have}: room for {room}. Lower train.actor_cpus or train.actor_gpus, train.num_streams, or set "
-            "train.colocate=true (one actor per stream), or add nodes", field="train.actor_cpus")
+            "train.colocate=true (one actor per stream), or add nodes",
+            field="train.actor_cpus",
+        )

@@ -19,10 +19,29 @@ from dflash_ray.errors import DFlashError
 
 # what may differ between the drafters of one run: their shape, family and optimizer; the data,
 # the schedule and the placement are the run's
-PER_DRAFTER = ("drafter", "family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-               "init", "block_size", "layer_types", "sliding_window", "loss_decay", "distill",
-               "num_target_features", "target_layer_ids", "mask_token_id", "lr", "weight_decay",
-               "warmup_ratio", "clip", "num_anchors")
+PER_DRAFTER = (
+    "drafter",
+    "family",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "init",
+    "block_size",
+    "layer_types",
+    "sliding_window",
+    "loss_decay",
+    "distill",
+    "num_target_features",
+    "target_layer_ids",
+    "mask_token_id",
+    "lr",
+    "weight_decay",
+    "warmup_ratio",
+    "clip",
+    "num_anchors",
+)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
 
@@ -35,8 +54,11 @@ def check(entries: list) -> None:
     for i, entry in enumerate(entries):
         where = f"train.drafters[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not NAME.match(entry["name"]):
-            raise DFlashError(f"{entry!r}: allowed: a mapping with a `name` (lowercase letters, digits, '.', '_', "
-                              "'-'; it names the drafter's folder) and drafter settings", field=where)
+            raise DFlashError(
+                f"{entry!r}: allowed: a mapping with a `name` (lowercase letters, digits, '.', '_', "
+                "'-'; it names the drafter's folder) and drafter settings",
+                field=where,
+            )
         if entry["name"] in names:
             raise DFlashError(f"the name {entry['name']!r} is given twice; allowed: distinct names", field=where)
         names.add(entry["name"])
@@ -45,8 +67,10 @@ def check(entries: list) -> None:
             raise DFlashError(f"{where}.{moved[0]} moved to {where}.family.{moved[0]}", field=f"{where}.{moved[0]}")
         other = sorted(set(entry) - {"name"} - set(PER_DRAFTER))
         if other:
-            raise DFlashError(f"{other} are the run's settings, not one drafter's; allowed here: "
-                              f"{', '.join(PER_DRAFTER)}", field=f"{where}.{other[0]}")
+            raise DFlashError(
+                f"{other} are the run's settings, not one drafter's; allowed here: {', '.join(PER_DRAFTER)}",
+                field=f"{where}.{other[0]}",
+            )
 
 
 def expand(cfg: Any) -> list[tuple[str, Any]]:
@@ -58,8 +82,9 @@ def expand(cfg: Any) -> list[tuple[str, Any]]:
         return [("", cfg)]
     runs = []
     for i, entry in enumerate(entries):
-        settings = {k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}")
-                    for k, v in entry.items() if k != "name"}
+        settings = {
+            k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}") for k, v in entry.items() if k != "name"
+        }
         same = settings.get("drafter", cfg.train.drafter) == cfg.train.drafter
         settings["family"] = {**(cfg.train.family if same else {}), **settings.get("family", {})}
         try:

@@ -26,6 +26,7 @@ import torch
 @dataclass(frozen=True)
 class Layout:
     """Global ranks of a paired run's stream actors: N targets, then each team's N drafters."""
+
     streams: int
     teams: int
 
@@ -43,8 +44,9 @@ class Layout:
         return [self.drafter(team, s) for s in range(self.streams)]
 
 
-def join(backend: str, address: str, port: int, rank: int, layout: Layout,
-         timeout_s: float) -> tuple[list[Any], list[Any]]:
+def join(
+    backend: str, address: str, port: int, rank: int, layout: Layout, timeout_s: float
+) -> tuple[list[Any], list[Any]]:
     """Join the run's process group as `rank`, then make every team's subgroups (collective: every
     rank makes all of them, in order): one on the run's backend for training, one over gloo for
     checkpoints (`shards`). Returns both lists, one group per team each."""
@@ -53,8 +55,9 @@ def join(backend: str, address: str, port: int, rank: int, layout: Layout,
     from dflash_ray.train import p2p
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=layout.world,
-                            timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=layout.world, timeout=timeout
+    )
     p2p.start(rank, backend, timeout_s)
     groups = [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
     return groups, [dist.new_group(layout.team_ranks(t), timeout=timeout, backend="gloo") for t in range(layout.teams)]
@@ -81,6 +84,7 @@ def _dtype(name: str) -> torch.dtype:
 @dataclass
 class Sent:
     """Sends posted by a target: their tensors stay alive here until every receiver has them."""
+
     meta: dict[str, Any]  # key -> (shape, dtype name): what a receiver allocates
     works: list[Any] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)

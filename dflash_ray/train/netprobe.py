@@ -32,7 +32,7 @@ def node_pairs(nodes: list[str]) -> list[tuple[int, int]]:
         first.setdefault(node, []).append(rank)
     within = [(ranks[0], ranks[1]) for ranks in first.values() if len(ranks) > 1]
     heads = [ranks[0] for ranks in first.values()]
-    return within + [(a, b) for i, a in enumerate(heads) for b in heads[i + 1:]]
+    return within + [(a, b) for i, a in enumerate(heads) for b in heads[i + 1 :]]
 
 
 class NetProbe:
@@ -45,8 +45,13 @@ class NetProbe:
     def join(self, address: str, port: int) -> None:
         import torch.distributed as dist
 
-        dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(seconds=self.timeout_s))
+        dist.init_process_group(
+            self.place.backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
 
     def _timed(self, buf: torch.Tensor, iters: int, group=None) -> float:
         """Seconds of one all-reduce of `buf` in `group`, the mean of `iters` after one to warm up."""

@@ -43,6 +43,7 @@ class _Send:
 @dataclass
 class Ledger:
     """The sends and receives of this process's rank (`rank` in the run's process group)."""
+
     rank: int
     timeout_s: float
     enforce: bool  # emulate NCCL's rules (gloo); False: the backend is NCCL itself
@@ -70,9 +71,11 @@ class Ledger:
         now = time.monotonic()
         for s in self.pending:
             if now - s.posted > self.timeout_s:
-                raise NcclRuleError(f"rank {self.rank}: {s.what} to rank {s.dst} (send #{s.ordinal} to it) has had no "
-                                    f"matching receive for {now - s.posted:.0f} s (train.collective_timeout_s="
-                                    f"{self.timeout_s:g}); NCCL's watchdog would end this rank here")
+                raise NcclRuleError(
+                    f"rank {self.rank}: {s.what} to rank {s.dst} (send #{s.ordinal} to it) has had no "
+                    f"matching receive for {now - s.posted:.0f} s (train.collective_timeout_s="
+                    f"{self.timeout_s:g}); NCCL's watchdog would end this rank here"
+                )
 
     def send(self, tensor: torch.Tensor, dst: int, what: str) -> Any:
         """Post a non-blocking send of `tensor` to `dst`; returns its work handle."""
@@ -125,10 +128,12 @@ class Ledger:
                 return
             if time.monotonic() - start > self.timeout_s:
                 listed = ", ".join(f"{s.what} to rank {s.dst} (#{s.ordinal})" for s in waiting)
-                raise NcclRuleError(f"rank {self.rank}: {why} waited {self.timeout_s:g} s (train.collective_timeout_s) "
-                                    f"for its own unmatched send(s): {listed}. On GPUs this is a hang: a device "
-                                    "synchronization waits for NCCL's stream, where each send runs until its peer "
-                                    "posts the matching receive")
+                raise NcclRuleError(
+                    f"rank {self.rank}: {why} waited {self.timeout_s:g} s (train.collective_timeout_s) "
+                    f"for its own unmatched send(s): {listed}. On GPUs this is a hang: a device "
+                    "synchronization waits for NCCL's stream, where each send runs until its peer "
+                    "posts the matching receive"
+                )
             time.sleep(delay)  # the store has no wait-for-value: a short, growing pause between reads
             delay = min(delay * 2, 0.05)
 

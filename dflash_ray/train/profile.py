@@ -59,8 +59,12 @@ def flops_per_position(drafter: torch.nn.Module, head_VH: torch.Tensor) -> int:
 
 def step_line(row: dict[str, Any], total: int) -> str:
     """`step 12/200  loss 3.214  tau 1.84  9,120 tok/s  mfu 31.2%  1.20 s/step`."""
-    parts = [f"step {row['step']}/{total}", f"loss {row['loss']:.4g}", f"tau {row['tau']:.2f}",
-             f"{row['tokens_per_s']:,.0f} tok/s"]
+    parts = [
+        f"step {row['step']}/{total}",
+        f"loss {row['loss']:.4g}",
+        f"tau {row['tau']:.2f}",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+    ]
     if row.get("mfu") is not None:
         parts.append(f"mfu {100 * row['mfu']:.1f}%")
     parts.append(f"{row['step_seconds']:.2f} s/step")

@@ -30,9 +30,17 @@ class Schedule:
     a run resumed on another number of streams goes on from where the checkpoint stood, every
     sample of the epoch still taken once. (0, 0, 0): a run's own start."""
 
-    def __init__(self, samples: list[tuple[str, int]], num_streams: int, batch_size: int, seed: int,
-                 origin: tuple[int, int, int] = (0, 0, 0), window: int = 0, lengths: list[int] | None = None,
-                 group: int = 0):
+    def __init__(
+        self,
+        samples: list[tuple[str, int]],
+        num_streams: int,
+        batch_size: int,
+        seed: int,
+        origin: tuple[int, int, int] = (0, 0, 0),
+        window: int = 0,
+        lengths: list[int] | None = None,
+        group: int = 0,
+    ):
         """`window`: files whose samples shuffle together (0: the whole dataset at once); `lengths`
         (one per sample) and `group`: samples of a length run together (0: no balancing)."""
         self.samples, self.streams, self.batch, self.seed = samples, num_streams, batch_size, seed
@@ -40,8 +48,9 @@ class Schedule:
         self.per_step = num_streams * batch_size
         self.steps_per_epoch = len(samples) // self.per_step
         if self.steps_per_epoch == 0:
-            raise DFlashError(f"{len(samples)} samples are fewer than one step of {num_streams} streams "
-                              f"x {batch_size} sequences")
+            raise DFlashError(
+                f"{len(samples)} samples are fewer than one step of {num_streams} streams x {batch_size} sequences"
+            )
         self.origin = origin
         self._first = max(0, (len(samples) - origin[2]) // self.per_step)  # steps left in the origin's epoch
         self._epoch = -1
@@ -70,8 +79,7 @@ class Schedule:
             self._epoch = epoch
         assert self._order is not None  # made above for the first epoch asked for
         start = offset + stream * self.batch
-        return [self.samples[j] for j in self._order[start:start + self.batch]]
-
+        return [self.samples[j] for j in self._order[start : start + self.batch]]
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of the samples (indices into `samples`)."""
@@ -86,10 +94,13 @@ class Schedule:
                 by_file.setdefault(uri, []).append(i)
             files = list(by_file)
             files = [files[j] for j in torch.randperm(len(files), generator=generator).tolist()]
-            windows = [[i for uri in files[start:start + self.window] for i in by_file[uri]]
-                       for start in range(0, len(files), self.window)]
-        windows = [[members[j] for j in torch.randperm(len(members), generator=generator).tolist()]
-                   for members in windows]
+            windows = [
+                [i for uri in files[start : start + self.window] for i in by_file[uri]]
+                for start in range(0, len(files), self.window)
+            ]
+        windows = [
+            [members[j] for j in torch.randperm(len(members), generator=generator).tolist()] for members in windows
+        ]
         lengths = self.lengths
         if lengths is None or self.group <= 1:
             return [i for members in windows for i in members]
@@ -103,8 +114,8 @@ class Schedule:
             members, carry = members[:whole], members[whole:]
             size = self.group * RUNS_PER_CHUNK
             for start in range(0, len(members), size):
-                chunk = sorted(members[start:start + size], key=lambda i: lengths[i])
-                runs = [chunk[k:k + self.group] for k in range(0, len(chunk), self.group)]
+                chunk = sorted(members[start : start + size], key=lambda i: lengths[i])
+                runs = [chunk[k : k + self.group] for k in range(0, len(chunk), self.group)]
                 order += [i for j in torch.randperm(len(runs), generator=generator).tolist() for i in runs[j]]
         return order
 
@@ -113,8 +124,9 @@ class Schedule:
         length = dict(zip(self.samples, self.lengths or [0] * len(self.samples)))
         ratios = []
         for step in steps:  # a stream's batch is padded to its longest sample
-            tokens = [max((length[s] for s in self.batch_for(step, k)), default=0) * self.batch
-                      for k in range(self.streams)]
+            tokens = [
+                max((length[s] for s in self.batch_for(step, k)), default=0) * self.batch for k in range(self.streams)
+            ]
             ratios.append(max(tokens) / max(1e-9, sum(tokens) / len(tokens)))
         return sum(ratios) / max(1, len(ratios))
 
@@ -181,5 +193,7 @@ def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | Non
         held += sizes[unique[i]]
     if held >= len(samples):
         raise DFlashError(f"{count} leaves no training sample out of {len(samples)}", field="train.heldout")
-    return ([s for s, p in zip(samples, prompts) if p in chosen],
-            [s for s, p in zip(samples, prompts) if p not in chosen])
+    return (
+        [s for s, p in zip(samples, prompts) if p in chosen],
+        [s for s, p in zip(samples, prompts) if p not in chosen],
+    )

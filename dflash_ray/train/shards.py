@@ -56,8 +56,10 @@ def _write_shard(future, scratch: str, folder: str, extra: dict[str, bytes]) -> 
     `extra` into the checkpoint `folder`; their manifest entries."""
     try:
         future.result()
-        entries = {f"{SHARDS}/{path.name}": checkpoint.copy_in(path, folder, f"{SHARDS}/{path.name}")
-                   for path in sorted(Path(scratch).iterdir())}
+        entries = {
+            f"{SHARDS}/{path.name}": checkpoint.copy_in(path, folder, f"{SHARDS}/{path.name}")
+            for path in sorted(Path(scratch).iterdir())
+        }
         for name, data in extra.items():
             storage.write_bytes(storage.join(folder, name), data)
             entries[name] = checkpoint.file_entry(data)
@@ -66,8 +68,9 @@ def _write_shard(future, scratch: str, folder: str, extra: dict[str, bytes]) -> 
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def save(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, group,
-         extra: dict[str, bytes]) -> checkpoint.Upload:
+def save(
+    drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, group, extra: dict[str, bytes]
+) -> checkpoint.Upload:
     """Start writing this rank's shard of the drafter and optimizer into checkpoint `folder`; returns
     once the shard is copied to host memory. Collective over `group` (a gloo group of the drafter's
     ranks; None: a lone process with no process group)."""
@@ -93,8 +96,9 @@ class CheckedReader(FileSystemReader):
 
     def fetch(self, name: str) -> None:
         if name not in self.checked:
-            checkpoint.check_out(self.folder, f"{SHARDS}/{name}", self.manifest,
-                                 self.scratch / name if self.remote else None)
+            checkpoint.check_out(
+                self.folder, f"{SHARDS}/{name}", self.manifest, self.scratch / name if self.remote else None
+            )
             self.checked.add(name)
 
     def read_data(self, plan, planner):
@@ -139,8 +143,10 @@ def load(drafter: nn.Module, opt: torch.optim.Optimizer, folder: str, manifest: 
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     if not is_sharded(folder, manifest):
-        raise checkpoint.CorruptCheckpoint(f"{folder}: a whole-file checkpoint of an earlier version (no {SHARDS}/): "
-                                           "export it with that version, or train into another --output")
+        raise checkpoint.CorruptCheckpoint(
+            f"{folder}: a whole-file checkpoint of an earlier version (no {SHARDS}/): "
+            "export it with that version, or train into another --output"
+        )
     state = _state(drafter, opt)
     _load(state, folder, manifest, group, no_dist=group is None)
     set_state_dict(drafter, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

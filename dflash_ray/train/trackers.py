@@ -58,8 +58,9 @@ def driver_env() -> dict[str, str]:
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """Every numeric field of a metrics row but its step."""
-    return {k: float(v) for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -129,10 +130,17 @@ class WandB:
         Path(folder).mkdir(parents=True, exist_ok=True)
         mode = cast(Literal["online", "offline", "disabled", "shared"] | None, self.env.get("WANDB_MODE"))
         self.run = run = wandb.init(
-            project=self.env.get("WANDB_PROJECT", PROJECT), entity=self.env.get("WANDB_ENTITY"),
-            mode=mode, dir=folder, id=self.run_key, resume="allow", name=run_name,
-            config=config, allow_val_change=True,  # operational settings may change on resume
-            settings=wandb.Settings(console="off", disable_git=True, save_code=False, quiet=True))
+            project=self.env.get("WANDB_PROJECT", PROJECT),
+            entity=self.env.get("WANDB_ENTITY"),
+            mode=mode,
+            dir=folder,
+            id=self.run_key,
+            resume="allow",
+            name=run_name,
+            config=config,
+            allow_val_change=True,  # operational settings may change on resume
+            settings=wandb.Settings(console="off", disable_git=True, save_code=False, quiet=True),
+        )
         # an online run has a url (WANDB_MODE=disabled: None, as before)
         return str(Path(run.dir).parent) if run.offline else cast(str, run.url)
 
@@ -177,11 +185,12 @@ class MLflow:
             self.logged_upto = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
             client.update_run(run_id, status="RUNNING")
         else:
-            self.run_id = run_id = client.create_run(experiment_id, run_name=run_name,
-                                                     tags={"dflash.run_key": self.run_key}).info.run_id
+            self.run_id = run_id = client.create_run(
+                experiment_id, run_name=run_name, tags={"dflash.run_key": self.run_key}
+            ).info.run_id
             params = [Param(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in flatten(config).items()]
             for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
-                client.log_batch(run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+                client.log_batch(run_id, params=params[i : i + MAX_PARAMS_TAGS_PER_BATCH])
         return f"{uri or logdir} (run {self.run_id})"
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -201,7 +210,10 @@ class MLflow:
 
 
 CLASSES: dict[str, Callable[[dict[str, str], str], Tracker]] = {
-    "tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+    "tensorboard": TensorBoard,
+    "wandb": WandB,
+    "mlflow": MLflow,
+}
 FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
 
 
@@ -232,8 +244,9 @@ class Trackers:
                 place = tracker.start(run_name, config, str(Path(root) / FOLDERS[name]))
             except Exception as e:
                 self.finish()
-                raise DFlashError(f"the {name} tracker did not start: {type(e).__name__}: {e}",
-                                  field="train.trackers") from e
+                raise DFlashError(
+                    f"the {name} tracker did not start: {type(e).__name__}: {e}", field="train.trackers"
+                ) from e
             self.active[name] = tracker
             where[name] = place.replace(self.local, self.remote) if self.local else place
         return where
@@ -242,8 +255,11 @@ class Trackers:
         try:
             call()
         except Exception as e:
-            print(f"warning: the {name} tracker failed to {what} ({type(e).__name__}: {e}); training goes on "
-                  "without it", file=sys.stderr, flush=True)
+            print(
+                f"warning: the {name} tracker failed to {what} ({type(e).__name__}: {e}); training goes on without it",
+                file=sys.stderr,
+                flush=True,
+            )
             tracker = self.active.pop(name, None)
             if tracker is not None and what != "finish":
                 try:  # its resources (W&B's service process) still go
@@ -267,8 +283,9 @@ class Trackers:
             try:
                 storage.upload_tree(self.local, self.remote, skip=self.uploaded)
             except Exception as e:  # the next checkpoint tries again
-                print(f"warning: copying the trackers' files to {self.remote} failed ({e})", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"warning: copying the trackers' files to {self.remote} failed ({e})", file=sys.stderr, flush=True
+                )
 
     def finish(self) -> None:
         for name, tracker in list(self.active.items()):

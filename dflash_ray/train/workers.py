@@ -111,9 +111,14 @@ class TargetWorker:
             if sample["input_ids"] and max(sample["input_ids"]) >= vocab:
                 from dflash_ray.errors import DFlashError
 
-                raise DFlashError(f"token id {max(sample['input_ids'])} is past the target's {vocab}-entry "
-                                  "embedding: the data was tokenized for another model; tokenize it with the "
-                                  "target's tokenizer", file=uri, record=row + 1, field="input_ids")
+                raise DFlashError(
+                    f"token id {max(sample['input_ids'])} is past the target's {vocab}-entry "
+                    "embedding: the data was tokenized for another model; tokenize it with the "
+                    "target's tokenizer",
+                    file=uri,
+                    record=row + 1,
+                    field="input_ids",
+                )
         ids, mask, attn = pad_batch(rows)
         device = self.place.device
         # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`):
@@ -124,8 +129,14 @@ class TargetWorker:
         want = torch.zeros_like(mask)
         want[:, :-1] = mask[:, 1:]  # position p holds the distribution of token p + 1
         feats, teacher_ids, teacher_probs, hidden = target_outputs(
-            self.model, ids.to(device), self.layer_ids, attention_mask=attn.to(device), top_k=top_k,
-            want_BS=want.to(device), last_hidden=last)
+            self.model,
+            ids.to(device),
+            self.layer_ids,
+            attention_mask=attn.to(device),
+            top_k=top_k,
+            want_BS=want.to(device),
+            last_hidden=last,
+        )
         batch = {"input_ids": ids, "loss_mask": mask, "features": feats}
         if top_k:
             batch.update(teacher_ids=teacher_ids.int(), teacher_probs=teacher_probs.half())
@@ -162,8 +173,16 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
 
 
 class DrafterWorker:
-    def __init__(self, target: str, drafter_cfg_json: str, init: str, cfg: TrainConfig, rank: int, world: int,
-                 pick: list[int] | None = None):
+    def __init__(
+        self,
+        target: str,
+        drafter_cfg_json: str,
+        init: str,
+        cfg: TrainConfig,
+        rank: int,
+        world: int,
+        pick: list[int] | None = None,
+    ):
         """`pick`: the positions of this drafter's target layers among those the target captures
         (several drafters from one target pass); None: all of them, in order."""
         from dflash_ray.drafter import families
@@ -178,8 +197,9 @@ class DrafterWorker:
         self.dtype, device = self.place.dtype, self.place.device
         target_dir = resolve(target)
         # fp32 master weights on the device; the frozen embedding and head in the compute dtype beside them
-        self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init,
-                                       cfg.seed).to(device)
+        self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init, cfg.seed).to(
+            device
+        )
         self.family = families.get(self.drafter.cfg.family)  # its loss (`forward_loss`) and positions
         embed, head = load_embed_and_head(target_dir)
         self.embed = embed.to(device, self.dtype)
@@ -201,8 +221,9 @@ class DrafterWorker:
 
     def _autocast(self):
         """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
-        return torch.autocast(self.place.device.split(":")[0], dtype=torch.bfloat16,
-                              enabled=self.dtype == torch.bfloat16)
+        return torch.autocast(
+            self.place.device.split(":")[0], dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16
+        )
 
     # -- collective -------------------------------------------------------------------------
     def init_group(self, address: str, port: int) -> None:
@@ -212,8 +233,13 @@ class DrafterWorker:
 
         if self.world > 1:  # a rank that never reaches a collective fails the others after the timeout
             timeout = datetime.timedelta(seconds=self.cfg.collective_timeout_s)
-            dist.init_process_group(self.place.backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                    world_size=self.world, timeout=timeout)
+            dist.init_process_group(
+                self.place.backend,
+                init_method=f"tcp://{address}:{port}",
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timeout,
+            )
             self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
             self._shard(dist.group.WORLD)
 
@@ -222,8 +248,9 @@ class DrafterWorker:
         send/recv) and shard the drafter over this team's subgroup of it."""
         from dflash_ray.train import handoff
 
-        groups, ckpt_groups = handoff.join(self.place.backend, address, port, layout.drafter(team, self.rank), layout,
-                                           self.cfg.collective_timeout_s)
+        groups, ckpt_groups = handoff.join(
+            self.place.backend, address, port, layout.drafter(team, self.rank), layout, self.cfg.collective_timeout_s
+        )
         self.ckpt_group = ckpt_groups[team]
         self.source = source = layout.target(self.rank)
         handoff.greet([source], False, self.place.device)
@@ -251,8 +278,12 @@ class DrafterWorker:
         assert self.source is not None  # set by `join_run`, which every handoff run calls first
         start = time.perf_counter()
         received = handoff.receive(batch["meta"], self.source, self.place.device)
-        return {**received, "seconds": batch["seconds"], "read_bytes": batch["read_bytes"],
-                "handoff_seconds": time.perf_counter() - start}
+        return {
+            **received,
+            "seconds": batch["seconds"],
+            "read_bytes": batch["read_bytes"],
+            "handoff_seconds": time.perf_counter() - start,
+        }
 
     def _features(self, batch: dict[str, Any]) -> torch.Tensor:
         """This drafter's target layers [B, S, L·H], on its device in its compute dtype: all the
@@ -278,11 +309,21 @@ class DrafterWorker:
             teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
         forward_loss = self.family.forward_loss
         with self._autocast():
-            out = forward_loss(self.drafter, self.embed, self.head, self._features(batch),
-                               batch["input_ids"].to(device), batch["loss_mask"].to(device),
-                               num_anchors=self.cfg.num_anchors, generator=self.generator,
-                               attention=self.place.attention, gamma=self.cfg.loss_decay, teacher=teacher,
-                               distill=self.cfg.distill, length_bucket=self.cfg.length_bucket)
+            out = forward_loss(
+                self.drafter,
+                self.embed,
+                self.head,
+                self._features(batch),
+                batch["input_ids"].to(device),
+                batch["loss_mask"].to(device),
+                num_anchors=self.cfg.num_anchors,
+                generator=self.generator,
+                attention=self.place.attention,
+                gamma=self.cfg.loss_decay,
+                teacher=teacher,
+                distill=self.cfg.distill,
+                length_bucket=self.cfg.length_bucket,
+            )
         self.opt.zero_grad()
         weight = out.loss.weight_sum.detach().float()
         sums = torch.stack([out.loss.loss.detach().float() * weight, weight])
@@ -302,15 +343,23 @@ class DrafterWorker:
         device = self.place.device
         forward_loss = self.family.forward_loss
         with self._autocast():
-            out = forward_loss(self.drafter, self.embed, self.head, self._features(batch),
-                               batch["input_ids"].to(device), batch["loss_mask"].to(device),
-                               num_anchors=self.cfg.num_anchors,
-                               generator=torch.Generator().manual_seed(self.cfg.seed),
-                               attention=self.place.attention, length_bucket=self.cfg.length_bucket)
+            out = forward_loss(
+                self.drafter,
+                self.embed,
+                self.head,
+                self._features(batch),
+                batch["input_ids"].to(device),
+                batch["loss_mask"].to(device),
+                num_anchors=self.cfg.num_anchors,
+                generator=torch.Generator().manual_seed(self.cfg.seed),
+                attention=self.place.attention,
+                length_bucket=self.cfg.length_bucket,
+            )
         return out.tau.tolist()
 
-    def train_step(self, step: int, batch: dict[str, Any], fault: bool = False,
-                   profile: str | None = None) -> dict[str, float]:
+    def train_step(
+        self, step: int, batch: dict[str, Any], fault: bool = False, profile: str | None = None
+    ) -> dict[str, float]:
         """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
         before the step's collectives, as an out-of-memory error would (chaos testing). `profile`:
         where to write a trace of the step (`train.profile_steps`)."""
@@ -333,24 +382,37 @@ class DrafterWorker:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same two numbers
             from dflash_ray.errors import DFlashError
 
-            raise DFlashError(f"step {step + 1}: the loss is {loss} and the gradient norm {grad_norm}, not finite: the "
-                              "run stops with this step not applied (a restart would diverge the same way); the "
-                              "newest checkpoint holds the last finite weights. Lower train.lr, or look at the "
-                              "step's samples", field="train.lr")
+            raise DFlashError(
+                f"step {step + 1}: the loss is {loss} and the gradient norm {grad_norm}, not finite: the "
+                "run stops with this step not applied (a restart would diverge the same way); the "
+                "newest checkpoint holds the last finite weights. Lower train.lr, or look at the "
+                "step's samples",
+                field="train.lr",
+            )
         lr = lr_at(step, self.total_steps, self.cfg.lr, self.cfg.warmup_ratio)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
         acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
-        stats = {"loss": loss, "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
-                 "acc_k1": float(acc[self.family.first_prediction]),  # the first drafted token
-                 "grad_norm": grad_norm, "lr": lr}  # floats: synchronized
+        stats = {
+            "loss": loss,
+            "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
+            "acc_k1": float(acc[self.family.first_prediction]),  # the first drafted token
+            "grad_norm": grad_norm,
+            "lr": lr,
+        }  # floats: synchronized
         done = time.perf_counter()
-        return {**stats, "drafter_seconds": done - start, "optimizer_seconds": done - stepping,
-                "target_seconds": batch["seconds"], "handoff_seconds": batch.get("handoff_seconds", 0.0),
-                "read_bytes": batch.get("read_bytes", 0),
-                "tokens": int(batch["loss_mask"].numel()),
-                "flops": self.flops_per_position * out.blocks.token_ids.numel(), "peak_flops": self.peak_flops}
+        return {
+            **stats,
+            "drafter_seconds": done - start,
+            "optimizer_seconds": done - stepping,
+            "target_seconds": batch["seconds"],
+            "handoff_seconds": batch.get("handoff_seconds", 0.0),
+            "read_bytes": batch.get("read_bytes", 0),
+            "tokens": int(batch["loss_mask"].numel()),
+            "flops": self.flops_per_position * out.blocks.token_ids.numel(),
+            "peak_flops": self.peak_flops,
+        }
 
     # -- state ------------------------------------------------------------------------------
     def rng_state(self) -> bytes:
@@ -370,8 +432,11 @@ class DrafterWorker:
         from dflash_ray.train import checkpoint, shards
 
         self.upload_entries(wait=True)  # one upload at a time (the coordinator commits each first)
-        extra = {f"drafter/{CONFIG}": json.dumps(to_hf_config(self.drafter.cfg, torch.float32), indent=2).encode()} \
-            if self.rank == 0 else {}
+        extra = (
+            {f"drafter/{CONFIG}": json.dumps(to_hf_config(self.drafter.cfg, torch.float32), indent=2).encode()}
+            if self.rank == 0
+            else {}
+        )
         self.upload = shards.save(self.drafter, self.opt, checkpoint.step_dir(output, step), self.ckpt_group, extra)
 
     def upload_entries(self, wait: bool) -> dict[str, dict] | None:
@@ -402,13 +467,22 @@ class ColocatedWorker(DrafterWorker):
     """A whole stream in one process: the target and the drafter on one device (one GPU, or the
     CPU). The features go straight from the target's hooks into the drafter's step, with no copy."""
 
-    def __init__(self, target: str, layer_ids: list[int], drafter_cfg_json: str, init: str, cfg: TrainConfig,
-                 rank: int, world: int):
+    def __init__(
+        self,
+        target: str,
+        layer_ids: list[int],
+        drafter_cfg_json: str,
+        init: str,
+        cfg: TrainConfig,
+        rank: int,
+        world: int,
+    ):
         super().__init__(target, drafter_cfg_json, init, cfg, rank, world)
         self.target = TargetWorker(target, layer_ids, cfg)
 
-    def train_samples(self, step: int, samples: list[Sample], fault: bool = False,
-                      profile: str | None = None) -> dict[str, float]:
+    def train_samples(
+        self, step: int, samples: list[Sample], fault: bool = False, profile: str | None = None
+    ) -> dict[str, float]:
         from dflash_ray.train.profile import traced
 
         with traced(profile):  # the target's forward and the drafter's step in one trace
