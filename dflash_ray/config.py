@@ -260,6 +260,9 @@ class PipelineConfig:
     # the inputs end with the target's own answers (existing responses): no generation, they are
     # tokenized as they are (`dflash-ray responses`); the kept-aside prompts are their contexts
     responses: bool = False
+    # prompt files of kinds the inputs do not hold, never generated for nor trained on: the trained drafter
+    # is also evaluated on them, so a headline does not rest on prompts from its own distribution alone
+    unseen_prompts: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -124,6 +124,10 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(
             for i in range(14)
         )
     )
+    unseen = tmp_path / "unseen.jsonl"
+    unseen.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in ("Name a color.", "Say hi."))
+    )
     cfg = load_config(
         None,
         [
@@ -143,10 +147,17 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(
             "train.actor_cpus=0.3",
             "evaluate.max_new_tokens=4",
             "train.drafters=[{name: flash}, {name: spark, drafter: dspark, family: {markov_rank: 16}, block_size: 6}]",
+            f"pipeline.unseen_prompts=[{unseen}]",
         ],
     )
     summary = run_pipeline(cfg, progress=False)
     assert list(summary["drafters"]) == ["flash", "spark"]
+    # prompts of another kind, never trained on: each drafter's figures on them beside the kept-aside ones
+    for result in summary["drafters"].values():
+        assert result["unseen"]["prompts"] == 2 and result["unseen"]["lossless"]
+        assert result["unseen"]["tau_trained"] >= 1 and result["unseen"]["tau_ngram"] >= 1
+        assert set(result["unseen"]["tau_per_source"]) == {"unseen"}
+    assert summary["unseen"] == summary["drafters"]["flash"]["unseen"]
     for name, family, arch, drafts in (
         ("flash", "dflash", "DFlashDraftModel", 15),
         ("spark", "dspark", "DSparkDraftModel", 6),

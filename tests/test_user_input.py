@@ -297,3 +297,19 @@ def test_an_unexpected_failure_says_it_is_a_bug(monkeypatch, capsys):
         "bug": True,
         "exit_code": 1,
     }
+
+
+def test_unseen_prompts_that_the_run_trains_on_are_refused(tmp_path):
+    from dflash_ray.stages.pipeline import unseen_prompts
+    from dflash_ray.stages.prompts import run_prompts
+
+    cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}"])
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}?"}]}) + "\n" for i in range(3)))
+    run_prompts([str(raw)], str(tmp_path / "prompts"), cfg, progress=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"messages": [{"role": "user", "content": "something else"}]}) + "\n")
+    assert unseen_prompts([str(other)], str(tmp_path / "prompts"), str(tmp_path / "unseen"), cfg) == 1
+    with pytest.raises(DFlashError) as e:  # one of the run's own prompts is not unseen
+        unseen_prompts([str(other), str(raw)], str(tmp_path / "prompts"), str(tmp_path / "unseen2"), cfg)
+    assert e.value.field == "pipeline.unseen_prompts"

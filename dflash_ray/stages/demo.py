@@ -22,6 +22,9 @@ from dflash_ray.registry import SMOLLM2
 
 SMALL_FILES = ("demo_chats.jsonl", "demo_sharegpt.jsonl", "demo_alpaca.jsonl")  # 48 prompts, 4 bad records
 DEMO_FILES = SMALL_FILES + ("demo_mix.jsonl",)  # + code, math, explanations, chat, tool calls
+# prompts of kinds none of those holds (rewriting, extraction, classification, a story, a riddle): never
+# generated for, trained on or used to choose a setting; the summary's `unseen` figures are measured on them
+UNSEEN_FILE = "demo_unseen.jsonl"
 
 # The demo's settings under the user's config (their file and --set overrides win over these).
 # Generation is greedy because evaluation is: the drafter learns the very outputs it is scored on.
@@ -91,8 +94,12 @@ def run_demo(workdir: str, cfg: RunConfig, *, progress: bool = True) -> dict[str
     import dataclasses
 
     work = str(Path(workdir).absolute())
+    unseen = cfg.pipeline.unseen_prompts or [str(resources.files("dflash_ray.assets") / UNSEEN_FILE)]
     cfg = dataclasses.replace(
-        cfg, pipeline=dataclasses.replace(cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2)
+        cfg,
+        pipeline=dataclasses.replace(
+            cfg.pipeline, inputs=bundled_inputs(), workdir=work, target=SMOLLM2, unseen_prompts=unseen
+        ),
     )
     try:
         return {**run_pipeline(cfg, progress=progress, fresh_training=True), "stage": "demo"}

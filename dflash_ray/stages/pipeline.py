@@ -77,6 +77,23 @@ def clear_training(folder: str, cfg: RunConfig) -> None:
     storage.delete_tree(folder)
 
 
+def unseen_prompts(inputs: list, trained: str, output: str, cfg: RunConfig) -> int:
+    """The `pipeline.unseen_prompts` files as a prompts dataset at `output`; one that is also among the
+    run's own prompts (`trained`: the same conversation, by its content id) is refused, naming it."""
+    from dflash_ray.stages.prompts import run_prompts
+
+    summary = run_prompts(list(inputs), output, cfg, progress=False)
+    own = {r["id"] for r in manifest.read_rows(trained, ["id"], 10**9)}
+    shared = [r["id"] for r in manifest.read_rows(output, ["id"], 10**9) if r["id"] in own]
+    if shared:
+        raise DFlashError(
+            f"{len(shared)} of its prompts are among the run's own inputs (first id {shared[0]}): "
+            "they would not be unseen",
+            field="pipeline.unseen_prompts",
+        )
+    return int(summary["prompts"])
+
+
 def with_target_tokenizer(cfg: RunConfig) -> RunConfig:
     """The pipeline trains the target's drafter on the target's own token ids: the prompts and
     tokenize stages use the target's tokenizer unless a config names one."""
@@ -133,6 +150,8 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool 
             written = timed("selfprompt", run_selfprompt, pcfg.target, at("self-prompts"), cfg, progress=progress)
             inputs.append(at("self-prompts"))
         prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress, responses=pcfg.responses)
+        if pcfg.unseen_prompts:
+            timed("prompts_unseen", unseen_prompts, pcfg.unseen_prompts, at("prompts"), at("prompts-unseen"), cfg)
         if pcfg.responses:  # the answers are the completions; their contexts are the kept-aside prompts
             kept = split_prompts(
                 at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed, answered=True
@@ -314,7 +333,31 @@ def _export_and_evaluate(
         reference_cache=references,
         report_dir=folder,
     )
+    unseen = {}
+    if cfg.pipeline.unseen_prompts:  # prompts of other kinds: never generated for, trained on or tuned on
+        result = timed(
+            f"evaluate_unseen{tag}",
+            run_evaluate,
+            drafter,
+            target,
+            storage.join(work, "prompts-unseen"),
+            cfg,
+            sampled=False,
+            reference_cache=references,
+        )
+        unseen = {
+            "unseen": {
+                "prompts": result["prompts"],
+                "tau_trained": result["tau"],
+                "tau_ngram": result["tau_ngram"],
+                "tau_per_source": result["tau_per_source"],
+                "tau_ngram_per_source": result["tau_ngram_per_source"],
+                "acceptance_by_position": result["acceptance_by_position"],
+                "lossless": result["lossless"],
+            }
+        }
     return {
+        **unseen,
         "family": cfg.train.drafter,
         "train_loss": trained["loss"],
         "heldout_tau_start": trained["heldout_tau_start"],
