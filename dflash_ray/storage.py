@@ -36,6 +36,12 @@ def local_path(uri: str) -> Path:
     return Path(uri[len("file://") :] if uri.startswith("file://") else uri)
 
 
+def require_folder(uri: str, what: str = "nothing was written") -> None:
+    """Refuse, before any work, an output folder that is an existing local file."""
+    if not is_s3(uri) and local_path(uri).exists() and not local_path(uri).is_dir():
+        raise DFlashError(f"is a file, not a folder: {what}; choose a folder", file=uri)
+
+
 def overlaps(a: str, b: str) -> bool:
     """Whether one of two URIs is the other or lies inside it (local paths resolved, links followed)."""
     if is_s3(a) != is_s3(b):

@@ -313,3 +313,59 @@ def test_unseen_prompts_that_the_run_trains_on_are_refused(tmp_path):
     with pytest.raises(DFlashError) as e:  # one of the run's own prompts is not unseen
         unseen_prompts([str(other), str(raw)], str(tmp_path / "prompts"), str(tmp_path / "unseen2"), cfg)
     assert e.value.field == "pipeline.unseen_prompts"
+
+
+def test_dspark_with_no_loss_term_teaching_the_drafts_is_refused():
+    with pytest.raises(DFlashError) as e:
+        load_config(None, ["train.drafter=dspark", "train.family={ce_weight: 0, tv_weight: 0}"])
+    assert e.value.field == "train.family.ce_weight"
+
+
+def test_an_export_into_a_folder_another_export_is_writing_is_refused(tmp_path, tiny_qwen3_dir):
+    from transformers import AutoConfig
+
+    from dflash_ray import writer
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.stages.export import run_export
+
+    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt", dtype=torch.float32)
+    with writer.claim(str(tmp_path / "out"), "drafter"):  # a first export, still writing
+        with pytest.raises(DFlashError, match="another run is writing this output"):
+            run_export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys):
+    from dflash_ray.stages.evaluate import run_evaluate
+    from dflash_ray.stages.prompts import run_prompts
+    from dflash_ray.stages.train import run_train
+
+    afile = tmp_path / "afile.txt"
+    afile.write_text("mine")
+    assert main(["selfprompt", "--model", SMOLLM2, "--output", str(afile), "--count", "1"]) == 2
+    assert "is a file, not a folder" in _error(capsys)
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"messages": [{"role": "user", "content": "hi?"}]}) + "\n")
+    run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(None, [f"prompts.tokenizer={SMOLLM2}"]))
+    with pytest.raises(DFlashError, match="is a file, not a folder"):  # before a model loads or a prompt decodes
+        run_evaluate(
+            str(tmp_path / "no-drafter"), SMOLLM2, str(tmp_path / "prompts"), load_config(), report_dir=str(afile)
+        )
+    with pytest.raises(DFlashError, match="overlap"):  # checkpoints among the data's shards
+        run_train(SMOLLM2, str(tmp_path / "prompts"), str(tmp_path / "prompts" / "run"), load_config())
+    assert afile.read_text() == "mine"
+
+
+def test_a_plan_workload_of_less_than_two_tokens_a_sample_is_refused(capsys):
+    assert main(["plan", "--set", "plan.prompts=1000000000000000000000"]) == 2
+    assert "field 'plan.prompts'" in _error(capsys)
+
+
+def test_onesample_refuses_more_blocks_than_the_target_has_positions(capsys):
+    assert (
+        main(["onesample", "--target", SMOLLM2, "--set", "train.block_size=4", "--set", "onesample.blocks=5000"]) == 2
+    )
+    assert "field 'onesample.blocks'" in _error(capsys)

@@ -38,6 +38,7 @@ from dflash_ray.drafter.loss import LossOutput
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import Sampling, warp
 from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
+from dflash_ray.errors import DFlashError
 
 GAMMA = 4.0  # the position weights' gamma unless `train.loss_decay` sets it
 MAX_CHUNK_LOGITS = 2**26  # fp32 logits per loss chunk (256 MB): [Q, V] never exists at once
@@ -53,6 +54,14 @@ class Settings(families.Settings):
     bce_weight: float = 1.0
 
     minimum = {"markov_rank": 1, "ce_weight": 0, "tv_weight": 0, "bce_weight": 0}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ce_weight + self.tv_weight <= 0:  # the BCE term trains the confidence head alone
+            raise DFlashError(
+                "ce_weight and tv_weight are both 0: nothing would teach the drafts; allowed: either above 0",
+                field="ce_weight",
+            )
 
 
 class MarkovHead(nn.Module):

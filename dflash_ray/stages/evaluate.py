@@ -136,6 +136,10 @@ def run_evaluate(
     from dflash_ray.target.capture import load_embed_and_head
 
     manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")  # before any model loads
+    if report_dir is not None:
+        from dflash_ray import storage
+
+        storage.require_folder(report_dir)
     if heldout_uri:
         manifest.require_columns(heldout_uri, ["input_ids", "loss_mask"], "--heldout (a tokenized dataset)")
     ecfg = cfg.evaluate

@@ -17,9 +17,7 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
     """A training checkpoint (sharded: assembled here from every rank's shard, each file checked
     against the checkpoint's manifest whatever the folder is called) or a drafter folder → the
     serving format in `out_dir`."""
-    from dflash_ray.drafter.export import export_checkpoint, export_drafter
-    from dflash_ray.train import checkpoint as ckpt
-    from dflash_ray.train import shards
+    from dflash_ray import writer
 
     if storage.overlaps(checkpoint, out_dir):  # the export would overwrite what it reads
         raise DFlashError(
@@ -27,9 +25,19 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
             "the other): nothing was exported; choose an output folder outside the checkpoint",
             file=out_dir,
         )
-    if not storage.is_s3(out_dir) and storage.local_path(out_dir).exists() and not storage.local_path(out_dir).is_dir():
-        raise DFlashError("is a file, not a folder: nothing was exported; choose a folder", file=out_dir)
+    storage.require_folder(out_dir, "nothing was exported")
     _check_replaceable(out_dir)
+    with writer.claim(out_dir, "drafter") as held:  # one export writes here at a time; another is refused
+        summary = _export(checkpoint, out_dir, dtype)
+        held.check()
+    return summary
+
+
+def _export(checkpoint: str, out_dir: str, dtype: str) -> dict[str, Any]:
+    from dflash_ray.drafter.export import export_checkpoint, export_drafter
+    from dflash_ray.train import checkpoint as ckpt
+    from dflash_ray.train import shards
+
     try:
         if not shards.is_sharded(checkpoint):  # a drafter folder, or a whole-file checkpoint of an earlier version
             verified = _verify_whole_files(checkpoint)

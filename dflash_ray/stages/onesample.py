@@ -112,6 +112,14 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     drafts = drafter.cfg.block_size - family.first_prediction
     # the prefill's token, then whole blocks (the drafts and the target's own token): a memorized
     # answer ends on a block, so this project's count and vLLM's are of the same steps
+    length = len(prompt) + 1 + ocfg.blocks * (drafts + 1)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and length > positions:
+        raise DFlashError(
+            f"{ocfg.blocks} blocks of {drafts + 1} tokens after a {len(prompt)}-token prompt make {length} "
+            f"positions, past the target's {positions}",
+            field="onesample.blocks",
+        )
     answer = target_decode(model, prompt, 1 + ocfg.blocks * (drafts + 1), eos).token_ids
     answer = answer[: 1 + (len(answer) - 1) // (drafts + 1) * (drafts + 1)]
     if len(answer) < drafts + 2:

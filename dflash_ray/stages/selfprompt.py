@@ -49,6 +49,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     scfg = cfg.selfprompt
     if scfg.count < 1:
         raise DFlashError(f"{scfg.count} prompts to write; at least 1", field="selfprompt.count")
+    storage.require_folder(output)
     started = time.time()
     settings = {"model": model, "backend": cfg.generate.backend, **dataclasses.asdict(scfg)}
     made = manifest.read_manifest(output)

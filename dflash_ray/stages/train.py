@@ -78,6 +78,19 @@ def run_train(
     from dflash_ray.preflight import preflight
     from dflash_ray.registry import pin
 
+    if storage.overlaps(data, output):  # checkpoints and metrics would land among the data's shards
+        raise DFlashError(
+            f"the output {output} and the data {data} overlap (one is, or is inside, the other): choose an "
+            "output folder of its own",
+            file=output,
+        )
+    late = [s for s in cfg.train.profile_steps if cfg.train.max_steps and s > cfg.train.max_steps]
+    if late:
+        print(
+            f"dflash-ray train: warning: train.profile_steps {late} are past train.max_steps={cfg.train.max_steps}: "
+            "no trace of them",
+            file=sys.stderr,
+        )
     check_installed(cfg.train.trackers)
     preflight(cfg, generating=False)
     target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
