@@ -16,7 +16,9 @@ TINY = ["train.num_layers=1", "train.block_size=4"]  # three or four drafts a bl
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family, settings", [("dspark", ["train.family={markov_rank: 16}", "onesample.blocks=2"]), ("dflash2", [])])
+@pytest.mark.parametrize(
+    "family, settings", [("dspark", ["train.family={markov_rank: 16}", "onesample.blocks=2"]), ("dflash2", [])]
+)
 def test_a_memorized_sample_is_accepted_whole(family, settings):
     summary = run_onesample(SMOLLM2, load_config(None, TINY + [f"train.drafter={family}", *settings]))
     drafts = 4 if family == "dspark" else 3  # DSpark's anchor is its first prediction
