@@ -27,9 +27,16 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
         )
     storage.require_folder(out_dir, "nothing was exported")
     _check_replaceable(out_dir)
-    with writer.claim(out_dir, "drafter") as held:  # one export writes here at a time; another is refused
-        summary = _export(checkpoint, out_dir, dtype)
-        held.check()
+    local = None if storage.is_s3(out_dir) else storage.local_path(out_dir)
+    made = local is not None and not local.exists()
+    try:
+        with writer.claim(out_dir, "drafter") as held:  # one export writes here at a time; another is refused
+            summary = _export(checkpoint, out_dir, dtype)
+            held.check()
+    except BaseException:
+        if made and local is not None and local.is_dir() and not any(local.iterdir()):
+            local.rmdir()  # the folder the claim made: a failed export leaves nothing
+        raise
     return summary
 
 
