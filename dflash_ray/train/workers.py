@@ -106,20 +106,10 @@ class TargetWorker:
 
         start = time.perf_counter()
         rows = [self.reader.row(uri, row) for uri, row in samples]
-        vocab = self.model.get_input_embeddings().num_embeddings
-        for (uri, row), sample in zip(samples, rows):  # an id past the table: data of another tokenizer
-            if sample["input_ids"] and max(sample["input_ids"]) >= vocab:
-                from dflash_ray.errors import DFlashError
-
-                raise DFlashError(
-                    f"token id {max(sample['input_ids'])} is past the target's {vocab}-entry "
-                    "embedding: the data was tokenized for another model; tokenize it with the "
-                    "target's tokenizer",
-                    file=uri,
-                    record=row + 1,
-                    field="input_ids",
-                )
         ids, mask, attn = pad_batch(rows)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if ids.numel() and int(ids.max()) >= vocab:  # one reduction a batch; the sample is looked for only then
+            self._past_vocabulary(samples, rows, vocab)
         device = self.place.device
         # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`):
         # distillation's top-k, and the last hidden states a family's loss turns into the whole distribution
@@ -148,6 +138,22 @@ class TargetWorker:
         # sends still unmatched (NCCL's stream), which its drafter takes only at its next step
         wait_compute(device)
         return {**batch, "seconds": time.perf_counter() - start, "read_bytes": self.reader.take_bytes()}
+
+    @staticmethod
+    def _past_vocabulary(samples: list[Sample], rows: list[dict[str, Any]], vocab: int) -> None:
+        """Name the first sample with an id past the target's table: data of another tokenizer."""
+        from dflash_ray.errors import DFlashError
+
+        for (uri, row), sample in zip(samples, rows):
+            if sample["input_ids"] and max(sample["input_ids"]) >= vocab:
+                raise DFlashError(
+                    f"token id {max(sample['input_ids'])} is past the target's {vocab}-entry "
+                    "embedding: the data was tokenized for another model; tokenize it with the "
+                    "target's tokenizer",
+                    file=uri,
+                    record=row + 1,
+                    field="input_ids",
+                )
 
     def _staged(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """A GPU tensor copied to the host through a page-locked buffer kept per key (several times
