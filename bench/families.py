@@ -105,7 +105,7 @@ def main() -> None:
                 "tau_sampled": result["tau_trained_sampled"],
                 "tau_ngram": result["tau_ngram"],
                 "tau_over_dflash": round(result["tau_trained"] / base, 3),
-                "tau_untrained": result["tau_untrained"],
+                "heldout_tau_start": result["heldout_tau_start"],
                 "step_s": round(statistics.median(m["step_seconds"] for m in metrics[2:]), 3),
                 "params_m": round(params / 1e6, 2),
                 "acceptance_by_position": result["acceptance_by_position"],

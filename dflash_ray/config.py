@@ -254,7 +254,7 @@ class PipelineConfig:
     workdir: str = ""  # every stage's output goes under this URI (file:// or s3://)
     target: str = ""  # target model: path, s3:// folder or short name
     eval_prompts: int = 12  # prompts kept out of generation and training, to measure tau on
-    min_tau_gain: float = 0.0  # fail unless the trained drafter's tau beats the untrained one's by this
+    min_tau_gain: float = 0.0  # fail unless training raised the held-out simulated tau over step 0's by this
     beat_ngram: bool = False  # fail unless the trained drafter's tau beats the n-gram baseline's
     vllm_evaluate: bool = True  # also measure the exported drafter's acceptance in vLLM (when installed)
     # the inputs end with the target's own answers (existing responses): no generation, they are

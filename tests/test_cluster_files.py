@@ -5,6 +5,8 @@ only found at `ray up` time otherwise)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -100,25 +102,39 @@ def test_rayjob_manifest_references_real_entrypoints_and_matching_versions():
         assert int(limits["nvidia.com/gpu"]) in (4, 8)
 
 
-def test_every_job_entrypoint_runs_a_cli_subcommand_of_its_name():
-    from dflash_ray.cli import _parser
+def test_one_job_entrypoint_runs_every_command_from_any_working_directory(tmp_path):
+    """`ray job submit ... -- python jobs/run.py STAGE ARGS`: the script's folder heads `sys.path`
+    under a job, so it must import the package from the tree it sits in, whatever the directory."""
+    assert sorted(p.name for p in (ROOT / "jobs").glob("*.py")) == ["run.py"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "run.py"), "plan", "--json"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["stage"] == "plan"
+    done = subprocess.run([sys.executable, str(ROOT / "jobs" / "run.py"), "nosuch"], capture_output=True, text=True)
+    assert done.returncode == 2 and "invalid choice: 'nosuch'" in done.stderr
 
-    commands = set(_parser()._subparsers._group_actions[0].choices)
-    jobs = {p.stem for p in (ROOT / "jobs").glob("*.py") if not p.stem.startswith("_")}
-    assert {
-        "prompts",
-        "generate",
-        "tokenize",
-        "validate",
-        "train",
-        "export",
-        "evaluate",
-        "pipeline",
-        "scale",
-        "status",
-    } <= jobs
-    for name in jobs:
-        assert f'run("{name}")' in (ROOT / "jobs" / f"{name}.py").read_text() and name in commands, name
+
+def test_the_cli_and_the_pipeline_are_derived_from_the_stages_their_modules_declare():
+    """Every command is a `Stage` of a module in `stages/`; the pipeline's order follows from the
+    folders each stage reads and writes, and each folder a stage reads has a stage writing it."""
+    from dflash_ray import stages
+    from dflash_ray.cli import _parser
+    from dflash_ray.config import RunConfig
+
+    declared = [s.name for s in stages.stages()]
+    assert list(_parser()._subparsers._group_actions[0].choices) == declared
+    assert len(set(declared)) == len(declared)
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    assert all(s.section is None or s.section in sections for s in stages.stages())
+    order = [s.name for s in stages.pipeline_stages()]
+    assert order == ["selfprompt", "prompts", "generate", "tokenize", "validate", "train", "export", "evaluate"]
+    written = {folder for s in stages.pipeline_stages() for folder in s.outputs}
+    assert all(set(s.inputs) <= written for s in stages.pipeline_stages())
+    # a stage that reads what a later one writes would run first with no input: the order says no
+    for i, stage in enumerate(stages.pipeline_stages()):
+        later = {f for s in stages.pipeline_stages()[i + 1 :] for f in s.outputs}
+        assert not set(stage.inputs) & later, stage.name
 
 
 def test_the_dockerfile_installs_exactly_the_gpu_extra_on_rays_image():

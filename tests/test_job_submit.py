@@ -233,7 +233,15 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     submitted = _submit(
-        address, env, "pipeline-1", "jobs/pipeline.py", "--config", str(tmp_path / "run.yaml"), "--json", wait=False
+        address,
+        env,
+        "pipeline-1",
+        "jobs/run.py",
+        "pipeline",
+        "--config",
+        str(tmp_path / "run.yaml"),
+        "--json",
+        wait=False,
     )
     assert submitted.returncode == 0, submitted.stderr
 
@@ -242,7 +250,15 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
         deadline, status, probe = time.time() + 300, None, None
         while time.time() < deadline:
             probe = _submit(
-                address, env, f"status-{int(time.time() * 1000)}", "jobs/status.py", "--name", NAME, "--json", wait=True
+                address,
+                env,
+                f"status-{int(time.time() * 1000)}",
+                "jobs/run.py",
+                "status",
+                "--name",
+                NAME,
+                "--json",
+                wait=True,
             )
             line = [x for x in probe.stdout.splitlines() if x.startswith('{"ok": true')]
             if line and until(status := json.loads(line[-1])):
@@ -258,10 +274,12 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
     # the generation starts paused, so it is still there to scale, whoever is quick
     status = generation_status(lambda s: True)
     assert status["generators_target"] == 1 and status["paused"] and status["shards_done"] == 0
-    scaled = _submit(address, env, "scale-1", "jobs/scale.py", "generators", "2", "--name", NAME, "--json", wait=True)
+    scaled = _submit(
+        address, env, "scale-1", "jobs/run.py", "scale", "generators", "2", "--name", NAME, "--json", wait=True
+    )
     assert '"generators_target": 2' in scaled.stdout, scaled.stdout + scaled.stderr
     generation_status(lambda s: s["generators_alive"] == 2)
-    resumed = _submit(address, env, "resume-1", "jobs/resume.py", "--name", NAME, "--json", wait=True)
+    resumed = _submit(address, env, "resume-1", "jobs/run.py", "resume", "--name", NAME, "--json", wait=True)
     assert '"paused": false' in resumed.stdout, resumed.stdout + resumed.stderr
 
     # `ray job logs --follow` returns when the job ends (or its stream drops): one process to wait

@@ -232,10 +232,11 @@ def test_the_learning_gates_name_the_drafter_that_fails():
     from dflash_ray.stages.pipeline import _gate
 
     pcfg = load_config(None, ["pipeline.min_tau_gain=0.1", "pipeline.beat_ngram=true"]).pipeline
-    _gate({"tau_gain": 0.2, "tau_trained": 1.5, "tau_untrained": 1.3, "tau_ngram": 1.2}, "flash", pcfg)
-    with pytest.raises(DFlashError, match="drafter 'spark': .* by 0.050, less than 0.1") as e:
-        _gate({"tau_gain": 0.05, "tau_trained": 1.35, "tau_untrained": 1.3, "tau_ngram": 1.2}, "spark", pcfg)
+    held = {"heldout_tau_start": 1.0}
+    _gate({**held, "heldout_tau_end": 1.2, "tau_gain": 0.2, "tau_trained": 1.5, "tau_ngram": 1.2}, "flash", pcfg)
+    with pytest.raises(DFlashError, match="drafter 'spark': .* from 1.0 to 1.05, a gain of 0.05, less than 0.1") as e:
+        _gate({**held, "heldout_tau_end": 1.05, "tau_gain": 0.05, "tau_trained": 1.35, "tau_ngram": 1.2}, "spark", pcfg)
     assert e.value.field == "pipeline.min_tau_gain"
     with pytest.raises(DFlashError, match="does not beat n-gram prompt lookup's 1.6") as e:
-        _gate({"tau_gain": 0.2, "tau_trained": 1.5, "tau_untrained": 1.3, "tau_ngram": 1.6}, "", pcfg)
+        _gate({**held, "heldout_tau_end": 1.2, "tau_gain": 0.2, "tau_trained": 1.5, "tau_ngram": 1.6}, "", pcfg)
     assert e.value.field == "pipeline.beat_ngram" and "drafter" not in str(e.value).split(":")[0]

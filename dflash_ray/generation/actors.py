@@ -1,7 +1,7 @@
 """The generation actors: thin shells over `ShardBook` (the pool) and `ShardGenerator` (a generator).
 
 The pool is a named actor in the `dflash-ray` namespace, so `dflash-ray scale` and `dflash-ray
-status` (or `jobs/scale.py` from a laptop) find it from any process on the cluster. It records each
+status` (or `jobs/run.py scale` from a laptop) find it from any process on the cluster. It records each
 finished shard in `_progress.json` on storage, which a restarted job reads to skip finished shards,
 and publishes the run's figures as Ray dashboard metrics.
 

@@ -12,6 +12,7 @@ training reports). `--engine vllm` adds vLLM's own measured acceptance length.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 from dflash_ray import manifest
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
+from dflash_ray.stages import PipelineRun, Stage
 
 
 def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
@@ -265,3 +267,140 @@ def run_evaluate(
             file=drafter_uri,
         ).with_summary(summary)
     return summary
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    return run_evaluate(
+        args.drafter,
+        args.target,
+        args.prompts,
+        cfg,
+        heldout_uri=args.heldout,
+        engine=args.engine,
+        tokenizer_name=args.tokenizer,
+        report_dir=args.report,
+    )
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True, metavar="DIR")
+    p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--prompts", required=True, metavar="URI", help="prompt shards (from `dflash-ray prompts`)")
+    p.add_argument("--heldout", metavar="URI", help="tokenized held-out set for the simulated tau")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: also report vLLM's measured tau")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the target's own")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write evaluation.png there: acceptance by draft position "
+        "and by prompt source, the drafter beside prompt lookup",
+    )
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    """Each exported drafter by real speculative decoding on the kept-aside prompts (and on the
+    unseen ones), prompt lookup beside it; where it started is training's held-out tau at step 0.
+    The first drafter's figures are the summary's own; with several, each one's under `drafters`."""
+    from dflash_ray.train import drafters
+
+    references: dict = {}  # the target's own outputs, decoded once for every drafter
+    cfg = run.cfg
+    folders = drafters.outputs(run.at("train"), cfg)  # each drafter's training folder
+    results = {
+        name: _evaluate_drafter(run, name, team_cfg, folder, references)
+        for (name, team_cfg), folder in zip(drafters.expand(cfg), folders)
+    }
+    return {**next(iter(results.values())), **({"drafters": results} if cfg.train.drafters else {})}
+
+
+def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, references: dict) -> dict[str, Any]:
+    import importlib.util
+
+    import torch
+
+    from dflash_ray import storage
+    from dflash_ray.drafter import families
+
+    target, trained, drafter = cfg.pipeline.target, run.results["train"][name], run.results["export"][name]
+    tag = f"[{name}]" if name else ""
+    # vLLM's own acceptance of the exported drafter, on the same prompts, where vLLM serves its family
+    served = families.get(cfg.train.drafter).vllm_on_cpu or torch.cuda.is_available()
+    engine = "vllm" if cfg.pipeline.vllm_evaluate and served and importlib.util.find_spec("vllm") else "hf"
+    after = run.timed(
+        f"evaluate_trained{tag}",
+        run_evaluate,
+        drafter,
+        target,
+        run.at("prompts-eval"),
+        cfg,
+        engine=engine,
+        reference_cache=references,
+        report_dir=folder,
+    )
+    unseen = {}
+    if cfg.pipeline.unseen_prompts:  # prompts of other kinds: never generated for, trained on or tuned on
+        result = run.timed(
+            f"evaluate_unseen{tag}",
+            run_evaluate,
+            drafter,
+            target,
+            run.at("prompts-unseen"),
+            cfg,
+            sampled=False,
+            reference_cache=references,
+        )
+        unseen = {
+            "unseen": {
+                "prompts": result["prompts"],
+                "tau_trained": result["tau"],
+                "tau_ngram": result["tau_ngram"],
+                "tau_per_source": result["tau_per_source"],
+                "tau_ngram_per_source": result["tau_ngram_per_source"],
+                "acceptance_by_position": result["acceptance_by_position"],
+                "lossless": result["lossless"],
+            }
+        }
+    start, end = trained["heldout_tau_start"], trained["heldout_tau"]
+    return {
+        **unseen,
+        "family": cfg.train.drafter,
+        "train_loss": trained["loss"],
+        "heldout_tau_start": start,
+        "heldout_tau_end": end,
+        # what training gained, on held-out samples: the simulated tau at the end against step 0's
+        "tau_gain": None if start is None or end is None else round(end - start, 4),
+        "tau_trained": after["tau"],
+        "tau_ngram": after["tau_ngram"],
+        "tau_trained_sampled": after["tau_sampled"],
+        "acceptance_by_position": after["acceptance_by_position"],
+        "acceptance_by_position_sampled": after["acceptance_by_position_sampled"],
+        "ngram_acceptance_by_position": after["ngram_acceptance_by_position"],
+        "tau_per_source": after["tau_per_source"],
+        "tau_ngram_per_source": after["tau_ngram_per_source"],
+        "evaluation_png": after["evaluation_png"],
+        "sampling": after["sampling"],
+        "tau_ngram_per_draft": after["tau_ngram_per_draft"],
+        "ngram_draft_share": after["ngram_draft_share"],
+        "tau_trained_vllm": after.get("tau_vllm"),
+        "vllm_outputs_equal": after.get("vllm_outputs_equal"),
+        "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
+        "spec_tokens_per_s": after["tokens_per_s"],
+        "target_tokens_per_s": after["target_tokens_per_s"],
+        "lossless": after["lossless"] and unseen.get("unseen", {}).get("lossless", True),
+        "plots": storage.join(folder, "metrics.png"),
+        "drafter": drafter,
+    }
+
+
+STAGES = (
+    Stage(
+        name="evaluate",
+        help="acceptance length of a drafter against its target",
+        command=_command,
+        arguments=_arguments,
+        section="evaluate",
+        order=70,
+        inputs=("drafter", "prompts-eval", "prompts-unseen"),
+        step=_step,
+    ),
+)

@@ -7,10 +7,12 @@ drafter exported with garbage weights."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from dflash_ray import storage
 from dflash_ray.errors import DFlashError
+from dflash_ray.stages import PipelineRun, Stage
 
 
 def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -103,3 +105,35 @@ def _verify_whole_files(folder: str) -> int:
     for name in names:
         ckpt.read_checked(folder, name, manifest)
     return len(names)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a training checkpoint or drafter folder (path or URI)")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    """Each trained drafter in the serving format, under `drafter/` (`drafter/NAME` for several);
+    fp32, as it is evaluated next."""
+    exported = {}
+    for name, trained in run.results["train"].items():
+        out = run.at(f"drafter/{name}" if name else "drafter")
+        run_export(trained["checkpoint"], out, dtype="float32")
+        exported[name] = out
+    run.results["export"] = exported
+    return {}
+
+
+STAGES = (
+    Stage(
+        name="export",
+        help="write a drafter in the format vLLM and SGLang load",
+        command=lambda args, cfg: run_export(args.checkpoint, args.out_dir, dtype=args.dtype),
+        arguments=_arguments,
+        order=60,
+        inputs=("train",),
+        outputs=("drafter",),
+        step=_step,
+    ),
+)

@@ -25,6 +25,7 @@ to deadlock on clusters of 4 CPUs or fewer, like the 2-core machines this runs o
 
 from __future__ import annotations
 
+import argparse
 import collections
 import hashlib
 import json
@@ -40,6 +41,7 @@ from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.generation.book import PROGRESS
 from dflash_ray.registry import pin
+from dflash_ray.stages import PipelineRun, Stage
 
 log = logging.getLogger(__name__)
 
@@ -518,3 +520,112 @@ def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
             **_totals(done),
         }
     return {"stage": "status", "name": cfg.generate.name, **ray.get(_pool(cfg).status.remote())}
+
+
+def _named(cfg: RunConfig, name: str | None) -> RunConfig:
+    import dataclasses
+
+    return cfg if name is None else dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate, name=name))
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    changes = {k: v for k, v in (("generators", args.generators), ("name", args.name)) if v is not None}
+    cfg = dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate, **changes))
+    return run_generate(args.prompts, args.output, args.model, cfg, progress=not args.json)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", required=True, metavar="URI", help="prompt shards (from `dflash-ray prompts`)")
+    p.add_argument("--output", required=True, metavar="URI")
+    p.add_argument("--model", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--generators", type=int, metavar="N", help="generator actors at the start (generate.generators)")
+    p.add_argument("--name", help="run name that scale and status use (generate.name)")
+
+
+def _step(run: PipelineRun) -> dict[str, Any] | None:
+    """The target answers the prompts trained on (not with `pipeline.responses`: those are answered)."""
+    if run.cfg.pipeline.responses:
+        return None
+    at, cfg = run.at, run.cfg
+    generated = run.timed(
+        "generate",
+        run_generate,
+        at("prompts-train"),
+        at("completions"),
+        cfg.pipeline.target,
+        cfg,
+        progress=run.progress,
+    )
+    run.results["generate"] = generated
+    return {
+        "completions": generated["completions"],
+        "generation_rejected": generated["rejected_kinds"],
+        "generator_nodes": generated["generator_nodes"],
+        "generated_tokens": generated["output_tokens"],
+        "generate_tokens_per_s": generated["tokens_per_s"],
+        "length_warning": generated.get("length_warning"),
+    }
+
+
+def _name_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", help="the generation's name (generate.name)")
+
+
+def _scale_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["generators"])
+    p.add_argument("count", type=int, metavar="N")
+    _name_argument(p)
+
+
+def _status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", help="a running generation's name (generate.name)")
+    p.add_argument("--output", metavar="URI", help="read a stopped or finished generation's progress from here")
+
+
+STAGES = (
+    Stage(
+        name="generate",
+        help="regenerate every response with the target itself",
+        command=_command,
+        arguments=_arguments,
+        section="generate",
+        order=20,
+        inputs=("prompts-train",),
+        outputs=("completions",),
+        step=_step,
+    ),
+    Stage(
+        name="scale",
+        help="change the generator count of a running generation",
+        command=lambda args, cfg: scale(args.count, _named(cfg, args.name)),
+        arguments=_scale_arguments,
+        section="generate",
+        order=21,
+    ),
+    Stage(
+        name="pause",
+        help="pause or resume a running generation: generators finish their shard and wait, engines loaded",
+        command=lambda args, cfg: pause(True, _named(cfg, args.name)),
+        arguments=_name_argument,
+        section="generate",
+        order=22,
+    ),
+    Stage(
+        name="resume",
+        help="pause or resume a running generation: a paused generation goes on",
+        command=lambda args, cfg: pause(False, _named(cfg, args.name)),
+        arguments=_name_argument,
+        section="generate",
+        order=23,
+    ),
+    Stage(
+        name="status",
+        help="progress of a generation: shards, generators, tokens/s, ETA",
+        command=lambda args, cfg: status(_named(cfg, args.name), args.output),
+        arguments=_status_arguments,
+        section="generate",
+        order=24,
+    ),
+)

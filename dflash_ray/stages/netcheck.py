@@ -8,10 +8,12 @@ crawling for hours over a socket fallback. 0 (the default) measures nothing."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from dflash_ray.config import RunConfig, TrainConfig
 from dflash_ray.errors import DFlashError
+from dflash_ray.stages import Stage
 
 MEGABYTES = 64.0  # per rank: past NCCL's latency-bound sizes, so the figure is the link's
 
@@ -140,3 +142,20 @@ def run_netcheck(cfg: RunConfig, megabytes: float = MEGABYTES, iters: int = 5) -
         "above_floor": verdict is None if floor > 0 else None,
         "below_floor": verdict,
     }
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--megabytes", type=float, default=MEGABYTES, help="all-reduced by each rank (default 64)")
+    p.add_argument("--iters", type=int, default=5, help="timed all-reduces per measurement (default 5)")
+
+
+STAGES = (
+    Stage(
+        name="netcheck",
+        help="all-reduce bus bandwidth between the training ranks, per node pair (train.min_bus_bandwidth)",
+        command=lambda args, cfg: run_netcheck(cfg, megabytes=args.megabytes, iters=args.iters),
+        arguments=_arguments,
+        section="train",
+        order=91,
+    ),
+)

@@ -15,6 +15,7 @@ decoded greedily here, so the drafter learns exactly what it will be asked to dr
 
 from __future__ import annotations
 
+import argparse
 import math
 import tempfile
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError, GateFailed
+from dflash_ray.stages import Stage
 
 PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -194,3 +196,20 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
             "whole: some convention differs between training and serving"
         ).with_summary(summary)
     return summary
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="vllm: vLLM's acceptance must agree too")
+
+
+STAGES = (
+    Stage(
+        name="onesample",
+        help="overfit a drafter of the train settings on one answer; serving must accept it whole",
+        command=lambda args, cfg: run_onesample(args.target, cfg, engine=args.engine),
+        arguments=_arguments,
+        section="onesample",
+        order=80,
+    ),
+)

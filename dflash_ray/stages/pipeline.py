@@ -2,16 +2,17 @@
 
 prompts (plus those the target writes itself when `selfprompt.count` > 0) → a few prompts kept
 aside for evaluation → generation by the target itself → Ray Data tokenization → validation gate
-(stops here when it fails) → online training → evaluation of the untrained and the trained
-drafter on the kept-aside prompts (real speculative decoding) → export. With `pipeline.responses`
+(stops here when it fails) → online training → export → evaluation of the trained drafter on the
+kept-aside prompts (real speculative decoding), prompt lookup beside it. With `pipeline.responses`
 the inputs' own last answers are the completions (no generation) and their contexts the prompts.
 Each stage resumes as it does alone: finished generation shards are skipped and training continues
 from its newest complete checkpoint. `pipeline.min_tau_gain` makes the run fail unless training
-raised the acceptance length by that much.
+raised the held-out simulated acceptance length by that much over its step 0.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import time
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 from dflash_ray import manifest, storage
 from dflash_ray.config import RunConfig
 from dflash_ray.preflight import preflight
-from dflash_ray.errors import DFlashError, GateFailed
+from dflash_ray.errors import DFlashError
+from dflash_ray.stages import Stage
 
 
 def split_prompts(
@@ -110,116 +112,51 @@ def with_target_tokenizer(cfg: RunConfig) -> RunConfig:
 
 
 def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool = False) -> dict[str, Any]:
-    """prompts → (eval prompts kept aside) → generate → tokenize → validate → train → evaluate the
-    untrained and trained drafter → export, every output under `pipeline.workdir`. `fresh_training`:
-    an earlier training output in the workdir is deleted first (after every setting is checked)."""
+    """Every stage with a pipeline step, in the order what each reads and writes gives (selfprompt →
+    prompts → generate → tokenize → validate → train → export → evaluate), every output under
+    `pipeline.workdir`. `fresh_training`: an earlier training output in the workdir is deleted first
+    (after every setting is checked)."""
     from dflash_ray.chaos import Injector
-    from dflash_ray.stages.prompts import run_prompts
-    from dflash_ray.stages.validate import run_validate
-    from dflash_ray.stages.generate import run_generate
-    from dflash_ray.stages.tokenize import run_tokenize
+    from dflash_ray.stages import PipelineRun, pipeline_stages
 
     pcfg = cfg.pipeline
     for key in ("inputs", "workdir", "target"):
         if not getattr(pcfg, key) and not (key == "inputs" and (cfg.selfprompt.count > 0 or cfg.prompts.sources)):
             raise DFlashError("must be set for the pipeline", field=f"pipeline.{key}")
+    if pcfg.min_tau_gain > 0 and not (cfg.train.heldout > 0 and cfg.train.eval_every > 0):
+        raise DFlashError(
+            "training's gain is measured on its held-out samples (the simulated tau at step 0 against the "
+            "end's): set train.heldout and train.eval_every above 0, or pipeline.min_tau_gain to 0",
+            field="pipeline.min_tau_gain",
+        )
     cfg = with_target_tokenizer(cfg)
     # refused settings fail before the prompts stage, not at generation or in training
     preflight(cfg, generating=not pcfg.responses)
     if fresh_training:
         clear_training(storage.join(pcfg.workdir, "train"), cfg)
-    work = pcfg.workdir
     started = time.time()
-    timings: dict[str, float] = {}
-
-    def at(name: str) -> str:
-        return storage.join(work, name)
-
-    def timed(name: str, fn, *args, **kwargs):
-        t = time.time()
-        out = fn(*args, **kwargs)
-        timings[name] = round(time.time() - t, 1)
-        return out
-
+    run = PipelineRun(cfg, progress)
+    run.summary.update(stage="pipeline", workdir=pcfg.workdir, target=pcfg.target, responses=pcfg.responses)
     with Injector(cfg.chaos) as chaos:  # `chaos.faults`: a drill, killing actors while the stages run
-        inputs = list(pcfg.inputs)
-        written = None
-        if cfg.selfprompt.count > 0:  # prompts the target writes itself join the given ones
-            from dflash_ray.stages.selfprompt import run_selfprompt
-
-            written = timed("selfprompt", run_selfprompt, pcfg.target, at("self-prompts"), cfg, progress=progress)
-            inputs.append(at("self-prompts"))
-        prompts = timed("prompts", run_prompts, inputs, at("prompts"), cfg, progress=progress, responses=pcfg.responses)
-        if pcfg.unseen_prompts:
-            timed("prompts_unseen", unseen_prompts, pcfg.unseen_prompts, at("prompts"), at("prompts-unseen"), cfg)
-        if pcfg.responses:  # the answers are the completions; their contexts are the kept-aside prompts
-            kept = split_prompts(
-                at("prompts"), at("completions"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed, answered=True
-            )
-            generated = {
-                "completions": kept,
-                "rejected_kinds": {},
-                "generator_nodes": [],
-                "output_tokens": 0,
-                "tokens_per_s": None,
-            }
-        else:
-            split_prompts(at("prompts"), at("prompts-train"), at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
-            generated = timed(
-                "generate", run_generate, at("prompts-train"), at("completions"), pcfg.target, cfg, progress=progress
-            )
-        tokenized = timed("tokenize", run_tokenize, at("completions"), at("tokenized"), cfg)
-        report = timed("validate", run_validate, at("tokenized"), cfg, report_dir=at("report"))
-        summary = {
-            "stage": "pipeline",
-            "workdir": work,
-            "target": pcfg.target,
-            "responses": pcfg.responses,
-            "records": prompts["records"],
-            "prompts": prompts["prompts"],
-            "quarantined": prompts["quarantined"],
-            "quarantine_kinds": prompts["quarantine_kinds"],
-            "self_prompts": written["prompts"] if written else 0,
-            "self_prompts_dropped": written["dropped"] if written else {},
-            "eval_prompts": pcfg.eval_prompts,
-            "completions": generated["completions"],
-            "generation_rejected": generated["rejected_kinds"],
-            "generator_nodes": generated["generator_nodes"],
-            "generated_tokens": generated["output_tokens"],
-            "generate_tokens_per_s": generated["tokens_per_s"],
-            "samples": tokenized["rows_out"],
-            "tokens": tokenized["tokens"],
-            "tokens_cut": tokenized["tokens_cut"],
-            "share_kept": tokenized["share_kept"],
-            "length_warning": generated.get("length_warning"),
-            "loss_tokens": report["stats"]["loss_tokens"],
-            "response_fraction": round(report["stats"]["response_fraction"], 4),
-            "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
-            "gate_passed": report["passed"],
-            "failed_rules": report["failed_rules"],
-            "report": at("report/report.md"),
-        }
-        if not report["passed"]:
-            raise GateFailed(f"validation gate failed: {report['failed_rules']}", file=at("tokenized")).with_summary(
-                summary
-            )
-        summary.update(_train_and_evaluate(work, cfg, progress, timed))
+        for stage in pipeline_stages():
+            assert stage.step is not None  # what `pipeline_stages` holds
+            part = stage.step(run)
+            if part is not None:
+                run.summary.update(part)
+    summary = run.summary
     if cfg.chaos.faults:  # the run got here: every fault fired was recovered from
         drill = chaos.summary()
+        generated = run.results.get("generate", {})
         summary["chaos"] = {
             **drill,
             "recovered": drill["injected"],
             "restarts": {"generate": generated.get("restarts", 0), "train": summary["train_restarts"]},
             "seconds_lost": {"generate": generated.get("seconds_lost", 0.0), "train": summary["train_seconds_lost"]},
         }
-    summary["stage_seconds"] = timings
+    summary["stage_seconds"] = run.timings
     summary["seconds"] = round(time.time() - started, 1)
-    teams = summary.get("drafters") or {"": summary}
-    for result in teams.values():
-        result["tau_gain"] = round((result["tau_trained"] or 0) - (result["tau_untrained"] or 0), 4)
-    summary["tau_gain"] = next(iter(teams.values()))["tau_gain"]  # the first drafter's, as its other figures
     summary["tau_gain_required"] = pcfg.min_tau_gain
-    for name, result in teams.items():
+    for name, result in (summary.get("drafters") or {"": summary}).items():
         try:
             _gate(result, name, pcfg)
         except DFlashError as e:
@@ -228,14 +165,14 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool 
 
 
 def _gate(result: dict[str, Any], name: str, pcfg) -> None:
-    """The learning gates on one drafter's figures: its gain over its start and, when asked, its
-    acceptance beside n-gram prompt lookup's on the same prompts."""
+    """The learning gates on one drafter's figures: its held-out gain over its start and, when
+    asked, its acceptance beside n-gram prompt lookup's on the same prompts."""
     gain = result["tau_gain"]
     who = f"drafter {name!r}: " if name else ""
-    if gain < pcfg.min_tau_gain:
+    if pcfg.min_tau_gain > 0 and (gain is None or gain < pcfg.min_tau_gain):
         raise DFlashError(
-            f"{who}the trained drafter's tau {result['tau_trained']} beats the untrained one's "
-            f"{result['tau_untrained']} by {gain:.3f}, less than {pcfg.min_tau_gain}",
+            f"{who}training raised the held-out simulated tau from {result['heldout_tau_start']} to "
+            f"{result['heldout_tau_end']}, a gain of {gain}, less than {pcfg.min_tau_gain}",
             field="pipeline.min_tau_gain",
         )
     if pcfg.beat_ngram and (result["tau_trained"] or 0) <= (result["tau_ngram"] or 0):
@@ -246,141 +183,29 @@ def _gate(result: dict[str, Any], name: str, pcfg) -> None:
         )
 
 
-def _train_and_evaluate(work: str, cfg: RunConfig, progress: bool, timed) -> dict[str, Any]:
-    """Train (every drafter of `train.drafters` from one target pass), then export and evaluate each.
-    The first drafter's figures are the summary's own; with several, each one's under `drafters`."""
-    from dflash_ray.stages.train import run_train
-    from dflash_ray.train import drafters
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
 
-    train = timed(
-        "train",
-        run_train,
-        cfg.pipeline.target,
-        storage.join(work, "tokenized"),
-        storage.join(work, "train"),
-        cfg,
-        progress=progress,
-    )
-    references: dict = {}  # the target's own outputs, decoded once for every drafter
-    folders = drafters.outputs(storage.join(work, "train"), cfg)  # each drafter's training folder
-    results = {
-        name: _export_and_evaluate(
-            work, name, team_cfg, train["drafters"][name] if name else train, folder, references, timed
-        )
-        for (name, team_cfg), folder in zip(drafters.expand(cfg), folders)
-    }
-    shared = {
-        "training_steps": train["step"],
-        "stream_nodes": train["stream_nodes"],
-        "coordinator_node": train["coordinator_node"],
-        "train_restarts": train["restarts"],
-        "train_seconds_lost": train["seconds_lost"],
-    }
-    first = next(iter(results.values()))
-    return {**shared, **first, **({"drafters": results} if cfg.train.drafters else {})}
+    changes = {k: v for k, v in (("workdir", args.workdir), ("target", args.target)) if v}
+    if args.input:
+        changes["inputs"] = args.input
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, **changes))
+    return run_pipeline(cfg, progress=not args.json)
 
 
-def _export_and_evaluate(
-    work: str, name: str, cfg: RunConfig, trained: dict[str, Any], folder: str, references: dict, timed
-) -> dict[str, Any]:
-    """One trained drafter (`name` "" for a run of one): exported under `drafter/`, evaluated beside
-    the drafter its training started from, on the kept-aside prompts."""
-    import importlib.util
-    import tempfile
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", action="extend", metavar="URI", help="raw datasets (pipeline.inputs)")
+    p.add_argument("--workdir", metavar="URI", help="where every stage writes (pipeline.workdir)")
+    p.add_argument("--target", metavar="PATH", help="target model (pipeline.target)")
 
-    import torch
 
-    from dflash_ray.drafter import families
-    from dflash_ray.drafter.export import from_hf_config, save_drafter
-    from dflash_ray.drafter.init import initial_drafter
-    from dflash_ray.drafter.shape import drafter_config, drafter_init
-    from dflash_ray.registry import resolve
-    from dflash_ray.stages.evaluate import run_evaluate
-    from dflash_ray.stages.export import run_export
-
-    target = cfg.pipeline.target
-    drafter = storage.join(work, "drafter", name) if name else storage.join(work, "drafter")
-    run_export(trained["checkpoint"], drafter, dtype="float32")
-    untrained = tempfile.mkdtemp(prefix="dflash-untrained-")  # the drafter training started from
-    start = initial_drafter(
-        from_hf_config(drafter_config(target, cfg)), resolve(target), drafter_init(target, cfg), cfg.train.seed
-    )
-    save_drafter(start, untrained, dtype=torch.float32)
-    eval_prompts = storage.join(work, "prompts-eval")
-    tag = f"[{name}]" if name else ""
-    # the start is measured greedy only: its sampled tau says nothing the greedy one does not
-    before = timed(
-        f"evaluate_untrained{tag}",
-        run_evaluate,
-        untrained,
-        target,
-        eval_prompts,
-        cfg,
-        sampled=False,
-        reference_cache=references,
-    )
-    # vLLM's own acceptance of the exported drafter, on the same prompts, where vLLM serves its family
-    served = families.get(cfg.train.drafter).vllm_on_cpu or torch.cuda.is_available()
-    engine = "vllm" if cfg.pipeline.vllm_evaluate and served and importlib.util.find_spec("vllm") else "hf"
-    after = timed(
-        f"evaluate_trained{tag}",
-        run_evaluate,
-        drafter,
-        target,
-        eval_prompts,
-        cfg,
-        engine=engine,
-        reference_cache=references,
-        report_dir=folder,
-    )
-    unseen = {}
-    if cfg.pipeline.unseen_prompts:  # prompts of other kinds: never generated for, trained on or tuned on
-        result = timed(
-            f"evaluate_unseen{tag}",
-            run_evaluate,
-            drafter,
-            target,
-            storage.join(work, "prompts-unseen"),
-            cfg,
-            sampled=False,
-            reference_cache=references,
-        )
-        unseen = {
-            "unseen": {
-                "prompts": result["prompts"],
-                "tau_trained": result["tau"],
-                "tau_ngram": result["tau_ngram"],
-                "tau_per_source": result["tau_per_source"],
-                "tau_ngram_per_source": result["tau_ngram_per_source"],
-                "acceptance_by_position": result["acceptance_by_position"],
-                "lossless": result["lossless"],
-            }
-        }
-    return {
-        **unseen,
-        "family": cfg.train.drafter,
-        "train_loss": trained["loss"],
-        "heldout_tau_start": trained["heldout_tau_start"],
-        "heldout_tau_end": trained["heldout_tau"],
-        "tau_untrained": before["tau"],
-        "tau_trained": after["tau"],
-        "tau_ngram": after["tau_ngram"],
-        "tau_trained_sampled": after["tau_sampled"],
-        "acceptance_by_position": after["acceptance_by_position"],
-        "acceptance_by_position_sampled": after["acceptance_by_position_sampled"],
-        "ngram_acceptance_by_position": after["ngram_acceptance_by_position"],
-        "tau_per_source": after["tau_per_source"],
-        "tau_ngram_per_source": after["tau_ngram_per_source"],
-        "evaluation_png": after["evaluation_png"],
-        "sampling": after["sampling"],
-        "tau_ngram_per_draft": after["tau_ngram_per_draft"],
-        "ngram_draft_share": after["ngram_draft_share"],
-        "tau_trained_vllm": after.get("tau_vllm"),
-        "vllm_outputs_equal": after.get("vllm_outputs_equal"),
-        "tau_trained_sampled_vllm": after.get("tau_vllm_sampled"),
-        "spec_tokens_per_s": after["tokens_per_s"],
-        "target_tokens_per_s": after["target_tokens_per_s"],
-        "lossless": before["lossless"] and after["lossless"],
-        "plots": storage.join(folder, "metrics.png"),
-        "drafter": drafter,
-    }
+STAGES = (
+    Stage(
+        name="pipeline",
+        help="every stage in order on one config (pipeline.*)",
+        command=_command,
+        arguments=_arguments,
+        section="pipeline",
+        order=90,
+    ),
+)

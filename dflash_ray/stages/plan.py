@@ -13,6 +13,7 @@ rate per GPU; its memory is the target's weights and the KV cache vLLM fills the
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
@@ -23,6 +24,7 @@ import yaml
 from dflash_ray import storage
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
+from dflash_ray.stages import Stage
 
 # Calibrated on the one H200 run of the GPU check (bench/RESULTS.md, 2026-11-30): the colocated step's
 # FLOPs counted at its shapes (138.2 TFLOP) over its measured target and drafter seconds (0.328 s) on
@@ -487,3 +489,27 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         "written once and read every epoch",
         "warnings": warnings,
     }
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    if args.cluster:
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, cluster=args.cluster))
+    return run_plan(cfg)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", metavar="YAML", help="cluster launcher config to count GPUs in (plan.cluster)")
+
+
+STAGES = (
+    Stage(
+        name="plan",
+        help="projected GPU-hours and wall time of a workload",
+        command=_command,
+        arguments=_arguments,
+        section="plan",
+        order=92,
+    ),
+)

@@ -15,6 +15,7 @@ dataset, the commit read); a source that runs short of its count is a warning (`
 
 from __future__ import annotations
 
+import argparse
 import collections
 import io
 import json
@@ -30,6 +31,7 @@ from dflash_ray.data import mix, schema
 from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered
 from dflash_ray.data.records import RawRecord, raw_preview
 from dflash_ray.errors import DFlashError
+from dflash_ray.stages import PipelineRun, Stage
 
 QUARANTINE = "quarantine.jsonl"
 
@@ -256,3 +258,69 @@ def _response_checks(answers: int, thinking: int, tokenizer: str) -> dict[str, A
         )
         print(f"dflash-ray responses: warning: {warnings[-1]}", file=sys.stderr)
     return {"thinking_share": round(share, 4), "thinking_target": thinking_target, "warnings": warnings}
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    return run_prompts(
+        args.input or [], args.output, cfg, progress=not args.json, responses=args.command == "responses"
+    )
+
+
+def _arguments(output_help: str):
+    def add(p: argparse.ArgumentParser) -> None:
+        from dflash_ray.stages import INPUTS_HELP
+
+        p.add_argument("--input", nargs="+", action="extend", metavar="URI", help=INPUTS_HELP)
+        p.add_argument("--output", required=True, metavar="URI", help=output_help)
+
+    return add
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    """The pipeline's prompts (with those the target wrote itself), the prompts of other kinds kept
+    for the unseen figures, and the split: a few prompts kept aside for evaluation, the rest trained
+    on (generated for, or with `pipeline.responses` their own answers as the completions)."""
+    from dflash_ray.stages.pipeline import split_prompts, unseen_prompts
+
+    pcfg, cfg = run.cfg.pipeline, run.cfg
+    inputs = list(pcfg.inputs) + ([run.at("self-prompts")] if cfg.selfprompt.count > 0 else [])
+    prompts = run.timed(
+        "prompts", run_prompts, inputs, run.at("prompts"), cfg, progress=run.progress, responses=pcfg.responses
+    )
+    if pcfg.unseen_prompts:
+        run.timed(
+            "prompts_unseen", unseen_prompts, pcfg.unseen_prompts, run.at("prompts"), run.at("prompts-unseen"), cfg
+        )
+    part = {k: prompts[k] for k in ("records", "prompts", "quarantined", "quarantine_kinds")}
+    part["eval_prompts"] = pcfg.eval_prompts
+    if not pcfg.responses:
+        split_prompts(run.at("prompts"), run.at("prompts-train"), run.at("prompts-eval"), pcfg.eval_prompts, cfg.seed)
+        return part
+    kept = split_prompts(
+        run.at("prompts"), run.at("completions"), run.at("prompts-eval"), pcfg.eval_prompts, cfg.seed, answered=True
+    )
+    generated = {"completions": kept, "generation_rejected": {}, "generator_nodes": [], "generated_tokens": 0}
+    return {**part, **generated, "generate_tokens_per_s": None}
+
+
+STAGES = (
+    Stage(
+        name="prompts",
+        help="normalize chat datasets into prompt shards",
+        command=_command,
+        arguments=_arguments("a prompts folder `dflash-ray generate` reads"),
+        section="prompts",
+        order=10,
+        inputs=("self-prompts",),
+        outputs=("prompts", "prompts-train", "prompts-eval", "prompts-unseen", "completions"),
+        step=_step,
+    ),
+    Stage(
+        name="responses",
+        help="existing responses (the last assistant turns of chat datasets) as completions",
+        command=_command,
+        arguments=_arguments("a completions folder `dflash-ray tokenize` reads"),
+        section="prompts",
+        order=11,
+    ),
+)

@@ -11,6 +11,7 @@ settings finds the manifest and does nothing; other settings into the same outpu
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -20,6 +21,7 @@ from dflash_ray import manifest, storage
 from dflash_ray.cluster import connect
 from dflash_ray.config import GenerateConfig, RunConfig, SelfPromptConfig
 from dflash_ray.errors import DFlashError, failure_cause
+from dflash_ray.stages import PipelineRun, Stage
 
 if TYPE_CHECKING:
     from ray import ObjectRefGenerator
@@ -99,3 +101,40 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
         output, kind="prompts-jsonl", files=[{"name": FILE, "rows": len(records)}], summary=summary, config=settings
     )
     return {**summary, "reused": False, "seconds": round(time.time() - started, 1)}
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    if args.count is not None:
+        cfg = dataclasses.replace(cfg, selfprompt=dataclasses.replace(cfg.selfprompt, count=args.count))
+    return run_selfprompt(args.model, args.output, cfg, progress=not args.json)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--count", type=int, metavar="N", help="candidates to sample (selfprompt.count)")
+    p.add_argument("--output", required=True, metavar="URI", help="folder; `dflash-ray prompts --input` reads it")
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    """With `selfprompt.count` > 0, prompts the target writes itself join the given ones."""
+    if run.cfg.selfprompt.count < 1:
+        return {"self_prompts": 0, "self_prompts_dropped": {}}
+    cfg = run.cfg
+    written = run.timed(
+        "selfprompt", run_selfprompt, cfg.pipeline.target, run.at("self-prompts"), cfg, progress=run.progress
+    )
+    return {"self_prompts": written["prompts"], "self_prompts_dropped": written["dropped"]}
+
+
+STAGES = (
+    Stage(
+        name="selfprompt",
+        help="prompts the target writes itself (chat JSONL)",
+        command=_command,
+        arguments=_arguments,
+        section="selfprompt",
+        order=5,
+        outputs=("self-prompts",),
+        step=_step,
+    ),
+)

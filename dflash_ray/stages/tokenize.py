@@ -15,6 +15,7 @@ written or rejected (`rows_in` = `rows_out` + `rejected`); a run that writes no 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import io
 import json
@@ -32,6 +33,7 @@ from dflash_ray.data import schema
 from dflash_ray.data.masking import TokenizeBatch
 from dflash_ray.data.records import json_lines
 from dflash_ray.errors import DFlashError
+from dflash_ray.stages import PipelineRun, Stage
 
 REJECTED = "rejected.jsonl"
 
@@ -275,3 +277,42 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
     storage.write_text(storage.join(output, REJECTED), report)
     manifest.commit(output, kind="tokenized", files=entries, summary=summary, config=cfg.to_dict(), prefix="tokenized-")
     return summary
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    if args.tokenizer:
+        cfg = dataclasses.replace(cfg, tokenize=dataclasses.replace(cfg.tokenize, tokenizer=args.tokenizer))
+    return run_tokenize(args.input, args.output, cfg)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, metavar="URI")
+    p.add_argument("--output", required=True, metavar="URI")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="short name (qwen3, smollm2-135m-instruct) or path")
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    tokenized = run.timed("tokenize", run_tokenize, run.at("completions"), run.at("tokenized"), run.cfg)
+    return {
+        "samples": tokenized["rows_out"],
+        "tokens": tokenized["tokens"],
+        "tokens_cut": tokenized["tokens_cut"],
+        "share_kept": tokenized["share_kept"],
+    }
+
+
+STAGES = (
+    Stage(
+        name="tokenize",
+        help="completions → input_ids + loss_mask (Ray Data)",
+        command=_command,
+        arguments=_arguments,
+        section="tokenize",
+        order=30,
+        inputs=("completions",),
+        outputs=("tokenized",),
+        step=_step,
+    ),
+)

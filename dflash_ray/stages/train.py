@@ -5,6 +5,7 @@ errors reach the caller as they were raised."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import sys
@@ -16,10 +17,8 @@ from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
 from dflash_ray.errors import DFlashError, Interrupted
-from dflash_ray.train.coordinator import Coordinator
+from dflash_ray.stages import PipelineRun, Stage
 from dflash_ray.train import drafters
-from dflash_ray.train.devices import check_resources
-from dflash_ray.train.profile import step_line
 from dflash_ray.train.trackers import check_installed, driver_env
 
 
@@ -74,9 +73,11 @@ def run_train(
     from tqdm import tqdm
 
     from dflash_ray.cluster import connect
-
     from dflash_ray.preflight import preflight
     from dflash_ray.registry import pin
+    from dflash_ray.train.coordinator import Coordinator
+    from dflash_ray.train.devices import check_resources
+    from dflash_ray.train.profile import step_line
 
     if storage.overlaps(data, output):  # checkpoints and metrics would land among the data's shards
         raise DFlashError(
@@ -190,3 +191,74 @@ def run_train(
                 storage.write_bytes(storage.join(folder, "metrics.png"), plot_metrics(metrics))
                 (summary["drafters"][name] if name else summary)["metrics_png"] = storage.join(folder, "metrics.png")
     return summary
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    from dflash_ray.train import checkpoint
+
+    for output in drafters.outputs(args.output, cfg):
+        if not args.resume and checkpoint.complete_steps(output):
+            raise DFlashError(
+                "holds checkpoints of an earlier run: pass --resume to continue it, or choose another --output",
+                file=storage.join(output, "checkpoints"),
+            )
+        if args.resume and not checkpoint.complete_steps(output):
+            print(
+                f"dflash-ray train: warning: --resume, but {output} holds no complete checkpoint: training "
+                "starts at step 0",
+                file=sys.stderr,
+            )
+    return run_train(
+        args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step, progress=not args.json
+    )
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, metavar="URI", help="tokenized dataset (from `dflash-ray tokenize`)")
+    p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
+    p.add_argument("--output", required=True, metavar="URI", help="checkpoints, metrics.jsonl and metrics.png")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--stop-after-step", type=_at_least_one, metavar="N", help="end (with a checkpoint) after step N")
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    """Every drafter of `train.drafters` from one target pass; each one's figures go to export and
+    evaluate (`run.results["train"]`: name → its training summary)."""
+    cfg = run.cfg
+    train = run.timed(
+        "train", run_train, cfg.pipeline.target, run.at("tokenized"), run.at("train"), cfg, progress=run.progress
+    )
+    run.results["train"] = {name: train["drafters"][name] if name else train for name, _ in drafters.expand(cfg)}
+    return {
+        "training_steps": train["step"],
+        "stream_nodes": train["stream_nodes"],
+        "coordinator_node": train["coordinator_node"],
+        "train_restarts": train["restarts"],
+        "train_seconds_lost": train["seconds_lost"],
+    }
+
+
+STAGES = (
+    Stage(
+        name="train",
+        help="online training: target actors → drafter actors",
+        command=_command,
+        arguments=_arguments,
+        section="train",
+        order=50,
+        inputs=("tokenized", "report"),
+        outputs=("train",),
+        step=_step,
+    ),
+)

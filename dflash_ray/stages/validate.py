@@ -3,6 +3,7 @@ verdict, and the report (JSON, Markdown, histograms) written where asked. The ca
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -12,7 +13,8 @@ from dflash_ray import storage
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data.tokenized import open_tokenized
 from dflash_ray.data.validate import TOP_VALUES, distribution, examples, gate_rules, histogram_png, markdown, scan
-from dflash_ray.errors import DFlashError
+from dflash_ray.errors import DFlashError, GateFailed
+from dflash_ray.stages import PipelineRun, Stage
 
 
 def run_validate(
@@ -89,3 +91,61 @@ def run_validate(
         )
         report["report_dir"] = report_dir
     return report
+
+
+def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    report = run_validate(args.input, cfg, report_dir=args.report, tokenizer_name=args.tokenizer)
+    summary = {k: report[k] for k in ("stage", "input", "tokenizer", "passed", "failed_rules", "rules")}
+    summary["stats"] = {k: v for k, v in report["stats"].items() if k != "sources"}
+    summary["report_dir"] = report.get("report_dir")
+    _enforce(report, args.input, summary)
+    return summary
+
+
+def _enforce(report: dict[str, Any], data: str, summary: dict[str, Any]) -> None:
+    """The gate: a failed rule stops here (exit 3), with the summary so far."""
+    if not report["passed"]:
+        failed = "; ".join(f"{r['rule']}: {r['message']}" for r in report["rules"] if not r["passed"])
+        raise GateFailed(f"validation gate failed: {failed}", file=data).with_summary(summary)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--input",
+        required=True,
+        metavar="URI",
+        help="tokenized dataset (input_ids, loss_mask): a Parquet file, a folder of Parquet files "
+        "(from `dflash-ray tokenize` or not), or a Hugging Face `save_to_disk` folder",
+    )
+    p.add_argument("--report", metavar="DIR", help="write report.json, report.md and PNG histograms here")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="default: the one that tokenized the data")
+
+
+def _step(run: PipelineRun) -> dict[str, Any]:
+    """The gate before any training: a failed rule ends the pipeline here (exit 3)."""
+    report = run.timed("validate", run_validate, run.at("tokenized"), run.cfg, report_dir=run.at("report"))
+    part = {
+        "loss_tokens": report["stats"]["loss_tokens"],
+        "response_fraction": round(report["stats"]["response_fraction"], 4),
+        "loss_mask_sum_median": report["stats"]["loss_mask_sum"]["median"],
+        "gate_passed": report["passed"],
+        "failed_rules": report["failed_rules"],
+        "report": run.at("report/report.md"),
+    }
+    _enforce(report, run.at("tokenized"), {**run.summary, **part})
+    return part
+
+
+STAGES = (
+    Stage(
+        name="validate",
+        help="loss-mask statistics and the validation gate",
+        command=_command,
+        arguments=_arguments,
+        section="validate",
+        order=40,
+        inputs=("tokenized",),
+        outputs=("report",),
+        step=_step,
+    ),
+)

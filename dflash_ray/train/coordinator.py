@@ -413,6 +413,7 @@ class Coordinator:
             ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
             for team, team_state in zip(self.teams, states):  # row k: the k-th step, done
                 team.metrics = [m for m in team_state.get("metrics", []) if m["step"] <= self.step]
+                team.heldout_start = team_state.get("heldout_start")
             return
         if rejected:
             raise DFlashError(
@@ -449,6 +450,7 @@ class Coordinator:
                     "length_group": self.length_group,
                     "rng": [r.hex() for r in rngs[i * n : (i + 1) * n]],
                     "metrics": list(team.metrics),
+                    "heldout_start": team.heldout_start,  # what learning is measured against, after a resume too
                     "config": self.cfg.to_dict(),
                     "target": self.target,
                     "data": self.data,
