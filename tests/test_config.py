@@ -435,3 +435,33 @@ def test_a_file_where_a_folder_is_expected_is_one_line_naming_it(tmp_path, capsy
     assert code == 2 and "Traceback" not in captured.err
     assert "a-file" in json.loads(captured.out)["error"]
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_every_fields_range_is_declared_with_the_field_and_refused_naming_it():
+    """A range lives beside its field (`at_least`, `above`, `within`); a value just outside any of
+    them is refused, naming the dotted field."""
+    import dataclasses
+    import typing
+
+    def ranged(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from ranged(hints[f.name], prefix + f.name + ".")
+            elif "range" in f.metadata:
+                yield prefix + f.name, f.metadata["range"]
+
+    checked = 0
+    for dotted, (ok, allowed) in ranged(RunConfig):
+        if allowed.startswith("in"):  # in [low, high] or (low, high): past the high end
+            bad = float(allowed.split(",")[1].strip(" ])")) + 1
+        else:  # >= low: one below; > low: low itself
+            low = float(allowed.lstrip(">= "))
+            bad = low - 1 if allowed.startswith(">=") else low
+        assert not ok(bad), dotted
+        bad = int(bad) if bad == int(bad) else bad  # an integer field takes a whole number
+        with pytest.raises(DFlashError, match="out of range") as e:
+            load_config(None, [f"{dotted}={bad}"])
+        assert e.value.field == dotted
+        checked += 1
+    assert checked > 100, checked
