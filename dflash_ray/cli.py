@@ -77,6 +77,21 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _file_in_the_way(e: OSError) -> str | None:
+    """The existing file that stands where a folder was to be made or read ("Not a directory",
+    "File exists" on a folder): the path itself or the nearest of its parents."""
+    import errno
+    from pathlib import Path
+
+    if e.errno not in (errno.ENOTDIR, errno.EEXIST) or str(e.filename).startswith("s3://"):
+        return None
+    path = Path(str(e.filename).removeprefix("file://"))
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return str(candidate) if not candidate.is_dir() else None
+    return None
+
+
 def _ray_initialized() -> bool:
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()
@@ -114,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # a folder where a file was expected, a file in the way, a full disk: the user's to fix
             if e.filename is None:
                 raise
+            blocker = _file_in_the_way(e)
+            if blocker is not None:
+                raise DFlashError(
+                    "is a file where a folder is needed: it is left as it is; choose a folder", file=blocker
+                ) from None
             raise DFlashError(f"{e.strerror or type(e).__name__}", file=e.filename) from None
         except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
             raise Interrupted(

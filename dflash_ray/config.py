@@ -518,6 +518,12 @@ def check(cfg: RunConfig) -> None:
         from dflash_ray.train import drafters
 
         drafters.expand(cfg)  # each drafter's values in range, as a run config of its own
+    if cfg.train.block_size > cfg.tokenize.max_seq_len:
+        raise DFlashError(
+            f"{cfg.train.block_size} is longer than the longest sample training keeps (tokenize.max_seq_len="
+            f"{cfg.tokenize.max_seq_len}): no block would fit; allowed: <= tokenize.max_seq_len",
+            field="train.block_size",
+        )
     if cfg.pipeline.responses and cfg.selfprompt.count > 0:
         raise DFlashError(
             "self-written prompts have no answers to train on without generation; allowed: 0 with pipeline.responses",

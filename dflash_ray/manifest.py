@@ -46,15 +46,19 @@ def write_manifest(
     files: list[dict[str, Any]],
     summary: dict[str, Any],
     config: dict[str, Any] | None = None,
+    made_from: dict[str, Any] | None = None,
 ) -> str:
     """Write the manifest of a finished dataset; `files` hold `name`, `rows` (and `bytes`, `sha256`
-    when the writer has them: `file_entry`; otherwise the files are read back for them)."""
+    when the writer has them: `file_entry`; otherwise the files are read back for them). `made_from`:
+    the inputs and settings it was made from, which a later run into the folder is held to."""
     for entry in files:
         entry.setdefault("bytes", storage.size(storage.join(folder, entry["name"])))
     unhashed = [entry for entry in files if "sha256" not in entry]
     for entry, digest in zip(unhashed, _hash_all([storage.join(folder, e["name"]) for e in unhashed])):
         entry["sha256"] = digest
     body = {"kind": kind, "created": time.time(), "files": files, "summary": summary, "config": config or {}}
+    if made_from is not None:
+        body["made_from"] = made_from
     uri = storage.join(folder, MANIFEST)
     storage.write_text(uri, json.dumps(body, indent=1, sort_keys=True))
     return uri
@@ -107,6 +111,9 @@ def check(path: str, data: bytes, entry: dict[str, Any] | None, kind: Any = None
     return data
 
 
+RUN_REPORTS = ("quarantine.jsonl", "rejected.jsonl")  # the prompts' and the tokenizer's reports
+
+
 def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), *, verify: bool = True) -> list[str]:
     """The data files of a dataset at `uri`: one file, or a folder (its manifest when present).
 
@@ -122,8 +129,17 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), 
     manifest = read_manifest(uri)
     if manifest is None:
         files = storage.list_files(uri, suffixes)
+        report = next((f for f in files if storage.basename(f) in RUN_REPORTS), None)
+        if report is not None:  # what a stage of this project leaves when it ends without its dataset
+            raise DFlashError(
+                f"holds {storage.basename(report)} but no {MANIFEST}: a run that did not finish, whose "
+                "report is not data; rerun the stage that writes this folder (its error says why it stopped)",
+                file=uri,
+            )
         if not files:
-            raise DFlashError(f"no {'/'.join(suffixes)} files found", file=uri)
+            skipped = [storage.basename(f) for f in storage.skipped_files(uri)]
+            also = f" (skipped: {', '.join(skipped[:10])})" if skipped else ""
+            raise DFlashError(f"no {'/'.join(suffixes)} files found{also}", file=uri)
         return files
     files, hashed = [], []
     for entry in manifest["files"]:
@@ -156,10 +172,11 @@ def commit(
     summary: dict[str, Any],
     config: dict[str, Any] | None,
     prefix: str,
+    made_from: dict[str, Any] | None = None,
 ) -> str:
     """Make a finished run the dataset: write its manifest (replacing an earlier run's in one
     atomic write), then delete the data files of earlier runs, named `{prefix}*` but not listed."""
-    uri = write_manifest(folder, kind=kind, files=files, summary=summary, config=config)
+    uri = write_manifest(folder, kind=kind, files=files, summary=summary, config=config, made_from=made_from)
     listed = {entry["name"] for entry in files}
     for stale in storage.list_files(folder, ".parquet"):
         name = storage.basename(stale)

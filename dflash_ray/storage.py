@@ -49,8 +49,18 @@ def overlaps(a: str, b: str) -> bool:
     if is_s3(a):
         x, y = a.rstrip("/") + "/", b.rstrip("/") + "/"
     else:
-        x, y = str(local_path(a).resolve()) + "/", str(local_path(b).resolve()) + "/"
+        x, y = _resolved(a) + "/", _resolved(b) + "/"
     return x.startswith(y) or y.startswith(x)
+
+
+def _resolved(uri: str) -> str:
+    """The local path with its links followed; a loop of links is the user's to fix, named."""
+    try:
+        return str(local_path(uri).resolve())
+    except RuntimeError:  # pathlib's "Symlink loop"
+        raise DFlashError(
+            "a symbolic link that leads back to itself (a loop): nothing there to read", file=uri
+        ) from None
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -353,6 +363,7 @@ def skipped_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
 def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], list[str]]:
     suffixes = tuple(s.lower() for s in ((suffix,) if isinstance(suffix, str) else suffix))
     names: list[str] = []
+    dangling: list[str] = []
     if is_s3(prefix):
         bucket, key = split_s3(prefix)
         key = key.rstrip("/") + "/" if key else ""
@@ -365,10 +376,13 @@ def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], lis
         if not folder.is_dir():
             return [], []
         names = [p.name for p in folder.iterdir() if p.is_file()]
+        # links that lead nowhere (or round in a loop) are no file, but are named as skipped
+        dangling = [p.name for p in folder.iterdir() if p.is_symlink() and not p.exists()]
     names = sorted(n for n in names if n)
     keep = [n for n in names if not n.startswith((".", "_")) and n.lower().endswith(suffixes)]
     taken = set(keep)
-    return [join(prefix, n) for n in keep], [join(prefix, n) for n in names if n not in taken]
+    skipped = [join(prefix, n) for n in sorted(set(names) - taken | set(dangling))]
+    return [join(prefix, n) for n in keep], skipped
 
 
 def list_dirs(prefix: str) -> list[str]:

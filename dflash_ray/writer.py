@@ -56,6 +56,7 @@ class Claim:
         self.folder, self.kind, self.owner = folder, kind, owner
         self.uri = storage.join(folder, WRITER)
         self.took_over: dict[str, Any] | None = None
+        self.made_from: dict[str, Any] | None = None  # what the run's dataset is made from (its manifest's)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name=f"claim {folder}", daemon=True)
 
@@ -107,8 +108,17 @@ def _who(claim: dict[str, Any] | None) -> str:
     return f"a {claim.get('kind')} run, pid {claim.get('pid')} on {claim.get('host')}, heard from {age:.0f} s ago"
 
 
-def claim(folder: str, kind: str, *, also: tuple[str, ...] = ()) -> Claim:
-    """Claim `folder` for a run writing a `kind` dataset (`also`: other kinds it may replace)."""
+def claim(
+    folder: str,
+    kind: str,
+    *,
+    also: tuple[str, ...] = (),
+    made_from: dict[str, Any] | None = None,
+    replace: bool = False,
+) -> Claim:
+    """Claim `folder` for a run writing a `kind` dataset (`also`: other kinds it may replace).
+    `made_from` (its inputs and settings, flat, JSON): a finished dataset there made from others is
+    refused, naming what differs, unless `replace`; the run records it (`Claim.made_from`)."""
     existing = manifest.read_manifest(folder)
     if existing is not None and existing.get("kind") not in (kind, *also):
         raise DFlashError(
@@ -116,7 +126,19 @@ def claim(folder: str, kind: str, *, also: tuple[str, ...] = ()) -> Claim:
             "replace it: give an output folder of its own",
             file=folder,
         )
+    made_from = None if made_from is None else json.loads(json.dumps(made_from))
+    before = (existing or {}).get("made_from")
+    # a setting one side lacks (newer than the dataset) is not a difference: the older run did without it
+    old, new = before or {}, made_from or {}
+    changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+    if changed and not replace:
+        raise DFlashError(
+            f"holds a finished {kind} dataset made from other {', '.join(changed[:8])}: this run would "
+            "replace it; choose another output, or pass --replace to make it anew here",
+            file=folder,
+        )
     c = Claim(folder, kind, uuid.uuid4().hex)
+    c.made_from = made_from
     held = _read(c.uri)
     if held is not None:
         fresh = time.time() - float(held.get("heartbeat", 0)) < TIMEOUT_S

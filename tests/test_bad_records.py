@@ -94,7 +94,8 @@ def test_corrupt_parquet_is_one_entry_and_the_other_files_go_on(tmp_path):
 
 def test_compressed_files_and_a_byte_order_mark_are_read(tmp_path):
     """A folder of .jsonl.gz, .json.bz2, a two-frame .jsonl.zst and a BOM-led .jsonl: every record
-    read; a truncated gzip and a truncated zstd are one quarantine entry each, never skipped."""
+    read; a truncated gzip and a truncated zstd keep the records before the cut and are one
+    quarantine entry each, naming the line where the file ends, never skipped."""
     import bz2
     import gzip
 
@@ -110,10 +111,13 @@ def test_compressed_files_and_a_byte_order_mark_are_read(tmp_path):
     (tmp_path / "in" / "e.jsonl.zst").write_bytes(frames)
     (tmp_path / "in" / "f.jsonl.zst").write_bytes(frames[:-4])
     summary = run_prompts([str(tmp_path / "in")], str(tmp_path / "out"), NO_BUDGET, progress=False)
-    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (8, 6, 2), summary
+    assert (summary["records"], summary["prompts"], summary["quarantined"]) == (9, 6, 2), (
+        summary
+    )  # "six" twice: one prompt
     bad = sorted(_quarantine(tmp_path / "out"), key=lambda q: q["file"])
     assert [b["file"].rsplit("/", 1)[1] for b in bad] == ["d.jsonl.gz", "f.jsonl.zst"]
-    assert all(b["kind"] == "corrupt_file" and "decompress" in b["reason"] for b in bad)
+    assert all(b["kind"] == "truncated_file" and "ends mid-stream" in b["reason"] for b in bad)
+    assert "after line 1:" in bad[1]["reason"]  # "six", whole before the cut, is kept
     sources = {r["source"] for r in manifest.read_rows(str(tmp_path / "out"), ["source"], 10)}
     assert sources == {"a", "b", "c", "e"}
 

@@ -692,3 +692,17 @@ def test_token_ids_past_the_targets_embedding_are_a_clear_error_not_a_restart_lo
     with pytest.raises(DFlashError, match="token id 600 is past the target's 512-entry embedding") as e:
         feats.features([(part, 0), (part, 1)])
     assert (e.value.file, e.value.record, e.value.field) == (part, 2, "input_ids")
+
+
+def test_a_loss_mask_of_another_length_than_its_ids_is_named_by_the_target(target, tmp_path):
+    """Padding would hide a mask shorter than its sample's ids (the loss then lands on other tokens,
+    or a shape error surfaces after the restarts): the target names the file, record and field."""
+    from dflash_ray.errors import DFlashError
+
+    part = str(tmp_path / "part-0.parquet")
+    rows = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}, {"input_ids": [5, 6, 7], "loss_mask": [0, 1]}]
+    pq.write_table(pa.Table.from_pylist(rows), part)
+    feats = TargetWorker(target, [0, 1, 2], load_config(None, SETTINGS).train)
+    with pytest.raises(DFlashError, match="2 loss_mask entries for 3 input_ids") as e:
+        feats.features([(part, 0), (part, 1)])
+    assert (e.value.file, e.value.record, e.value.field) == (part, 2, "loss_mask")

@@ -15,6 +15,12 @@ from dflash_ray.errors import DFlashError
 from dflash_ray.registry import SMOLLM2
 
 
+def _asset(name: str) -> str:
+    from importlib import resources
+
+    return str(resources.files("dflash_ray.assets") / name)
+
+
 def _error(capsys) -> str:
     return capsys.readouterr().err
 
@@ -369,3 +375,122 @@ def test_onesample_refuses_more_blocks_than_the_target_has_positions(capsys):
         main(["onesample", "--target", SMOLLM2, "--set", "train.block_size=4", "--set", "onesample.blocks=5000"]) == 2
     )
     assert "field 'onesample.blocks'" in _error(capsys)
+
+
+def test_a_rerun_never_replaces_a_finished_dataset_made_from_other_inputs_or_settings(tmp_path, capsys):
+    """prompts, responses and tokenize into a folder holding their finished dataset from other inputs
+    or settings: refused naming what differs, the dataset intact; `--replace` makes it anew; the same
+    command again is a rerun."""
+    chats, sharegpt = _asset("demo_chats.jsonl"), _asset("demo_sharegpt.jsonl")
+    out = tmp_path / "prompts"
+    assert main(["prompts", "--input", chats, "--output", str(out)]) == 0
+    assert main(["prompts", "--input", chats, "--output", str(out)]) == 0  # the same inputs: a rerun
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["prompts", "--input", sharegpt, "--output", str(out)]) == 2
+    assert "made from other inputs: this run would replace it" in _error(capsys)
+    assert main(["prompts", "--input", chats, "--output", str(out), "--set", "prompts.max_prompt_tokens=64"]) == 2
+    assert "prompts.max_prompt_tokens" in _error(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert manifest.read_manifest(str(out))["made_from"]["inputs"] == [chats]
+    assert main(["prompts", "--input", sharegpt, "--output", str(out), "--replace"]) == 0
+    assert manifest.read_manifest(str(out))["made_from"]["inputs"] == [sharegpt]
+    answers = tmp_path / "completions"
+    assert main(["responses", "--input", chats, "--output", str(answers)]) == 0
+    assert main(["responses", "--input", sharegpt, "--output", str(answers)]) == 2
+    # tokenize: refused before any Ray worker starts
+    tokenized = tmp_path / "tokenized"
+    tokenized.mkdir()
+    manifest.write_manifest(
+        str(tokenized),
+        kind="tokenized",
+        files=[],
+        summary={},
+        made_from={"input": "elsewhere", "tokenize.max_seq_len": 1},
+    )
+    assert main(["tokenize", "--input", str(answers), "--output", str(tokenized)]) == 2
+    assert "made from other input, tokenize.max_seq_len" in _error(capsys)
+
+
+def test_the_report_of_a_run_that_did_not_finish_is_not_read_as_data(tmp_path, capsys):
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "quarantine.jsonl").write_text('{"kind": "no_response"}\n')
+    assert main(["tokenize", "--input", str(failed), "--output", str(tmp_path / "t")]) == 2
+    assert "holds quarantine.jsonl but no _manifest.json: a run that did not finish" in _error(capsys)
+
+
+def test_links_in_a_loop_are_named(tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    (loop / "a.jsonl").symlink_to("b.jsonl")
+    (loop / "b.jsonl").symlink_to("a.jsonl")
+    assert main(["prompts", "--input", str(loop), "--output", str(tmp_path / "o")]) == 2
+    assert "files found (skipped: a.jsonl, b.jsonl)" in _error(capsys)
+    assert main(["prompts", "--input", str(loop / "a.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    assert "a symbolic link that leads back to itself (a loop)" in _error(capsys)
+
+
+def test_an_output_that_is_a_file_is_named_as_one_before_any_work(tmp_path, capsys):
+    mine = tmp_path / "mine.txt"
+    mine.write_text("keep")
+    for argv in (
+        ["prompts", "--input", _asset("demo_chats.jsonl"), "--output", str(mine)],
+        ["pipeline", "--input", _asset("demo_chats.jsonl"), "--workdir", str(mine), "--target", SMOLLM2],
+        ["train", "--data", str(tmp_path), "--target", SMOLLM2, "--output", str(mine)],
+    ):
+        assert main(argv) == 2, argv
+        assert f"{mine}: is a file" in _error(capsys)
+    assert mine.read_text() == "keep"
+
+
+def test_an_answer_whose_thinking_never_closes_is_quarantined(tmp_path):
+    from dflash_ray.stages.prompts import run_prompts
+
+    raw = tmp_path / "cut.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nabc"}]
+    whole = [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nHello."}]
+    raw.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": whole}) + "\n")
+    cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}"])
+    summary = run_prompts([str(raw)], str(tmp_path / "out"), cfg, progress=False, responses=True)
+    assert summary["quarantine_kinds"] == {"unclosed_thinking": 1} and summary["prompts"] == 1
+
+
+def test_evaluate_names_a_drafter_of_another_target_or_a_damaged_one(tmp_path, tiny_qwen3_dir, capsys):
+    from transformers import AutoConfig
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.stages.prompts import run_prompts
+
+    cfg = from_target(
+        AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1, num_target_features=3
+    )
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"}]}) + "\n")
+    run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(), progress=False)
+    evaluate = ["evaluate", "--target", tiny_qwen3_dir, "--tokenizer", "qwen3", "--prompts", str(tmp_path / "prompts")]
+    for name, edit, said in (
+        ("other", lambda c: c.update(vocab_size=c["vocab_size"] + 1000), "a drafter of another target"),
+        ("zero", lambda c: c.update(block_size=0), "block_size 0; allowed: a whole number >= 2"),
+        ("cut", None, "is not a readable safetensors file"),
+    ):
+        folder = tmp_path / name
+        save_drafter(DFlashDrafter(cfg), folder, dtype=torch.float32)
+        if edit is None:
+            weights = folder / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:1000])
+        else:
+            config = json.loads((folder / "config.json").read_text())
+            edit(config)
+            (folder / "config.json").write_text(json.dumps(config))
+        assert main([*evaluate, "--drafter", str(folder), "--set", "evaluate.max_new_tokens=2"]) == 2, name
+        assert said in _error(capsys), name
+
+
+def test_a_block_longer_than_any_kept_sample_and_a_bad_iters_name_their_setting(capsys):
+    with pytest.raises(DFlashError, match="no block would fit") as e:
+        load_config(None, ["train.block_size=100000"])
+    assert e.value.field == "train.block_size"
+    assert main(["netcheck", "--iters", "0"]) == 2
+    assert "field '--iters'" in _error(capsys)

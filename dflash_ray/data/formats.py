@@ -278,6 +278,8 @@ def normalize_answered(record: Any) -> Answered:
     tools = _tools(raw_tools)
     messages = [_message(role, content, extra) for role, content, extra in history]
     think = _THINK.match(answer)
+    if think is None and answer.lstrip().startswith("<think>"):
+        raise BadRecord("the answer opens a <think> block it never closes: it was cut short", "unclosed_thinking")
     text, reasoning = (answer[think.end() :], think.group(1).strip()) if think else (answer, None)
     ident = prompt_id(messages + [_message("assistant", answer, answer_extra)], tools)
     return Answered(Prompt(ident, messages, tools, 0), text, reasoning, calls)

@@ -52,31 +52,51 @@ def iter_records(uri: str) -> Iterator[RawRecord]:
     if low.endswith(".parquet"):
         yield from _parquet(uri)
         return
-    data, name = storage.read_bytes(uri), low
+    data, name, cut = storage.read_bytes(uri), low, False
     if low.endswith(COMPRESSIONS):
         name = low.rsplit(".", 1)[0]
         try:
-            data = _decompress(uri, data)
-        except Exception as e:  # corrupt, truncated, or a codec this install lacks: one entry
+            data, cut = _decompress(uri, data)
+        except Exception as e:  # corrupt, or a codec this install lacks: one entry
             yield RawRecord(uri, 1, error=BadRecord(f"cannot decompress: {type(e).__name__}: {e}", "corrupt_file"))
             return
     data = data.removeprefix(BOM)
-    if name.endswith(".json"):
+    if cut and not name.endswith(".json"):  # a JSON-lines file cut short: its whole lines are records
+        whole, _, _ = data.rpartition(b"\n")
+        yield from json_lines(uri, whole)
+        lines = whole.count(b"\n") + 1 if whole else 0
+        yield RawRecord(
+            uri,
+            lines + 1,
+            error=BadRecord(
+                f"the compressed file ends mid-stream after line {lines}: the records past it are lost "
+                "(a partial download or copy?)",
+                "truncated_file",
+            ),
+        )
+    elif cut:
+        yield RawRecord(uri, 1, error=BadRecord("the compressed file ends mid-stream: cut short", "truncated_file"))
+    elif name.endswith(".json"):
         yield from json_document(uri, data)
     else:
         yield from json_lines(uri, data)
 
 
-def _decompress(uri: str, data: bytes) -> bytes:
+def _decompress(uri: str, data: bytes) -> tuple[bytes, bool]:
+    """The bytes, and whether the stream was cut short (the bytes then are what came before the cut)."""
     uri = uri.lower()
-    if uri.endswith(".gz"):
-        import gzip
-
-        return gzip.decompress(data)
-    if uri.endswith(".bz2"):
+    if uri.endswith((".gz", ".bz2")):
         import bz2
+        import zlib
 
-        return bz2.decompress(data)
+        parts = []
+        while data:  # member by member (`cat a.gz b.gz` is one gzip file)
+            codec = zlib.decompressobj(wbits=31) if uri.endswith(".gz") else bz2.BZ2Decompressor()
+            parts.append(codec.decompress(data))
+            if not codec.eof:
+                return b"".join(parts), True
+            data = codec.unused_data
+        return b"".join(parts), False
     import zstandard
 
     parts, context = [], zstandard.ZstdDecompressor()
@@ -84,9 +104,9 @@ def _decompress(uri: str, data: bytes) -> bytes:
         frame = context.decompressobj()
         parts.append(frame.decompress(data))
         if not frame.eof:
-            raise ValueError("truncated zstd frame")
+            return b"".join(parts), True
         data = frame.unused_data
-    return b"".join(parts)
+    return b"".join(parts), False
 
 
 def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]:

@@ -46,6 +46,10 @@ class DrafterConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # target fields kept for export
 
     def __post_init__(self):
+        for key, low in (("block_size", 2), ("num_layers", 1), ("num_target_layers", 1), ("vocab_size", 1)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} {value!r}; allowed: a whole number >= {low}")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
         bad = [t for t in self.layer_types if t not in ("full_attention", "sliding_attention")]

@@ -157,7 +157,12 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlash
     path = Path(path)
     cfg = from_hf_config(json.loads((path / CONFIG).read_text()))
     drafter = families.get(cfg.family).build(cfg)
-    state = load_file(str(path / WEIGHTS), device=str(device))
+    try:
+        state = load_file(str(path / WEIGHTS), device=str(device))
+    except Exception as e:  # safetensors' own error: a cut or damaged file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"{path / WEIGHTS} is not a readable safetensors file ({e}): cut short or damaged") from None
     drafter.to(next(iter(state.values())).dtype)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -156,6 +156,14 @@ def run_evaluate(
         raise DFlashError(f"not a drafter this project exports: {e}", file=drafter_uri) from None
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     rows_of_embedding = target.get_input_embeddings().num_embeddings
+    text_cfg = target.config.get_text_config()
+    theirs = {k: getattr(text_cfg, k, None) for k in ("vocab_size", "hidden_size")}
+    theirs["num_target_layers"] = getattr(text_cfg, "num_hidden_layers", None)
+    wrong = [
+        f"{k} {getattr(drafter.cfg, k)} (the target's: {v})" for k, v in theirs.items() if v != getattr(drafter.cfg, k)
+    ]
+    if wrong:
+        raise DFlashError(f"a drafter of another target: its config.json gives {', '.join(wrong)}", file=drafter_uri)
     if len(tokenizer) > rows_of_embedding:
         raise DFlashError(
             f"the tokenizer has {len(tokenizer)} ids, past the target's {rows_of_embedding}-entry "

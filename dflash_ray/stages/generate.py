@@ -145,7 +145,11 @@ def check_model(model: str) -> None:
     if not storage.is_s3(model):
         from dflash_ray.registry import config_dir
 
-        config_dir(model)  # a packaged model is converted here, once; a Hub model's weights stay off the driver
+        folder = config_dir(
+            model
+        )  # a packaged model is converted here, once; a Hub model's weights stay off the driver
+        if not storage.exists(storage.join(folder, "config.json")):
+            raise DFlashError("not a model folder: it holds no config.json", file=model)
 
 
 def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
@@ -307,6 +311,7 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
             "needs temperature > 0 (greedy samples are all the same)",
             field="generate.samples_per_prompt",
         )
+    storage.require_folder(output)
     length_warning = check_lengths(cfg)
     if length_warning:
         log.warning(length_warning)

@@ -129,6 +129,7 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool 
             "end's): set train.heldout and train.eval_every above 0, or pipeline.min_tau_gain to 0",
             field="pipeline.min_tau_gain",
         )
+    storage.require_folder(pcfg.workdir)
     cfg = with_target_tokenizer(cfg)
     # refused settings fail before the prompts stage, not at generation or in training
     preflight(cfg, generating=not pcfg.responses)

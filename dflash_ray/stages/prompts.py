@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import json
 import uuid
@@ -65,7 +66,13 @@ def shard_bytes(rows: list[dict[str, Any]], table_schema: pa.Schema = schema.PRO
 
 
 def run_prompts(
-    inputs: list[str], output: str, cfg: RunConfig, *, progress: bool = True, responses: bool = False
+    inputs: list[str],
+    output: str,
+    cfg: RunConfig,
+    *,
+    progress: bool = True,
+    responses: bool = False,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Prompt shards for generation; with `responses`, completion shards of the records' own last
     assistant answers instead (existing responses: tokenize reads them as it reads generated ones).
@@ -79,7 +86,10 @@ def run_prompts(
                 "writing there could replace the input's files; give an output folder of its own",
                 file=output,
             )
-    with writer.claim(output, "completions" if responses else "prompts") as held:
+    storage.require_folder(output)
+    made_from = {"inputs": list(inputs), **{f"prompts.{k}": v for k, v in dataclasses.asdict(cfg.prompts).items()}}
+    kind = "completions" if responses else "prompts"
+    with writer.claim(output, kind, made_from=made_from, replace=replace) as held:
         return _prompts(inputs, output, cfg, progress, responses, held)
 
 
@@ -229,6 +239,7 @@ def _prompts(
         summary=summary,
         config=cfg.to_dict(),
         prefix=f"{stage}-",
+        made_from=held.made_from,
     )
     return summary
 
@@ -262,7 +273,12 @@ def _response_checks(answers: int, thinking: int, tokenizer: str) -> dict[str, A
 
 def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
     return run_prompts(
-        args.input or [], args.output, cfg, progress=not args.json, responses=args.command == "responses"
+        args.input or [],
+        args.output,
+        cfg,
+        progress=not args.json,
+        responses=args.command == "responses",
+        replace=args.replace,
     )
 
 
@@ -272,6 +288,11 @@ def _arguments(output_help: str):
 
         p.add_argument("--input", nargs="+", action="extend", metavar="URI", help=INPUTS_HELP)
         p.add_argument("--output", required=True, metavar="URI", help=output_help)
+        p.add_argument(
+            "--replace",
+            action="store_true",
+            help="make the output anew when it holds one from other inputs or settings",
+        )
 
     return add
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import json
 import uuid
@@ -193,8 +194,11 @@ def _check_tokenizer(name: str, model: str, input_uri: str) -> None:
         )
 
 
-def run_tokenize(input_uri: str, output: str, cfg: RunConfig) -> dict[str, Any]:
-    with writer.claim(output, "tokenized") as held:
+def run_tokenize(input_uri: str, output: str, cfg: RunConfig, *, replace: bool = False) -> dict[str, Any]:
+    """`replace`: make the output anew when it holds a dataset made from another input or settings."""
+    storage.require_folder(output)
+    made_from = {"input": input_uri, **{f"tokenize.{k}": v for k, v in dataclasses.asdict(cfg.tokenize).items()}}
+    with writer.claim(output, "tokenized", made_from=made_from, replace=replace) as held:
         return _tokenize(input_uri, output, cfg, held)
 
 
@@ -275,22 +279,31 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
         ).with_summary(summary)
     held.check()
     storage.write_text(storage.join(output, REJECTED), report)
-    manifest.commit(output, kind="tokenized", files=entries, summary=summary, config=cfg.to_dict(), prefix="tokenized-")
+    manifest.commit(
+        output,
+        kind="tokenized",
+        files=entries,
+        summary=summary,
+        config=cfg.to_dict(),
+        prefix="tokenized-",
+        made_from=held.made_from,
+    )
     return summary
 
 
 def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    import dataclasses
-
     if args.tokenizer:
         cfg = dataclasses.replace(cfg, tokenize=dataclasses.replace(cfg.tokenize, tokenizer=args.tokenizer))
-    return run_tokenize(args.input, args.output, cfg)
+    return run_tokenize(args.input, args.output, cfg, replace=args.replace)
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, metavar="URI")
     p.add_argument("--output", required=True, metavar="URI")
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="short name (qwen3, smollm2-135m-instruct) or path")
+    p.add_argument(
+        "--replace", action="store_true", help="make the output anew when it holds one from another input or settings"
+    )
 
 
 def _step(run: PipelineRun) -> dict[str, Any]:

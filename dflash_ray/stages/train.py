@@ -79,6 +79,7 @@ def run_train(
     from dflash_ray.train.devices import check_resources
     from dflash_ray.train.profile import step_line
 
+    storage.require_folder(output, "nothing was trained")
     if storage.overlaps(data, output):  # checkpoints and metrics would land among the data's shards
         raise DFlashError(
             f"the output {output} and the data {data} overlap (one is, or is inside, the other): choose an "

@@ -106,6 +106,17 @@ class TargetWorker:
 
         start = time.perf_counter()
         rows = [self.reader.row(uri, row) for uri, row in samples]
+        for (uri, row), sample in zip(samples, rows):  # one len() each: padding would hide the mismatch
+            if len(sample["input_ids"]) != len(sample["loss_mask"]):
+                from dflash_ray.errors import DFlashError
+
+                raise DFlashError(
+                    f"{len(sample['loss_mask'])} loss_mask entries for {len(sample['input_ids'])} input_ids: "
+                    "a mask marks each token; `dflash-ray validate` lists every such sample",
+                    file=uri,
+                    record=row + 1,
+                    field="loss_mask",
+                )
         ids, mask, attn = pad_batch(rows)
         vocab = self.model.get_input_embeddings().num_embeddings
         if ids.numel() and int(ids.max()) >= vocab:  # one reduction a batch; the sample is looked for only then
