@@ -130,7 +130,7 @@ def test_no_prompts_out_exits_2_and_a_failed_rerun_keeps_the_previous_output(tmp
     before = manifest.read_manifest(out)
 
     code, summary, err = _cli(
-        capsys, "prompts", "--input", str(bad), "--output", out, "--set", "prompts.max_prompt_tokens=0"
+        capsys, "prompts", "--input", str(bad), "--output", out, "--set", "prompts.max_prompt_tokens=0", "--replace"
     )
     assert code == 2 and summary["ok"] is False and summary["exit_code"] == 2
     assert "no prompts out of 3 records" in err and str(bad) in err

@@ -10,6 +10,7 @@ import pytest
 
 from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
+from dflash_ray.errors import DFlashError
 from dflash_ray.stages.validate import run_validate
 from dflash_ray.stages.tokenize import run_tokenize
 
@@ -98,7 +99,8 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
 
     assert summary["tokens_cut"] == 0 and summary["share_kept"] == 1.0  # dropped, not cut
 
-    # a rerun replaces the dataset: the old files are gone, the manifest lists only the new ones;
+    # a rerun with other settings, told to, replaces the dataset: the old files are gone, the manifest
+    # lists only the new ones;
     # truncation reports what it cut of what was generated
     long = {
         **_completion(97, "x", "y"),
@@ -107,7 +109,10 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
         "output_token_ids": [1] * 300,
     }
     write_completions(src, rows[:10] + [long])
-    summary = run_tokenize(src, out, load_config(None, ["tokenize.max_seq_len=256", "tokenize.batch_size=8"]))
+    again = load_config(None, ["tokenize.max_seq_len=256", "tokenize.batch_size=8"])
+    with pytest.raises(DFlashError, match="made from other tokenize.overlong"):
+        run_tokenize(src, out, again)
+    summary = run_tokenize(src, out, again, replace=True)
     assert summary["rows_out"] == 11 and summary["truncated"] == 1 and summary["tokens_cut"] == 400 - 256
     assert summary["share_kept"] == round(summary["tokens"] / (summary["tokens"] + 144), 4) < 1
     assert storage.list_files(out, ".parquet") == manifest.dataset_files(out)

@@ -86,6 +86,9 @@ def run_prompts(
                 "writing there could replace the input's files; give an output folder of its own",
                 file=output,
             )
+    for uri in inputs:  # a missing input is the error to give, before any about the output
+        if not hub.is_hub_dataset(uri) and not storage.is_s3(uri) and not storage.local_path(uri).exists():
+            raise DFlashError("no such file or folder", file=uri)
     storage.require_folder(output)
     made_from = {"inputs": list(inputs), **{f"prompts.{k}": v for k, v in dataclasses.asdict(cfg.prompts).items()}}
     kind = "completions" if responses else "prompts"
