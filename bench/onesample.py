@@ -1,7 +1,7 @@
 """What the one-sample gate sees: drafts accepted per block, intact and with one convention broken
 on the training side, side by side on the packaged SmolLM2 (a one-layer DFlash drafter, 4-token
-blocks). Each line is the broken chain's acceptance over the intact one's: 1.0 is a break the gate
-cannot see.
+blocks). Each line is the broken chain's acceptance over the intact one's (1.0: acceptance alone
+cannot see the break) and the served features' largest difference from the trained ones.
 
     .venv/bin/python -m bench.onesample [--json]
 """
@@ -65,11 +65,16 @@ def main(argv: list[str] | None = None) -> int:
                 summary = run_onesample(SMOLLM2, cfg)
             except GateFailed as e:
                 summary = e.summary
-        accepted[kind] = {"accepted_per_block": summary["accepted_per_block"], "passed": summary["passed"]}
+        accepted[kind] = {
+            "accepted_per_block": summary["accepted_per_block"],
+            "feature_drift": summary["feature_drift"],
+            "passed": summary["passed"],
+        }
     for kind, figures in accepted.items():
         if kind != "intact":
             ratio = figures["accepted_per_block"] / accepted["intact"]["accepted_per_block"]
-            print(f"{kind}_over_intact: {ratio:.3f} (gate {'passes' if figures['passed'] else 'fails'})")
+            verdict = "passes" if figures["passed"] else "fails"
+            print(f"{kind}_over_intact: {ratio:.3f} (feature drift {figures['feature_drift']:.3g}, gate {verdict})")
     if args.json:
         print(json.dumps(accepted))
     return 0

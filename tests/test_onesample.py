@@ -24,6 +24,7 @@ def test_a_memorized_sample_is_accepted_whole(family, settings):
     drafts = 4 if family == "dspark" else 3  # DSpark's anchor is its first prediction
     assert summary["passed"] and summary["lossless"] and summary["accuracy"] == 1.0
     assert summary["drafts_per_block"] == drafts and summary["accepted_per_block"] >= 0.9 * drafts
+    assert summary["feature_drift"] < 1e-3
 
 
 @pytest.mark.integration
@@ -57,3 +58,24 @@ def test_a_convention_broken_on_one_side_fails_the_gate(monkeypatch):
     with pytest.raises(GateFailed, match="drafts accepted per block, below 2.7") as e:
         run_onesample(SMOLLM2, load_config(None, TINY))
     assert e.value.summary["accuracy"] == 1.0 and e.value.summary["lossless"]  # memorized, and still lossless
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_a_captured_layer_shifted_by_one_in_training_fails_each_familys_gate(monkeypatch, family):
+    """Training captures the layer after each one serving reads: on one sample the drafter can still
+    be accepted on a neighbouring layer's features (bench/RESULTS.md), so the gate holds the features
+    themselves against each other. One step of training is enough to see them differ."""
+    from dflash_ray.target import capture
+
+    captured = capture.target_outputs
+    monkeypatch.setattr(
+        capture,
+        "target_outputs",
+        lambda model, ids, layer_ids, **kw: captured(model, ids, [i + 1 for i in layer_ids], **kw),
+    )
+    cfg = load_config(None, TINY + [f"train.drafter={family}", "onesample.steps=1", "onesample.blocks=2"])
+    with pytest.raises(GateFailed, match="features served to the drafter differ from those it was trained on") as e:
+        run_onesample(SMOLLM2, cfg)
+    assert e.value.summary["feature_drift"] > 0.01

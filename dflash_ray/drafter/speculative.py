@@ -37,6 +37,9 @@ class Generation:
     seconds: float = 0.0
     # per verify step: (drafts proposed, drafts the target accepted), before the answer's end cuts them
     verified: list[tuple[int, int]] = field(default_factory=list)
+    # the target's features the drafter was given, one row per token the target processed [1, n, F]
+    # (speculative decoding only): what serving feeds it, to hold against what training fed it
+    context: torch.Tensor | None = None
 
     @property
     def tau(self) -> float:
@@ -218,4 +221,4 @@ def speculative_decode(
         else:
             cache.crop(n + accepted + 1)
         context = torch.cat([context, feats[:, : accepted + 1]], dim=1)
-    return Generation(out_tokens, acceptance, time.perf_counter() - start, verified)
+    return Generation(out_tokens, acceptance, time.perf_counter() - start, verified, context)

@@ -6,8 +6,10 @@ and run on that answer's prompt with real speculative decoding. A drafter that h
 sequence is accepted almost whole by any correct chain of train → export → serve; anything less is
 a convention that differs somewhere in it (the captured layers off by one, a RoPE or mask position,
 a thinking template, how blocks are assembled, verified and advanced) that a good training loss
-hides. With `--engine vllm` (where vLLM serves the family) vLLM's own acceptance of the export on
-the same prompt must agree with ours.
+hides. The target's features that decoding gives the served drafter must also equal, token for
+token, those training gave it: a memorized sample can be accepted on the features of a neighbouring
+layer, and this says so directly. With `--engine vllm` (where vLLM serves the family) vLLM's own
+acceptance of the export on the same prompt must agree with ours.
 
 The check runs in one process on one device, with no Ray and no data: the target's answer is
 decoded greedily here, so the drafter learns exactly what it will be asked to draft.
@@ -26,6 +28,8 @@ from dflash_ray.errors import DFlashError, GateFailed
 from dflash_ray.stages import Stage
 
 PROMPT = "Explain in two sentences why the sky is blue."
+# features decoded step by step (a KV cache) against one whole forward: the same up to float rounding
+FEATURE_TOLERANCE = 1e-3
 
 
 def _prompt_ids(tokenizer, text: str, enable_thinking: bool) -> list[int]:
@@ -162,6 +166,12 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
         summary["tau"] = round(sum(spec.acceptance) / len(spec.acceptance), 4)
         summary["accepted_per_block"] = round(summary["tau"] - 1, 4)  # drafts accepted per verify step
         summary["lossless"] = spec.token_ids == answer
+        # the features decoding gave the served drafter against those training gave it, same tokens: a
+        # layer taken off by one or in another order differs here even where a memorized sample hides it
+        assert spec.context is not None  # speculative decoding keeps them
+        trained = features[:, : spec.context.shape[1]]
+        drift = float((spec.context - trained).abs().max() / trained.abs().max().clamp_min(1e-12))
+        summary["feature_drift"] = round(drift, 6)
         if engine == "vllm":
             from dflash_ray.stages.evaluate import run_vllm
 
@@ -181,6 +191,12 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
         )
     if not summary["lossless"]:
         failed.append("speculative output differs from the target's own")
+    if summary["feature_drift"] > FEATURE_TOLERANCE:
+        failed.append(
+            f"the target's features served to the drafter differ from those it was trained on (by "
+            f"{summary['feature_drift']:.3g} of their largest value): the captured layers, their order or "
+            "their positions differ between training and serving"
+        )
     if summary["accepted_per_block"] < summary["accepted_required"]:
         failed.append(
             f"{summary['accepted_per_block']} drafts accepted per block, below "
