@@ -134,7 +134,7 @@ def claim(
     if changed and not replace:
         raise DFlashError(
             f"holds a finished {kind} dataset made from other {', '.join(changed[:8])}: this run would "
-            "replace it; choose another output, or pass --replace to make it anew here",
+            "replace it; choose another output, or make it anew here (--replace, or delete the folder)",
             file=folder,
         )
     c = Claim(folder, kind, uuid.uuid4().hex)
