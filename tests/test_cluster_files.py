@@ -128,7 +128,8 @@ def test_the_cli_and_the_pipeline_are_derived_from_the_stages_their_modules_decl
     sections = {f.name for f in dataclasses.fields(RunConfig)}
     assert all(s.section is None or s.section in sections for s in stages.stages())
     order = [s.name for s in stages.pipeline_stages()]
-    assert order == ["selfprompt", "prompts", "generate", "tokenize", "validate", "train", "export", "evaluate"]
+    core = ["selfprompt", "prompts", "generate", "tokenize", "validate", "train", "export", "evaluate"]
+    assert [name for name in order if name in core] == core  # a new stage may sit anywhere its folders allow
     written = {folder for s in stages.pipeline_stages() for folder in s.outputs}
     assert all(set(s.inputs) <= written for s in stages.pipeline_stages())
     # a stage that reads what a later one writes would run first with no input: the order says no
