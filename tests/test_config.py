@@ -131,6 +131,7 @@ def test_edges_of_the_ranges_are_allowed():
             "generate.temperature=0",
             "generate.memory_utilization=1",
             "tokenize.max_seq_len=2",
+            "train.block_size=2",
             "train.target_layer_ids=[0,3,7]",
             "train.num_layers=2",
             "train.layer_types=[sliding_attention,full_attention]",
