@@ -494,3 +494,11 @@ def test_a_block_longer_than_any_kept_sample_and_a_bad_iters_name_their_setting(
     assert e.value.field == "train.block_size"
     assert main(["netcheck", "--iters", "0"]) == 2
     assert "field '--iters'" in _error(capsys)
+
+
+def test_a_model_folder_without_a_model_is_named_before_any_engine(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("{}\n")
+    assert main(["selfprompt", "--model", str(folder), "--count", "2", "--output", str(tmp_path / "o")]) == 2
+    assert f"{folder}: not a model folder: it holds no config.json" in _error(capsys)
