@@ -502,3 +502,44 @@ def test_a_model_folder_without_a_model_is_named_before_any_engine(tmp_path, cap
     (folder / "a.jsonl").write_text("{}\n")
     assert main(["selfprompt", "--model", str(folder), "--count", "2", "--output", str(tmp_path / "o")]) == 2
     assert f"{folder}: not a model folder: it holds no config.json" in _error(capsys)
+
+
+def test_reasoning_content_is_the_answers_thinking_and_odd_turns_are_quarantined(tmp_path):
+    """An answer's `reasoning_content` field is its thinking (it was dropped); one that is not text,
+    two user turns in a row, and an answer that is only a thinking block are quarantined."""
+    from dflash_ray.stages.prompts import run_prompts
+
+    user = {"role": "user", "content": "q"}
+    records = [
+        {"messages": [user, {"role": "assistant", "content": "final", "reasoning_content": "because"}]},
+        {"messages": [{**user, "content": "q2"}, {"role": "assistant", "content": "x", "reasoning_content": 123}]},
+        {"messages": [user, {"role": "user", "content": "again"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{**user, "content": "q3"}, {"role": "assistant", "content": "<think>only</think>"}]},
+    ]
+    raw = tmp_path / "in.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}"])
+    summary = run_prompts([str(raw)], str(tmp_path / "out"), cfg, progress=False, responses=True)
+    assert summary["prompts"] == 1
+    assert summary["quarantine_kinds"] == {"bad_field": 1, "role_order": 1, "empty_response": 1}, summary
+    (row,) = manifest.read_rows(str(tmp_path / "out"), ["reasoning", "text"], 10)
+    assert (row["reasoning"], row["text"]) == ("because", "final")
+
+
+def test_tokenize_names_a_misspelled_tokenizer_before_any_worker(tmp_path, capsys):
+    answers = tmp_path / "c"
+    assert main(["responses", "--input", _asset("demo_chats.jsonl"), "--output", str(answers)]) == 0
+    capsys.readouterr()
+    assert main(["tokenize", "--input", str(answers), "--output", str(tmp_path / "t"), "--tokenizer", "smollm2-x"]) == 2
+    assert "smollm2-x: not a short name" in _error(capsys)
+
+
+def test_export_of_a_training_output_names_its_newest_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    for step in (2, 4):
+        folder = run / "checkpoints" / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "MANIFEST.json").write_text(json.dumps({"step": step, "files": {}}))
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    assert f"the newest being {run}/checkpoints/step-00000004" in _error(capsys)
+    assert not (tmp_path / "out").exists()

@@ -148,7 +148,7 @@ def _message(role: str, content: str, extra: dict[str, str]) -> dict[str, str]:
 
 def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]], Any]:
     """(role, content, tool fields) turns in the record's order, and its raw tools. The tool fields:
-    an assistant turn's `tool_calls` (JSON), a tool result's `tool_call_id`."""
+    an assistant turn's `tool_calls` (JSON) and `reasoning_content`, a tool result's `tool_call_id`."""
     for list_key, role_key, content_key, roles in CHAT_FORMATS:
         if list_key not in record:
             continue
@@ -171,6 +171,9 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
                 extra["tool_calls"] = calls
             if role == "tool" and isinstance(msg.get("tool_call_id"), str) and msg["tool_call_id"]:
                 extra["tool_call_id"] = msg["tool_call_id"]
+            thought = msg.get("reasoning_content") if role == "assistant" else None
+            if thought is not None:  # an answer's thinking as a field of its own (OpenAI-style serving logs)
+                extra["reasoning_content"] = _text(thought, f"{list_key}[{i}].reasoning_content")
             turns.append((role, _text(msg.get(content_key), f"{list_key}[{i}].{content_key}"), extra))
         return turns, record.get("tools")
     if "instruction" in record:
@@ -198,6 +201,8 @@ def _check_order(turns: list[tuple[str, str, dict]]) -> None:
             raise BadRecord(f"turn {i}: conversation starts with '{role}', not 'user'", "role_order")
         elif role == "assistant" and prev == "assistant":
             raise BadRecord(f"turn {i}: two assistant turns in a row", "role_order")
+        elif role == "user" and prev == "user":  # regeneration would answer between them
+            raise BadRecord(f"turn {i}: two user turns in a row", "role_order")
         elif role == "tool" and prev not in ("assistant", "tool"):
             raise BadRecord(f"turn {i}: tool result without a preceding assistant turn", "role_order")
         if role == "user" and not content.strip():
@@ -281,5 +286,9 @@ def normalize_answered(record: Any) -> Answered:
     if think is None and answer.lstrip().startswith("<think>"):
         raise BadRecord("the answer opens a <think> block it never closes: it was cut short", "unclosed_thinking")
     text, reasoning = (answer[think.end() :], think.group(1).strip()) if think else (answer, None)
+    if reasoning is None and answer_extra.get("reasoning_content", "").strip():
+        reasoning = answer_extra["reasoning_content"].strip()
+    if not text.strip() and not calls:
+        raise BadRecord("the answer is a thinking block and nothing after it", "empty_response")
     ident = prompt_id(messages + [_message("assistant", answer, answer_extra)], tools)
     return Answered(Prompt(ident, messages, tools, 0), text, reasoning, calls)

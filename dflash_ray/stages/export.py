@@ -47,6 +47,13 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> dict[str, Any]:
     from dflash_ray.train import checkpoint as ckpt
     from dflash_ray.train import shards
 
+    steps = ckpt.complete_steps(checkpoint)  # a training run's output given whole: name its newest checkpoint
+    if steps and not shards.is_sharded(checkpoint):
+        raise DFlashError(
+            f"a training run's output, not one checkpoint: export one of its {len(steps)} complete checkpoints, "
+            f"the newest being {ckpt.step_dir(checkpoint, steps[-1])}",
+            file=checkpoint,
+        )
     try:
         if not shards.is_sharded(checkpoint):  # a drafter folder, or a whole-file checkpoint of an earlier version
             verified = _verify_whole_files(checkpoint)
