@@ -220,9 +220,9 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
         _check_tokenizer(tcfg.tokenizer, generated_by, input_uri)
     files = manifest.dataset_files(input_uri, (".parquet", ".jsonl"))
     units, num_rows_in, rejects = work_units(files, manifest.listed_rows(input_uri))
-    from dflash_ray.registry import config_dir
+    from dflash_ray.registry import resolve
 
-    config_dir(tcfg.tokenizer)  # a name that resolves to no tokenizer: said here, not by every Ray Data actor
+    resolve(tcfg.tokenizer, need="tokenizer")  # a name that resolves to no tokenizer: said here, not by every actor
     connect(cfg.ray)
 
     prefix = f"tokenized-{uuid.uuid4().hex[:12]}"  # this run's files: an earlier run's stay whole until commit
