@@ -506,7 +506,7 @@ def _check_section(section: Any, prefix: str) -> None:
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             _check_section(value, f"{prefix}{f.name}.")
     rules = getattr(type(section), "check", None)  # a section's own rules (the whole config's: `check`)
-    if rules is not None and not isinstance(section, RunConfig):
+    if rules is not None:
         rules(section)
 
 

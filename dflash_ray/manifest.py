@@ -111,7 +111,9 @@ def check(path: str, data: bytes, entry: dict[str, Any] | None, kind: Any = None
     return data
 
 
-RUN_REPORTS = ("quarantine.jsonl", "rejected.jsonl")  # the prompts' and the tokenizer's reports
+QUARANTINE = "quarantine.jsonl"  # the prompts' report: records that made no prompt, with file, line and reason
+REJECTED = "rejected.jsonl"  # generation's and tokenization's: answers and rows left out, with the reason
+RUN_REPORTS = (QUARANTINE, REJECTED)
 
 
 def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), *, verify: bool = True) -> list[str]:

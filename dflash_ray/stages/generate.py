@@ -466,7 +466,7 @@ def _commit(
     ]
     keep = {e["name"] for e in entries} | {done[u["index"]]["rejected"] for u in units}
     rejected = "".join(storage.read_text(storage.join(output, done[u["index"]]["rejected"])) for u in units)
-    storage.write_text(storage.join(output, "rejected.jsonl"), rejected)
+    storage.write_text(storage.join(output, manifest.REJECTED), rejected)
     for uri in storage.list_files(output, (".parquet", ".jsonl")):
         name = storage.basename(uri)
         if name.startswith(("completions-", "rejected-")) and name not in keep:

@@ -34,7 +34,7 @@ from dflash_ray.data.records import RawRecord, raw_preview
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
 
-QUARANTINE = "quarantine.jsonl"
+QUARANTINE = manifest.QUARANTINE
 
 
 class PromptBudget:

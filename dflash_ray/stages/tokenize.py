@@ -36,7 +36,7 @@ from dflash_ray.data.records import json_lines
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
 
-REJECTED = "rejected.jsonl"
+REJECTED = manifest.REJECTED
 
 
 def _list_column(arrays: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
