@@ -288,6 +288,9 @@ class TrainConfig:
     node_resource: str = ""  # a custom resource of the training nodes that every stream actor asks for
     torch_threads: int = at_least(1, default=1)
     max_in_flight: int = at_least(0, default=1)  # target batches computed ahead of their drafter, per stream
+    # host memory (GiB) per target actor for the outputs of batches it computed, served again to later
+    # epochs (with batch_size 1) and to every held-out evaluation instead of a forward (train/feature_cache.py)
+    feature_cache_gb: float = at_least(0, default=0.0)
     heldout: int = at_least(0, default=0)  # samples kept out of training (a seeded choice) for the held-out tau
     eval_every: int = at_least(0, default=0)  # steps between held-out evaluations (and one at the end); 0: never
     checkpoint_every: int = at_least(1, default=50)

@@ -706,3 +706,34 @@ def test_a_loss_mask_of_another_length_than_its_ids_is_named_by_the_target(targe
     with pytest.raises(DFlashError, match="2 loss_mask entries for 3 input_ids") as e:
         feats.features([(part, 0), (part, 1)])
     assert (e.value.file, e.value.record, e.value.field) == (part, 2, "loss_mask")
+
+
+def test_a_kept_batch_is_served_again_without_a_forward_and_bitwise_as_computed(target, data):
+    """`train.feature_cache_gb`: a batch the target computed comes back from its host copy, equal to
+    the last bit to what the forward gives, and a change the taker makes in place does not reach the
+    copy; a budget too small for a batch keeps nothing."""
+    extra = ["train.distill=0.5", "train.distill_top_k=4"]
+    cached = TargetWorker(
+        target, [0, 1, 2], load_config(None, SETTINGS + extra + ["train.feature_cache_gb=0.01"]).train
+    )
+    batch = [(f"{data}/part-0.parquet", 0), (f"{data}/part-0.parquet", 3)]
+    first = cached.features(batch)
+    forwards = []
+    cached.model.model.register_forward_pre_hook(lambda *_: forwards.append(1))  # the decoder stack
+    again = cached.features(batch)
+    assert forwards == [] and again["read_bytes"] == 0
+    fresh = TargetWorker(target, [0, 1, 2], load_config(None, SETTINGS + extra).train)
+    expected = fresh.features(batch)
+    tensors = ("input_ids", "loss_mask", "features", "teacher_ids", "teacher_probs")
+    for key in tensors:
+        assert torch.equal(again[key], expected[key]) and torch.equal(first[key], expected[key]), key
+    again["features"].zero_()
+    assert torch.equal(cached.features(batch)["features"], expected["features"])
+    assert forwards == []
+    cached.features(batch[:1])  # another batch: computed
+    assert forwards == [1]
+
+    tiny = TargetWorker(target, [0, 1, 2], load_config(None, SETTINGS + ["train.feature_cache_gb=1e-9"]).train)
+    tiny.model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    tiny.features(batch), tiny.features(batch)
+    assert forwards == [1, 1, 1] and tiny.cache.used == 0
