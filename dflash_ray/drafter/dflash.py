@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
-from dflash_ray.drafter.model import DFlashDrafter
+from dflash_ray.drafter.model import DFlashDrafter, head_logits
 from dflash_ray.drafter.speculative import Sampling, warp
 from dflash_ray.drafter.step import attention_masks, forward_loss
 
@@ -49,7 +49,7 @@ class DFlash:
         positions = torch.arange(n, n + cfg.block_size, device=device)[None]
         masks = attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa")  # one block after the context
         hidden = drafter(context_1nF.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions, masks)
-        logits = hidden[0, 1:].to(head_VH.dtype) @ head_VH.t()
+        logits = head_logits(hidden[0, 1:], head_VH)
         if sampling.greedy or sampling.greedy_drafts:
             return logits.argmax(-1), None
         q = warp(logits, sampling.temperature, sampling.top_p)

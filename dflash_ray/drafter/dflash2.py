@@ -49,7 +49,7 @@ from torch import nn
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput, acceptance_lengths, dflash_loss
-from dflash_ray.drafter.model import DecoderLayer, DFlashDrafter
+from dflash_ray.drafter.model import DecoderLayer, DFlashDrafter, head_logits
 from dflash_ray.drafter.speculative import Sampling, warp
 from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
 
@@ -349,7 +349,7 @@ class DFlash2:
         positions = torch.arange(n, n + K, device=device)[None]
         masks = attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa")
         hidden = drafter(context_1nF.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions, masks)[0, 1:]
-        unary, ids = (hidden.to(head_VH.dtype) @ head_VH.t()).float().topk(cfg.settings.selector_top_k, -1)
+        unary, ids = head_logits(hidden, head_VH).float().topk(cfg.settings.selector_top_k, -1)
         edges = drafter.candidate_selector.edge_scores(hidden, last_token, ids, unary)
         return walk(edges, ids, head_VH.shape[0], sampling)
 

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput
-from dflash_ray.drafter.model import DFlashDrafter
+from dflash_ray.drafter.model import DFlashDrafter, head_logits
 from dflash_ray.drafter.speculative import Sampling, warp
 from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
 from dflash_ray.errors import DFlashError
@@ -152,7 +152,9 @@ def dspark_loss(
     weights_BQ: torch.Tensor,
     target_hidden_BQH: torch.Tensor | None = None,
 ) -> LossOutput:
-    """sum(w * per-position loss) / sum(w), in row chunks whose logits are recomputed in backward."""
+    """sum(w * per-position loss) / sum(w), in row chunks whose logits are recomputed in backward
+    when there are several (one chunk's activations are bounded by the chunk, and recomputing its
+    two head products would cost the step two of its five)."""
     B, Q, H = hidden_BQH.shape
     hidden, prev = hidden_BQH.reshape(-1, H), prev_BQ.reshape(-1)
     labels, weights = labels_BQ.reshape(-1), weights_BQ.reshape(-1).float()
@@ -178,7 +180,7 @@ def dspark_loss(
             None if t_hidden is None else t_hidden[part],
             drafter.cfg.settings,
         )
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and chunk < hidden.shape[0]:
             per, correct = checkpoint(_position_losses, *args, use_reentrant=False)
         else:
             per, correct = _position_losses(*args)
@@ -292,7 +294,7 @@ class DSpark:
         positions = torch.arange(n, n + K, device=device)[None]
         masks = attention_masks(drafter, torch.tensor([[n]], device=device), n, "sdpa")
         hidden = drafter(context_1nF.to(dtype), F.embedding(block_ids, embed_VH).to(dtype), positions, masks)[0]
-        base = (hidden.to(head_VH.dtype) @ head_VH.t()).float()  # [K, V]
+        base = head_logits(hidden, head_VH).float()  # [K, V]
         argmax = sampling.greedy or sampling.greedy_drafts
         prev = torch.tensor([last_token], device=device)
         drafts, qs = [], []

@@ -22,6 +22,13 @@ from torch import nn
 from dflash_ray.drafter.config import DrafterConfig
 
 
+def head_logits(hidden_NH: torch.Tensor, head_VH: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] of a handful of rows (a decoding step's block) through the frozen head, written
+    as head @ hidden^T: CPU BLAS runs a few rows against a 49k-row head about four times faster
+    that way round (7 rows: 7.6 against 30 ms); from a few dozen rows on the two are alike."""
+    return (head_VH @ hidden_NH.to(head_VH.dtype).t()).t()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

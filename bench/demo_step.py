@@ -1,0 +1,130 @@
+"""What the demo's training step and decoding step cost, each change against what it replaced,
+side by side in one process on SmolLM2-135M-Instruct's shapes (hidden 576, vocabulary 49,152):
+
+- DSpark's loss over one chunk (32 anchors x block 7 = 224 rows), forward and backward, with its
+  logits recomputed in backward (the checkpoint) against kept;
+- a target batch's outputs computed by the forward against served from the feature cache
+  (`train.feature_cache_gb`), on a demo-length sample;
+- a decoding step's head product for a block of 7 rows, hidden @ head^T against head @ hidden^T.
+
+One thread, as a training actor has (`train.torch_threads`). Each line: `name ratio` (old / new
+seconds, the median of `--repeats`).
+
+    .venv/bin/python -m bench.demo_step [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _loss_case(repeats: int) -> tuple[float, float]:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from dflash_ray.drafter.dspark import Settings, _position_losses
+
+    g = torch.Generator().manual_seed(0)
+    n, hidden, vocab, rank = 224, 576, 49152, 64
+    h = torch.randn(n, hidden, generator=g).requires_grad_()
+    markov = torch.randn(n, rank, generator=g).requires_grad_()
+    conf = torch.zeros(n)
+    head = torch.randn(vocab, hidden, generator=g) * hidden**-0.5
+    w2 = (torch.randn(vocab, rank, generator=g) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    teacher = torch.randn(n, hidden, generator=g)
+    args = (h, markov, conf, head, w2, labels, teacher, Settings())
+
+    def recomputed():
+        per, _ = checkpoint(_position_losses, *args, use_reentrant=False)
+        per.sum().backward()
+
+    def kept():
+        per, _ = _position_losses(*args)
+        per.sum().backward()
+
+    return _median_seconds(recomputed, repeats), _median_seconds(kept, repeats)
+
+
+def _cache_case(repeats: int) -> tuple[float, float]:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from dflash_ray.config import load_config
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.train.workers import TargetWorker
+
+    folder = tempfile.mkdtemp(prefix="bench-demo-step-")
+    ids = torch.randint(0, 49152, (166,), generator=torch.Generator().manual_seed(0)).tolist()
+    mask = [0] * 36 + [1] * 130  # the demo's mean sample: 166 tokens, 130 of them the answer
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist([{"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}]), buf)
+    part = f"{folder}/part-0.parquet"
+    with open(part, "wb") as f:
+        f.write(buf.getvalue())
+    settings = ["train.drafter=dspark", "train.torch_threads=1"]
+    plain = TargetWorker(SMOLLM2, [1, 8, 15, 22, 28], load_config(None, settings).train)
+    cached = TargetWorker(SMOLLM2, [1, 8, 15, 22, 28], load_config(None, settings + ["train.feature_cache_gb=1"]).train)
+    cached.features([(part, 0)])  # the first epoch's forward
+    return _median_seconds(lambda: plain.features([(part, 0)]), repeats), _median_seconds(
+        lambda: cached.features([(part, 0)]), repeats
+    )
+
+
+def _head_case(repeats: int) -> tuple[float, float]:
+    import torch
+
+    from dflash_ray.drafter.model import head_logits
+
+    g = torch.Generator().manual_seed(0)
+    head, block = torch.randn(49152, 576, generator=g), torch.randn(7, 576, generator=g)
+    many = 20  # one step's product is milliseconds: time 20 of them
+    return (
+        _median_seconds(lambda: [block @ head.t() for _ in range(many)], repeats) / many,
+        _median_seconds(lambda: [head_logits(block, head) for _ in range(many)], repeats) / many,
+    )
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    cases = {
+        "dspark_loss_recomputed_over_kept": _loss_case,
+        "target_forward_over_cache": _cache_case,
+        "block_head_product_over_head_first": _head_case,
+    }
+    result = {}
+    for name, case in cases.items():
+        old, new = case(args.repeats)
+        result[name] = {"old_s": round(old, 4), "new_s": round(new, 4), "ratio": round(old / new, 2)}
+        if not args.json:
+            print(f"{name} {old / new:.2f}")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
