@@ -5,9 +5,12 @@ side by side in one process on SmolLM2-135M-Instruct's shapes (hidden 576, vocab
   logits recomputed in backward (the checkpoint) against kept;
 - a target batch's outputs computed by the forward against served from the feature cache
   (`train.feature_cache_gb`), on a demo-length sample;
+- a drafter's whole training step (the demo's drafter) in fp32 against bf16 matmuls over fp32
+  master weights (`train.dtype`), where the CPU has native bf16 (AVX512-BF16, AMX);
 - a decoding step's head product for a block of 7 rows, hidden @ head^T against head @ hidden^T.
 
-One thread, as a training actor has (`train.torch_threads`). Each line: `name ratio` (old / new
+The training cases on one thread, as a training actor has (`train.torch_threads`); the decoding one
+on every core, as evaluation runs. Each line: `name ratio` (old / new
 seconds, the median of `--repeats`).
 
     .venv/bin/python -m bench.demo_step [--repeats 5] [--json]
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -61,32 +65,63 @@ def _loss_case(repeats: int) -> tuple[float, float]:
     return _median_seconds(recomputed, repeats), _median_seconds(kept, repeats)
 
 
-def _cache_case(repeats: int) -> tuple[float, float]:
+def _sample() -> str:
+    """One tokenized file of one demo-length sample: 166 tokens, the last 130 the answer."""
     import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
+    ids = torch.randint(0, 49152, (166,), generator=torch.Generator().manual_seed(0)).tolist()
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist([{"input_ids": ids, "loss_mask": [0] * 36 + [1] * 130, "seq_len": 166}]), buf)
+    part = f"{tempfile.mkdtemp(prefix='bench-demo-step-')}/part-0.parquet"
+    with open(part, "wb") as f:
+        f.write(buf.getvalue())
+    return part
+
+
+LAYERS = [1, 8, 15, 22, 28]  # five captured layers of SmolLM2's 30
+
+
+def _cache_case(repeats: int) -> tuple[float, float]:
     from dflash_ray.config import load_config
     from dflash_ray.registry import SMOLLM2
     from dflash_ray.train.workers import TargetWorker
 
-    folder = tempfile.mkdtemp(prefix="bench-demo-step-")
-    ids = torch.randint(0, 49152, (166,), generator=torch.Generator().manual_seed(0)).tolist()
-    mask = [0] * 36 + [1] * 130  # the demo's mean sample: 166 tokens, 130 of them the answer
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist([{"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}]), buf)
-    part = f"{folder}/part-0.parquet"
-    with open(part, "wb") as f:
-        f.write(buf.getvalue())
+    part = _sample()
     settings = ["train.drafter=dspark", "train.torch_threads=1"]
-    plain = TargetWorker(SMOLLM2, [1, 8, 15, 22, 28], load_config(None, settings).train)
-    cached = TargetWorker(SMOLLM2, [1, 8, 15, 22, 28], load_config(None, settings + ["train.feature_cache_gb=1"]).train)
+    plain = TargetWorker(SMOLLM2, LAYERS, load_config(None, settings).train)
+    cached = TargetWorker(SMOLLM2, LAYERS, load_config(None, settings + ["train.feature_cache_gb=1"]).train)
     cached.features([(part, 0)])  # the first epoch's forward
     return _median_seconds(lambda: plain.features([(part, 0)]), repeats), _median_seconds(
         lambda: cached.features([(part, 0)]), repeats
     )
+
+
+def _dtype_case(repeats: int) -> tuple[float, float]:
+    import json as json_
+
+    from dflash_ray.config import load_config
+    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.stages.demo import DEMO_SETTINGS
+    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+    part = _sample()
+    seconds = []
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(
+            None, DEMO_SETTINGS + ["train.num_streams=1", "train.torch_threads=1", f"train.dtype={dtype}"]
+        )
+        drafter_json = json_.dumps(drafter_config(SMOLLM2, cfg))
+        layers = json_.loads(drafter_json)["target_layer_ids"]
+        batch = TargetWorker(SMOLLM2, layers, cfg.train).features([(part, 0)])
+        worker = DrafterWorker(SMOLLM2, drafter_json, "auto", cfg.train, 0, 1)
+        step = iter(range(10**6))
+        seconds.append(_median_seconds(lambda: worker.train_step(next(step), batch), repeats))
+    return seconds[0], seconds[1]
 
 
 def _head_case(repeats: int) -> tuple[float, float]:
@@ -97,10 +132,15 @@ def _head_case(repeats: int) -> tuple[float, float]:
     g = torch.Generator().manual_seed(0)
     head, block = torch.randn(49152, 576, generator=g), torch.randn(7, 576, generator=g)
     many = 20  # one step's product is milliseconds: time 20 of them
-    return (
-        _median_seconds(lambda: [block @ head.t() for _ in range(many)], repeats) / many,
-        _median_seconds(lambda: [head_logits(block, head) for _ in range(many)], repeats) / many,
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return (
+            _median_seconds(lambda: [block @ head.t() for _ in range(many)], repeats) / many,
+            _median_seconds(lambda: [head_logits(block, head) for _ in range(many)], repeats) / many,
+        )
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> None:
@@ -114,6 +154,7 @@ def main() -> None:
     cases = {
         "dspark_loss_recomputed_over_kept": _loss_case,
         "target_forward_over_cache": _cache_case,
+        "drafter_step_fp32_over_bf16": _dtype_case,
         "block_head_product_over_head_first": _head_case,
     }
     result = {}

@@ -48,8 +48,8 @@ DEMO_SETTINGS = [
     "train.epochs=4",
     "train.lr=3e-3",
     # bf16 matmuls, as on GPUs (fp32 master weights): where the CPU has them natively (AVX512-BF16,
-    # AMX) a step takes 0.76 s against fp32's 1.1 (the vocabulary head is most of it); evaluation
-    # stays fp32, where speculative decoding is lossless token for token
+    # AMX) a step takes 0.80 s against fp32's 1.11 (`bench.demo_step`; the vocabulary head is most
+    # of it); evaluation stays fp32, where speculative decoding is lossless token for token
     "train.dtype=bfloat16",
     "train.checkpoint_every=1000",
     # the target's outputs of the first epoch served again to the later ones (a few hundred MB a target)
