@@ -45,7 +45,7 @@ DEMO_SETTINGS = [
     "train.num_streams=2",
     "train.actor_cpus=0.5",
     "train.num_anchors=32",
-    "train.epochs=4",
+    "train.epochs=5",
     "train.lr=3e-3",
     # bf16 matmuls, as on GPUs (fp32 master weights): where the CPU has them natively (AVX512-BF16,
     # AMX) a step takes 0.80 s against fp32's 1.11 (`bench.demo_step`; the vocabulary head is most
