@@ -11,16 +11,18 @@ a cache too small for the run still serves the samples it holds every epoch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-Sample = tuple[str, int]  # (tokenized file URI, row in it)
+if TYPE_CHECKING:
+    from dflash_ray.train.workers import Sample
 
 
 class FeatureCache:
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
         self.used = 0
-        self.hits = 0
         self._batches: dict[tuple[Sample, ...], dict[str, torch.Tensor]] = {}
 
     def get(self, samples: list[Sample], device: torch.device | str) -> dict[str, torch.Tensor] | None:
@@ -28,7 +30,6 @@ class FeatureCache:
         kept = self._batches.get(tuple(samples))
         if kept is None:
             return None
-        self.hits += 1
         # a copy: whoever takes the batch may change it in place (a colocated drafter's step)
         return {k: v.to(device, copy=True) for k, v in kept.items()}
 
