@@ -144,3 +144,115 @@ def test_a_shard_that_differs_from_the_manifest_is_refused_naming_it(tmp_path):
     with pytest.raises(checkpoint.CorruptCheckpoint) as e:
         shards.assemble(folder)
     assert "no manifest" in str(e.value)
+
+
+def _one_process_checkpoint(tmp_path, config: dict | None = None) -> str:
+    """A checkpoint written by one process (no group), its manifest committed; `config`: keys added
+    to its serving config."""
+    import json
+    import warnings
+
+    from dflash_ray.drafter.export import CONFIG, to_hf_config
+    from dflash_ray.train import checkpoint, shards
+
+    drafter = _drafter()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    _stepped(drafter, opt)
+    hf = {**to_hf_config(drafter.cfg, torch.float32), **(config or {})}
+    folder = checkpoint.step_dir(str(tmp_path / "run"), 1)
+    with warnings.catch_warnings():  # DCP's "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        entries = shards.save(drafter, opt, folder, None, {f"drafter/{CONFIG}": json.dumps(hf).encode()}).result()
+    checkpoint.commit(str(tmp_path / "run"), 1, entries)
+    return folder
+
+
+def _replace(folder: str, name: str, data: bytes) -> None:
+    """Replace one file of a checkpoint and vouch for it in the manifest (a checksum, not a signature)."""
+    import hashlib
+    import json
+
+    from dflash_ray.train import checkpoint
+
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+    path = os.path.join(folder, checkpoint.MANIFEST)
+    manifest = json.load(open(path))
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+class _RunsCode:
+    """What a crafted pickle holds: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_metadata_pickle_that_would_run_code_is_refused_by_export_and_resume_naming_it(tmp_path):
+    import pickle
+
+    import pytest
+
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.stages.export import run_export
+    from dflash_ray.train import checkpoint, shards
+
+    folder = _one_process_checkpoint(tmp_path)
+    marker = tmp_path / "ran"
+    _replace(folder, "shards/.metadata", pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(DFlashError) as e:  # export
+        run_export(folder, str(tmp_path / "out"))
+    assert ".metadata" in str(e.value) and "system" in str(e.value) and "refused" in str(e.value)
+    drafter = _drafter()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    with pytest.raises(checkpoint.CorruptCheckpoint) as e:  # what each drafter does on `train --resume`
+        shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
+    assert ".metadata" in str(e.value)
+    assert not marker.exists()
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_shard_value_that_would_run_code_is_refused_on_resume(tmp_path):
+    """The optimizer's settings are pickled values inside a shard file: loaded as plain data only."""
+    import io
+    import pickle
+
+    import pytest
+
+    from dflash_ray.train import checkpoint, shards
+
+    folder = _one_process_checkpoint(tmp_path)
+    marker = tmp_path / "ran"
+    crafted = io.BytesIO()
+    torch.save(_RunsCode(marker), crafted)
+    shard = os.path.join(folder, "shards", "__0_0.distcp")
+    data = open(shard, "rb").read()
+    metadata = pickle.loads(open(os.path.join(folder, "shards", ".metadata"), "rb").read())  # our own: trusted here
+    index = next(i for i in metadata.storage_data if i.fqn == "optim.param_groups.0.lr")
+    info = metadata.storage_data[index]
+    info.offset, info.length = len(data), len(crafted.getvalue())
+    _replace(folder, "shards/__0_0.distcp", data + crafted.getvalue())
+    _replace(folder, "shards/.metadata", pickle.dumps(metadata))
+    drafter = _drafter()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    with pytest.raises(checkpoint.CorruptCheckpoint) as e:
+        shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
+    assert "__0_0.distcp" in str(e.value) and "optim.param_groups.0.lr" in str(e.value)
+    assert not marker.exists()
+
+
+def test_an_exported_config_drops_keys_that_would_import_code(tmp_path):
+    import json
+
+    from dflash_ray.stages.export import run_export
+
+    folder = _one_process_checkpoint(tmp_path, {"auto_map": {"AutoModel": "evil.Model"}, "trust_remote_code": True})
+    run_export(folder, str(tmp_path / "out"), dtype="float32")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "auto_map" not in exported and "trust_remote_code" not in exported
+    assert exported["architectures"] == ["DFlashDraftModel"]

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 SETTINGS = "drafter_settings"
+# keys that make `transformers` import code the config names (with `trust_remote_code`): a drafter
+# needs none, and an exported config never carries them on from a checkpoint made elsewhere
+REMOTE_CODE = frozenset({"auto_map", "trust_remote_code"})
 
 
 def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
@@ -61,7 +64,7 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."),
         **families.get(cfg.family).hf_config(cfg),
         **({SETTINGS: settings} if settings else {}),
-        **cfg.extra,
+        **{k: v for k, v in cfg.extra.items() if k not in REMOTE_CODE},
     }
 
 

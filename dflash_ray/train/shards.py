@@ -16,11 +16,19 @@ Loading reshards to any number of ranks (DCP's planner reads the pieces each ran
 reads only the files those pieces lie in, each checked against the manifest (size and sha256)
 before DCP opens it. `assemble` builds the whole drafter offline, without a process group, for export.
 No Ray here.
+
+A checkpoint from elsewhere is data, never code: the manifest is a checksum, not a signature, so DCP's
+`.metadata` (a pickle) is read by an unpickler that admits only DCP's metadata types, and the
+non-tensor values in the shards (the optimizer's settings) are unpickled with `weights_only=True`.
+Anything else is refused unloaded, as a `checkpoint.CorruptCheckpoint` naming the file.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pathlib
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -30,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 
 from dflash_ray import storage
 from dflash_ray.train import checkpoint
@@ -82,10 +92,93 @@ def save(
     return checkpoint.Upload(lambda: _write_shard(future, scratch, folder, extra), "checkpoint-shard-upload")
 
 
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What DCP's `.metadata` pickle may name (the globals a saved checkpoint's metadata references,
+    listed with `pickletools`): DCP's metadata classes, and the torch values they hold."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+    allowed: dict[tuple[str, str], Any] = {(metadata.__name__, n): getattr(metadata, n) for n in names}
+    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a layout by its name
+    allowed[("torch", "Size")] = torch.Size
+    allowed |= {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    for module in ("pathlib", "pathlib._local"):  # the checkpoint id DCP records (Python 3.13 moved the class)
+        allowed[(module, "PosixPath")] = allowed[(module, "PurePosixPath")] = pathlib.PurePosixPath
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: a pickle that names any other global (a function
+    to call, a class to build) is refused before anything it names is imported or run."""
+
+    def __init__(self, data: bytes, uri: str):
+        super().__init__(io.BytesIO(data))
+        self.uri, self.allowed = uri, _metadata_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.allowed:
+            raise checkpoint.CorruptCheckpoint(
+                f"{self.uri}: refused unread: it names {module}.{name}, which is no part of DCP's "
+                "checkpoint metadata (a crafted file would run code when loaded); use a checkpoint "
+                "this project wrote"
+            )
+        return self.allowed[(module, name)]
+
+
+def read_metadata(data: bytes, uri: str) -> Metadata:
+    """DCP's metadata from the bytes of a `.metadata` file at `uri`, unpickled with DCP's types only;
+    `checkpoint.CorruptCheckpoint` naming the file for anything else."""
+    try:
+        found = _MetadataUnpickler(data, uri).load()
+    except checkpoint.CorruptCheckpoint:
+        raise
+    except Exception as e:  # a cut or garbled pickle, or DCP types given arguments they refuse
+        raise checkpoint.CorruptCheckpoint(f"{uri}: not DCP's checkpoint metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(found, Metadata):
+        raise checkpoint.CorruptCheckpoint(f"{uri}: holds a {type(found).__name__}, not DCP's checkpoint metadata")
+    return found
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that a checkpoint's non-tensor values (the optimizer's settings)
+    are unpickled with `weights_only=True` (DCP's own planner unpickles them with anything allowed)."""
+
+    def __init__(self, reader: CheckedReader):
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            name = self.reader.storage_data[read_item.storage_index].relative_path
+            raise checkpoint.CorruptCheckpoint(
+                f"{storage.join(self.reader.folder, SHARDS, name)}: refused: its value "
+                f"{read_item.dest_index.fqn} is no plain data ({str(e).splitlines()[0]})"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
 class CheckedReader(FileSystemReader):
     """DCP's file reader over a checkpoint folder on `file://` or `s3://`: a file is checked against
     the manifest (and fetched into `scratch` from S3) before DCP reads it, and only the files that
-    hold pieces this rank loads are touched."""
+    hold pieces this rank loads are touched. The metadata is read here, with DCP's types only
+    (`read_metadata`), so that a refusal is raised as itself, not as DCP's "metadata not found"."""
 
     def __init__(self, folder: str, manifest: dict, scratch: str):
         self.folder, self.manifest, self.scratch = folder, manifest, Path(scratch)
@@ -93,6 +186,18 @@ class CheckedReader(FileSystemReader):
         self.checked: set[str] = set()
         super().__init__(self.scratch if self.remote else storage.local_path(storage.join(folder, SHARDS)))
         self.fetch(".metadata")
+        self.metadata = read_metadata(
+            (Path(self.path) / ".metadata").read_bytes(), storage.join(folder, SHARDS, ".metadata")
+        )
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self.metadata, "storage_meta", None) is None:  # as DCP's own reader does
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            self.metadata.storage_meta = StorageMeta()
+        assert self.metadata.storage_meta is not None
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
     def fetch(self, name: str) -> None:
         if name not in self.checked:
@@ -127,7 +232,8 @@ def _load(state: dict[str, Any], folder: str, manifest: dict, group, no_dist: bo
     with tempfile.TemporaryDirectory(prefix="dflash-shard-") as scratch:
         try:
             reader = CheckedReader(folder, manifest, scratch)
-            dcp.load(state, storage_reader=reader, process_group=group, no_dist=no_dist)
+            planner = _WeightsOnlyPlanner(reader)
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=group, no_dist=no_dist)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             corrupt = _corrupt_cause(e)
             if corrupt is not None:
