@@ -1,6 +1,8 @@
 """`p2p.Ledger` holds two gloo processes to NCCL's point-to-point rules: a send completes only once
 its receive is posted, pairs match by order, a device synchronization waits for the rank's own
-unmatched sends and raises past the timeout, and so does a send left unmatched too long."""
+unmatched sends and raises past the timeout, and a send left unmatched too long ends its process from
+the ledger's watchdog thread (counted from the post, whatever the rank does next) and raises at the
+rank's next call."""
 
 import datetime
 import os
@@ -8,20 +10,28 @@ import time
 
 import torch
 import torch.distributed as dist
+import pytest
 import torch.multiprocessing as mp
 
 from conftest import free_port
 
+# Scenarios that let a send go past the timeout to see what the rank's own calls say: the watchdog
+# thread records its message there instead of ending the process.
+RECORDED = {"no_greeting", "sync_waits_for_own_send", "watchdog"}
 
-def _rank(rank: int, port: int, results: dict, scenario: str) -> None:
+
+def _rank(rank: int, port: int, results: dict, scenario: str, timeout_s: float) -> None:
     from dflash_ray.train import handoff, p2p
     from dflash_ray.train.devices import synchronize, wait_compute
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
     )
-    ledger = p2p.start(rank, "gloo", timeout_s=2.0)
-    out = {}
+    ledger = p2p.start(rank, "gloo", timeout_s=timeout_s)
+    out: dict = {}
+    fired: list[tuple[float, str]] = []
+    if scenario in RECORDED:
+        ledger.on_timeout = lambda message: fired.append((time.monotonic(), message))
     try:
         if scenario != "no_greeting":  # what a run's join does: the pair's communicator opens here
             handoff.greet([1 - rank], rank == 0, "cpu")
@@ -48,6 +58,7 @@ def _rank(rank: int, port: int, results: dict, scenario: str) -> None:
             if rank == 0:
                 sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
                 wait_compute("cpu")  # the compute stream alone: never waits on a peer
+                time.sleep(0.5)  # the send's watchdog then runs out while the synchronization waits
                 start = time.monotonic()
                 try:
                     synchronize("cpu")  # the peer waits for us below: on GPUs a hang
@@ -61,7 +72,8 @@ def _rank(rank: int, port: int, results: dict, scenario: str) -> None:
         elif scenario == "watchdog":
             if rank == 0:
                 sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
-                time.sleep(2.5)
+                out["posted"] = time.monotonic()
+                time.sleep(timeout_s + 1.0)  # idle: the thread fires meanwhile, the next call raises
                 try:
                     handoff.send({"a": torch.arange(4.0)}, [1])
                 except p2p.NcclRuleError as e:
@@ -69,17 +81,31 @@ def _rank(rank: int, port: int, results: dict, scenario: str) -> None:
             dist.barrier()
             if rank == 1:
                 handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+        elif scenario == "watchdog_idle":  # what a target does after its evaluation sends: nothing
+            if rank == 0:
+                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
+                results[rank] = {"posted": time.time()}
+            time.sleep(30)  # rank 1 never receives; neither makes another ledger call
+        elif scenario == "watchdog_matched":  # the receive comes within the timeout: nothing fires
+            if rank == 0:
+                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
+                time.sleep(2 * timeout_s)  # idle past the timeout, counted from the post
+            else:
+                time.sleep(timeout_s / 2)
+                handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+                time.sleep(1.5 * timeout_s)
         out["ledger_sent"] = dict(ledger.sent)
         dist.barrier()  # every message taken before either process leaves
     finally:
+        out["fired"] = [(t - out.get("posted", 0.0), m) for t, m in fired]
         results[rank] = out
         dist.destroy_process_group()
 
 
-def _run(scenario: str) -> dict:
+def _run(scenario: str, timeout_s: float = 2.0) -> dict:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(free_port(), results, scenario), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), results, scenario, timeout_s), nprocs=2, join=True)
     return dict(results)
 
 
@@ -93,11 +119,36 @@ def test_a_device_sync_waits_for_the_ranks_own_unmatched_send_and_raises_past_th
     r = _run("sync_waits_for_own_send")
     assert "unmatched send" in r[0]["error"] and "to rank 1" in r[0]["error"], r[0]
     assert 1.9 < r[0]["waited"] < 10, r[0]
+    [(_, message)] = r[0]["fired"]  # the watchdog thread's message names the wait too
+    assert "waits in a device synchronization" in message, message
 
 
-def test_a_send_unmatched_past_the_timeout_is_ended_as_the_watchdog_would():
+def test_a_send_unmatched_past_the_timeout_is_ended_by_the_watchdog_thread_and_at_the_next_call():
     r = _run("watchdog")
     assert "watchdog" in r[0]["error"] and "collective_timeout_s" in r[0]["error"], r[0]
+    [(after, message)] = r[0]["fired"]  # while the rank slept, counted from the post
+    assert 2.0 <= after < 3.0, r[0]
+    assert "the features' 'a' to rank 1 (send #2 to it)" in message and "collective_timeout_s=2" in message, message
+
+
+def test_the_watchdog_ends_a_rank_that_posts_a_send_and_goes_idle(capfd):
+    from dflash_ray.train.p2p import WATCHDOG_EXIT_CODE
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = mp.Manager().dict()
+    with pytest.raises(mp.ProcessExitedException) as ended:  # the other rank is ended with it
+        mp.spawn(_rank, args=(free_port(), results, "watchdog_idle", 1.0), nprocs=2, join=True)
+    waited = time.time() - results[0]["posted"]
+    assert ended.value.error_index == 0 and ended.value.exit_code == WATCHDOG_EXIT_CODE, ended.value
+    assert 1.0 <= waited < 3.0, waited  # the timeout, a tick, the exit seen here
+    err = capfd.readouterr().err
+    assert "rank 0: the features' 'a' to rank 1 (send #2 to it) has had no matching receive" in err, err
+    assert "collective_timeout_s=1" in err and f"exit code {WATCHDOG_EXIT_CODE}" in err, err
+
+
+def test_the_watchdog_leaves_a_send_matched_within_the_timeout_alone():
+    r = _run("watchdog_matched", timeout_s=1.0)  # with the watchdog's own action: ends the process
+    assert r[0]["ledger_sent"] == {1: 2} and r[0]["fired"] == [], r[0]
 
 
 def test_a_pairs_first_message_waits_for_both_sides():
