@@ -65,13 +65,20 @@ def write_manifest(
 
 
 def read_manifest(folder: str) -> dict[str, Any] | None:
+    """The manifest of the dataset in `folder` (None: none there), every file it lists inside the
+    folder (`storage.inside`: an entry naming a path outside is refused, nothing read)."""
     uri = storage.join(folder, MANIFEST)
     try:
-        return json.loads(storage.read_text(uri))
+        found = json.loads(storage.read_text(uri))
     except (FileNotFoundError, NotADirectoryError):  # no folder, or a file given as one
         return None
     except json.JSONDecodeError as e:
         raise DFlashError(f"corrupt manifest: {e}", file=uri) from None
+    for i, entry in enumerate(found.get("files", []) if isinstance(found, dict) else []):
+        storage.inside(
+            folder, entry.get("name") if isinstance(entry, dict) else None, file=uri, field=f"files[{i}].name"
+        )
+    return found
 
 
 def fingerprint(uri: str) -> str:

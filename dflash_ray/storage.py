@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -61,6 +62,42 @@ def _resolved(uri: str) -> str:
         raise DFlashError(
             "a symbolic link that leads back to itself (a loop): nothing there to read", file=uri
         ) from None
+
+
+def escapes(folder: str, name: object) -> str | None:
+    """Why `name`, a path that a dataset or checkpoint in `folder` names relative to itself (a
+    manifest's entry, a progress file's shard, a file listed in the folder), leads out of `folder`;
+    None when it stays inside. Out: no relative name (empty, absolute, a URI), a `..` part, or, on a
+    local disk, a link whose target lies outside the folder. The one rule every such name is held to."""
+    if not isinstance(name, str) or not name:
+        return "is no file name"
+    if name.startswith("/") or "://" in name:
+        return "is an absolute path, not one inside the folder"
+    if ".." in name.split("/"):
+        return "climbs out of the folder with '..'"
+    if not is_s3(folder):
+        base = Path(_resolved(folder))
+        try:
+            target = (base / name).resolve()
+        except (RuntimeError, OSError):  # a loop of links
+            return "is a link that leads round in a loop"
+        if not target.is_relative_to(base):
+            return f"is a link that leads out of the folder (to {target})"
+    return None
+
+
+def inside(folder: str, name: object, *, file: str, field: str | None = None) -> str:
+    """The URI of `name` in `folder`, when `name` stays inside it (`escapes`); otherwise a
+    DFlashError naming the `file` and `field` that named it, before anything outside is read."""
+    reason = escapes(folder, name)
+    if reason is not None:
+        raise DFlashError(
+            f"names {name!r}, which {reason}: the files a dataset names stay inside its folder; "
+            "nothing outside it was read",
+            file=file,
+            field=field,
+        )
+    return join(folder, str(name))
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -363,7 +400,7 @@ def skipped_files(prefix: str, suffix: str | tuple[str, ...] = "") -> list[str]:
 def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], list[str]]:
     suffixes = tuple(s.lower() for s in ((suffix,) if isinstance(suffix, str) else suffix))
     names: list[str] = []
-    dangling: list[str] = []
+    unfollowed: list[str] = []  # links: named as skipped
     if is_s3(prefix):
         bucket, key = split_s3(prefix)
         key = key.rstrip("/") + "/" if key else ""
@@ -377,12 +414,28 @@ def _listing(prefix: str, suffix: str | tuple[str, ...]) -> tuple[list[str], lis
             return [], []
         names = [p.name for p in folder.iterdir() if p.is_file()]
         # links that lead nowhere (or round in a loop) are no file, but are named as skipped
-        dangling = [p.name for p in folder.iterdir() if p.is_symlink() and not p.exists()]
+        unfollowed = [p.name for p in folder.iterdir() if p.is_symlink() and not p.exists()]
+        # and links out of the folder are not followed: what a folder holds is what lies in it
+        outward = {n: reason for n in names if (reason := escapes(prefix, n)) is not None}
+        for n, reason in outward.items():
+            _warn_once(join(prefix, n), f"{join(prefix, n)}: {reason}: not followed, not read")
+        unfollowed += list(outward)
+        names = [n for n in names if n not in outward]
     names = sorted(n for n in names if n)
     keep = [n for n in names if not n.startswith((".", "_")) and n.lower().endswith(suffixes)]
     taken = set(keep)
-    skipped = [join(prefix, n) for n in sorted(set(names) - taken | set(dangling))]
+    skipped = [join(prefix, n) for n in sorted(set(names) - taken | set(unfollowed))]
     return [join(prefix, n) for n in keep], skipped
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """A warning on stderr, once per process for `key` (a folder is listed again by later steps)."""
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger(__name__).warning(message)
 
 
 def list_dirs(prefix: str) -> list[str]:

@@ -158,3 +158,17 @@ def test_a_background_upload_returns_at_once_and_the_checkpoint_exists_only_once
     with pytest.raises(OSError, match="storage refused"):
         failed.result()
     assert checkpoint.complete_steps(output) == [4, 8]
+
+
+def test_a_manifest_listing_a_file_outside_its_checkpoint_is_never_used(output):
+    import json
+
+    checkpoint.save(output, 10, {"state.json": b"{}"})
+    checkpoint.save(output, 20, {"state.json": b"{}"})
+    uri = storage.join(checkpoint.step_dir(output, 20), checkpoint.MANIFEST)
+    body = json.loads(storage.read_text(uri))
+    body["files"]["../step-00000010/state.json"] = body["files"]["state.json"]  # a file that exists, same bytes
+    storage.write_text(uri, json.dumps(body))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"lists '../step-00000010/state.json', which climbs out"):
+        checkpoint.verify(output, 20)
+    assert load_latest(output)[0] == 10

@@ -256,3 +256,19 @@ def test_an_exported_config_drops_keys_that_would_import_code(tmp_path):
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "auto_map" not in exported and "trust_remote_code" not in exported
     assert exported["architectures"] == ["DFlashDraftModel"]
+
+
+def test_metadata_naming_a_shard_file_outside_the_checkpoint_is_refused(tmp_path):
+    import pickle
+
+    import pytest
+
+    from dflash_ray.train import checkpoint, shards
+
+    folder = _one_process_checkpoint(tmp_path)
+    metadata = pickle.loads(open(os.path.join(folder, "shards", ".metadata"), "rb").read())  # our own: trusted here
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../../../../etc/passwd"
+    _replace(folder, "shards/.metadata", pickle.dumps(metadata))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"\.metadata: names '../../.*which climbs out"):
+        shards.assemble(folder)

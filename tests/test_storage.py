@@ -277,3 +277,59 @@ def test_files_are_written_with_the_process_umask(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a" / "f.json").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "g.txt").stat().st_mode) == 0o640
+
+
+def test_a_name_a_dataset_gives_stays_inside_its_folder(tmp_path):
+    folder = tmp_path / "ds"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.parquet").write_text("x")
+    (tmp_path / "secret.txt").write_text("outside")
+    (folder / "in.parquet").symlink_to(folder / "a.parquet")
+    (folder / "out.parquet").symlink_to(tmp_path / "secret.txt")
+    for name in ("a.parquet", "sub/b.parquet", "in.parquet", "..x.parquet"):
+        assert storage.escapes(str(folder), name) is None, name
+    for name, reason in [
+        ("/etc/passwd", "absolute"),
+        ("s3://other/key", "absolute"),
+        ("../secret.txt", "'..'"),
+        ("sub/../../secret.txt", "'..'"),
+        ("", "no file name"),
+        (None, "no file name"),
+        ("out.parquet", "a link that leads out of the folder"),
+    ]:
+        assert reason in (storage.escapes(str(folder), name) or ""), name
+    assert storage.escapes("s3://bucket/ds", "../other/x.parquet") is not None  # on S3 by the name alone
+    with pytest.raises(DFlashError) as e:
+        storage.inside(str(folder), "../secret.txt", file="m.json", field="files[0].name")
+    assert (
+        e.value.field == "files[0].name" and "m.json" in str(e.value) and "nothing outside it was read" in str(e.value)
+    )
+    assert storage.inside(str(folder), "a.parquet", file="m.json") == str(folder / "a.parquet")
+
+
+def test_a_folder_listing_skips_links_out_of_it_and_names_them(tmp_path, caplog):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("{}\n")
+    (folder / "b.jsonl").symlink_to(folder / "a.jsonl")  # inside: read
+    (tmp_path / "shadow").write_text("root:x\n")
+    (folder / "users.jsonl").symlink_to(tmp_path / "shadow")
+    with caplog.at_level("WARNING"):
+        assert [storage.basename(f) for f in storage.list_files(str(folder), ".jsonl")] == ["a.jsonl", "b.jsonl"]
+    assert storage.skipped_files(str(folder), ".jsonl") == [str(folder / "users.jsonl")]
+    assert "users.jsonl: is a link that leads out of the folder" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["../outside/part-0.parquet", "/ABS/outside/part-0.parquet"])
+def test_a_manifest_entry_outside_its_folder_is_refused_naming_it(tmp_path, name):
+    storage.write_bytes(str(tmp_path / "outside" / "part-0.parquet"), b"y" * 10)  # passes size and sha256
+    folder = str(tmp_path / "ds")
+    storage.write_bytes(storage.join(folder, "part-0.parquet"), b"y" * 10)
+    manifest.write_manifest(folder, kind="tokenized", files=[{"name": "part-0.parquet", "rows": 1}], summary={})
+    uri = storage.join(folder, manifest.MANIFEST)
+    body = __import__("json").loads(storage.read_text(uri))
+    body["files"].append({**body["files"][0], "name": name.replace("/ABS", str(tmp_path))})  # same size and hash
+    storage.write_text(uri, __import__("json").dumps(body))
+    with pytest.raises(DFlashError) as e:
+        manifest.dataset_files(folder)
+    assert e.value.field == "files[1].name" and e.value.file == uri

@@ -543,3 +543,32 @@ def test_export_of_a_training_output_names_its_newest_checkpoint(tmp_path, capsy
     assert main(["export", str(run), str(tmp_path / "out")]) == 2
     assert f"the newest being {run}/checkpoints/step-00000004" in _error(capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_progress_file_naming_a_shard_outside_the_output_is_refused_naming_it(tmp_path, capsys):
+    done = {"completions": "completions-0.parquet", "rejected": "../../../../etc/passwd", "rows": 1, "prompts": 1}
+    (tmp_path / "_progress.json").write_text(json.dumps({"plan": {}, "done": {"0": done}}))
+    assert main(["status", "--output", str(tmp_path)]) == 2
+    err = _error(capsys)
+    assert "field 'done.0.rejected'" in err and "climbs out of the folder" in err
+
+
+def test_a_saved_dataset_naming_a_file_outside_its_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "../x.arrow"}]}))
+    assert main(["validate", "--input", str(tmp_path / "ds"), "--tokenizer", SMOLLM2]) == 2
+    assert "field '_data_files[0].filename'" in _error(capsys)
+
+
+def test_a_link_out_of_an_input_folder_is_skipped_and_named(tmp_path, capsys):
+    from dflash_ray.stages.prompts import run_prompts
+
+    (tmp_path / "shadow").write_text("root:$6$secret:19000:0:99999:7:::\n")
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi?"}]}) + "\n")
+    (folder / "users.jsonl").symlink_to(tmp_path / "shadow")
+    summary = run_prompts([str(folder)], str(tmp_path / "out"), load_config(None, []), progress=False)
+    assert summary["records"] == 1 and summary["skipped_files"] == [str(folder / "users.jsonl")]
+    assert "users.jsonl" in _error(capsys)
+    assert "secret" not in (tmp_path / "out" / "quarantine.jsonl").read_text()

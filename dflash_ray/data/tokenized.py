@@ -64,7 +64,7 @@ def _hf_arrow_files(folder: str) -> list[str]:
             names = [f["filename"] for f in json.loads(storage.read_text(state))["_data_files"]]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DFlashError(f"not a `save_to_disk` state file ({type(e).__name__}: {e})", file=state) from None
-        return [storage.join(folder, n) for n in names]
+        return [storage.inside(folder, n, file=state, field=f"_data_files[{i}].filename") for i, n in enumerate(names)]
     return storage.list_files(folder, ".arrow")
 
 

@@ -118,6 +118,10 @@ def read_progress(output: str) -> dict[str, Any] | None:
             "not a generation progress file (a mapping with `done` shards); delete it to generate every shard again",
             file=uri,
         )
+    for index, entry in progress["done"].items():  # the shard files it names: read, copied, deleted
+        for key in ("completions", "rejected"):
+            if key in entry:
+                storage.inside(output, entry[key], file=uri, field=f"done.{index}.{key}")
     return progress
 
 

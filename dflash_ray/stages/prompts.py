@@ -196,7 +196,7 @@ def _prompts(
     if skipped:  # never without a word: `_b.jsonl`, `notes.txt` and the like are named
         warnings.append(
             f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
-            f"or named with a leading . or _): {', '.join(skipped[:10])}"
+            f"named with a leading . or _, or links that lead out of the folder): {', '.join(skipped[:10])}"
         )
         print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     summary: dict[str, Any] = {

@@ -179,17 +179,21 @@ def copy_in(path: Path, folder: str, name: str) -> dict:
 
 def read_folder_manifest(folder: str) -> dict:
     """The manifest of the checkpoint in `folder`, whatever the folder is called (a copied or renamed
-    checkpoint too); CorruptCheckpoint when it is missing or unreadable."""
+    checkpoint too); CorruptCheckpoint when it is missing or unreadable, or lists a file outside the folder."""
     uri = storage.join(folder, MANIFEST)
     try:
         manifest = json.loads(storage.read_text(uri))
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("no file list")
-        return manifest
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{uri}: no manifest") from None
     except ValueError as e:
         raise CorruptCheckpoint(f"{uri}: unreadable manifest: {e}") from None
+    for name in manifest["files"]:  # what it lists is read and checked: nothing outside the checkpoint
+        reason = storage.escapes(folder, name)
+        if reason is not None:
+            raise CorruptCheckpoint(f"{uri}: lists {name!r}, which {reason}: nothing outside the checkpoint is read")
+    return manifest
 
 
 def verify(output: str, step: int) -> dict:

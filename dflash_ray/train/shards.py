@@ -186,9 +186,13 @@ class CheckedReader(FileSystemReader):
         self.checked: set[str] = set()
         super().__init__(self.scratch if self.remote else storage.local_path(storage.join(folder, SHARDS)))
         self.fetch(".metadata")
-        self.metadata = read_metadata(
-            (Path(self.path) / ".metadata").read_bytes(), storage.join(folder, SHARDS, ".metadata")
-        )
+        uri = storage.join(folder, SHARDS, ".metadata")
+        self.metadata = read_metadata((Path(self.path) / ".metadata").read_bytes(), uri)
+        for info in self.metadata.storage_data.values():  # the shard files DCP will open
+            name = getattr(info, "relative_path", None)
+            reason = storage.escapes(storage.join(folder, SHARDS), name)
+            if reason is not None:
+                raise checkpoint.CorruptCheckpoint(f"{uri}: names {name!r}, which {reason}: nothing was read")
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if getattr(self.metadata, "storage_meta", None) is None:  # as DCP's own reader does
