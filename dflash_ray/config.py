@@ -228,6 +228,18 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ClocksConfig:
+    """`train.clocks` (train/clocks.py): the GPU run's durations replayed on the CPU, each in the GPU's
+    seconds times `scale`; 0 leaves the CPU's own. Per-token ones are for a batch of 3,072 tokens."""
+
+    scale: float = at_least(0, default=0.0)
+    compile_s: float = at_least(0, default=10.0)  # a drafter graph shape's first use in a process
+    target_forward_s: float = at_least(0, default=0.4)  # a target forward of REFERENCE_TOKENS tokens
+    drafter_step_s: float = at_least(0, default=0.37)  # a drafter's training step over as many
+    transfer_s: float = at_least(0, default=0.006)  # sending as many tokens' features to a drafter
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     num_streams: int = at_least(1, default=2)  # data-parallel target+drafter pairs
     batch_size: int = at_least(1, default=1)  # sequences per stream per step
@@ -285,6 +297,10 @@ class TrainConfig:
     # one GPU over that many (its captured layers are gathered onto the first); the drafter keeps actor_gpus
     # the stream actors' resources not granted by then: an error naming them
     placement_timeout_s: float = above(0, default=600.0)
+    # elastic streams: streams still not placed after placement_timeout_s (a node lost and not yet
+    # replaced) are left out and the run goes on with those placed, down to this many; the next
+    # restart asks for train.num_streams again. None: num_streams (every stream or none)
+    min_streams: int | None = at_least(1, default=None)
     node_resource: str = ""  # a custom resource of the training nodes that every stream actor asks for
     torch_threads: int = at_least(1, default=1)
     max_in_flight: int = at_least(0, default=1)  # target batches computed ahead of their drafter, per stream
@@ -294,12 +310,22 @@ class TrainConfig:
     heldout: int = at_least(0, default=0)  # samples kept out of training (a seeded choice) for the held-out tau
     eval_every: int = at_least(0, default=0)  # steps between held-out evaluations (and one at the end); 0: never
     checkpoint_every: int = at_least(1, default=50)
+    # also a checkpoint once this many minutes passed since the last one (0: by steps only): a restart
+    # redoes at most that much of the run's time
+    checkpoint_every_minutes: float = at_least(0, default=0.0)
     keep_checkpoints: int = at_least(1, default=3)
     # actor deaths or step errors (an OOM on one rank) survived, each by a restart of
     max_restarts: int = at_least(0, default=3)
     # every stream actor from the last checkpoint, before failing
     # a collective waiting longer for a rank raises instead of hanging
     collective_timeout_s: float = above(0, default=300.0)
+    # every wait of the coordinator (a step, an evaluation, start-up, a checkpoint) ends after
+    # deadline_floor_s + deadline_factor x the median of the last steps' seconds; an actor that misses
+    # it is named and the run restarts from its checkpoint (a rank stuck outside any collective)
+    deadline_floor_s: float = above(0, default=600.0)
+    deadline_factor: float = at_least(1, default=10.0)
+    # the GPU run's durations on the CPU (train/clocks.py): compiles, forwards, steps, transfers
+    clocks: ClocksConfig = field(default_factory=ClocksConfig)
     # a hybrid target on CUDA whose Gated-DeltaNet kernels (flash-linear-attention, causal-conv1d) do not
     # import is refused at the start; true: train on transformers' torch fallback anyway (said in the summary)
     allow_slow_target: bool = False
@@ -308,6 +334,8 @@ class TrainConfig:
     min_bus_bandwidth: float = at_least(0, default=0.0)
     # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
     fault_step: int = at_least(0, default=0)
+    # chaos testing: target 1 blocks forever in its reader at this step (a stalled read), in a run's first attempt
+    stall_step: int = at_least(0, default=0)
     trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
     # steps (1-based) traced with torch.profiler: Chrome traces of each drafter rank's step and its target's
     # forward under OUTPUT/profile/ (train/profile.py); open them in Perfetto
@@ -359,6 +387,11 @@ class TrainConfig:
                     "allowed: train.colocate=false",
                     field="train.target_gpus",
                 )
+        if self.min_streams is not None and self.min_streams > self.num_streams:
+            raise DFlashError(
+                f"{self.min_streams} is above train.num_streams={self.num_streams}; allowed: <= num_streams",
+                field="train.min_streams",
+            )
         if not isinstance(self.drafters, list):
             raise DFlashError(f"{self.drafters!r}: allowed: a list of drafters", field="train.drafters")
         drafters.check(self.drafters)

@@ -411,17 +411,39 @@ def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_
     assert _final_weights(str(tmp_path / "faulty")) == _final_weights(alone[0])
 
 
-def test_a_stream_not_placed_in_time_is_refused_naming_the_setting_and_leaves_no_placement_group(ray_cluster):
+def test_streams_not_placed_in_time_are_refused_naming_the_setting_and_leave_no_placement_group(ray_cluster):
     from ray.util import placement_group_table
 
     from dflash_ray.errors import DFlashError
-    from dflash_ray.train.coordinator import place_stream
+    from dflash_ray.train.elastic import place_streams
 
     tcfg = load_config(None, ["train.placement_timeout_s=1"]).train
     before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
-    with pytest.raises(DFlashError, match="stream 1's actors") as e:
-        place_stream(tcfg, 1, [{"CPU": 64.0}], "actors")  # more than the node has
+    with pytest.raises(DFlashError, match="2 of 2 streams' actors") as e:
+        place_streams(tcfg, [{"CPU": 64.0}])  # more than the node has
     assert e.value.field == "train.placement_timeout_s" and "free" in str(e.value)
+    assert {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"} == before
+
+
+def test_elastic_placement_goes_on_with_the_streams_placed_down_to_min_streams(ray_cluster):
+    """Three streams asked for on a 2-CPU node that holds two: with train.min_streams=2 the two placed
+    are kept and the third given up after the timeout; with min_streams=3 none is kept."""
+    from ray.util import placement_group_table
+    from ray.util.placement_group import remove_placement_group
+
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.train.elastic import place_streams
+
+    before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    settings = ["train.placement_timeout_s=2", "train.num_streams=3"]
+    groups = place_streams(load_config(None, settings + ["train.min_streams=2"]).train, [{"CPU": 1.0}])
+    try:
+        assert len(groups) == 2
+    finally:
+        for g in groups:
+            remove_placement_group(g)
+    with pytest.raises(DFlashError, match="1 of 3 streams"):
+        place_streams(load_config(None, settings + ["train.min_streams=3"]).train, [{"CPU": 1.0}])
     assert {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"} == before
 
 

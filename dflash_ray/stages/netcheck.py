@@ -24,7 +24,10 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from dflash_ray.train.coordinator import _node, _rendezvous, first_error, place_stream
+    import dataclasses
+
+    from dflash_ray.train.coordinator import _node, _rendezvous, first_error
+    from dflash_ray.train.elastic import place_streams
     from dflash_ray.train.devices import stream_bundles
     from dflash_ray.train.netprobe import NetProbe, bus_bandwidth, node_pairs
 
@@ -32,9 +35,9 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
     index = 0 if tcfg.colocate else 1  # the drafter's bundle: where the collectives run
     groups: list[Any] = []  # placement groups
     probes: list[Any] = []  # actor handles: Ray's typing does not give their methods a `.remote`
-    try:
+    try:  # every stream's probe, or none: the measure is of the whole run's network
+        groups = place_streams(dataclasses.replace(tcfg, min_streams=None), bundles, "probes")
         for s in range(n):
-            groups.append(place_stream(tcfg, s, bundles, "probe's bundles"))
             probes.append(
                 ray.remote(NetProbe)
                 .options(

@@ -209,9 +209,15 @@ def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
                 "starts at step 0",
                 file=sys.stderr,
             )
-    return run_train(
-        args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step, progress=not args.json
-    )
+    from dflash_ray.chaos import Injector
+
+    with Injector(cfg.chaos) as chaos:  # `chaos.faults`: a drill, killing actors (or a node) while it trains
+        summary = run_train(
+            args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step, progress=not args.json
+        )
+    if cfg.chaos.faults:
+        summary["chaos"] = chaos.summary()
+    return summary
 
 
 def _at_least_one(text: str) -> int:

@@ -38,7 +38,8 @@ from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError, failure_cause
-from dflash_ray.train import checkpoint
+from dflash_ray.train import checkpoint, elastic, evaluation, history
+from dflash_ray.train.deadlines import Deadlines, Stalled
 from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.handoff import Layout
@@ -73,26 +74,6 @@ def _rendezvous(_worker) -> tuple[str, int]:
     import ray
 
     return ray.util.get_node_ip_address(), _free_port()
-
-
-def place_stream(tcfg, stream: int, bundles: list[dict], what: str):
-    """A STRICT_PACK placement group of a stream's bundles (one node), ready; refused after
-    `train.placement_timeout_s` naming the bundles and what the cluster has free. The caller removes it."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    pg = placement_group(bundles, strategy="STRICT_PACK")
-    try:
-        ray.get(pg.ready(), timeout=tcfg.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise DFlashError(
-            f"stream {stream}'s {what} ({bundles}, on one node) were not placed in "
-            f"{tcfg.placement_timeout_s:g} s: the cluster has {ray.available_resources()} "
-            "free; other work holds the rest, or the autoscaler cannot add such a node",
-            field="train.placement_timeout_s",
-        ) from None
-    return pg
 
 
 def drafter_actor(cls):
@@ -137,6 +118,14 @@ OPERATIONAL = {
     "allow_slow_target",
     "profile_steps",
     "num_streams",
+    "min_streams",
+    "placement_timeout_s",
+    "checkpoint_every_minutes",
+    "deadline_floor_s",
+    "deadline_factor",
+    "clocks",
+    "stall_step",
+    "feature_cache_gb",
 }  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
 
 
@@ -155,6 +144,7 @@ class Team:
     drafters: list = field(default_factory=list)
     rendezvous: tuple[str, int] | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    appended: int = 0  # the last step whose metric row is in the run's history (`history`)
     heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
     gauges: dict[str, Any] = field(default_factory=dict)
 
@@ -205,6 +195,14 @@ class Coordinator:
         self.groups: list[Any] = []  # placement groups
         self.stream_nodes: set[str] = set()  # every node a stream actor ran on, over restarts too
         self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
+        self.streams = cfg.train.num_streams  # the streams placed now (`elastic`): num_streams, or fewer
+        self.deadlines = Deadlines(cfg.train.deadline_floor_s, cfg.train.deadline_factor)
+        self.lost_nodes: list[dict[str, Any]] = []  # nodes the streams ran on that left the cluster
+        self.restart_seconds: list[float] = []  # from each failure to the next step taken (placement, weights, compile)
+        self.failed_at: float | None = None
+        self.warm: list[dict[str, Any]] = []  # each start's warm-up: shapes met before step 0, seconds
+        self.checkpointed_at = time.monotonic()
+        self.checkpoint_step = -1  # the step of the newest checkpoint taken
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
 
     @property
@@ -225,6 +223,25 @@ class Coordinator:
         # the balancing's run length, kept by resumes on another number of streams (the same order)
         self.length_group = length_group(tcfg)
         self._schedule_from((0, 0, 0))
+        # held-out batches by length (`evaluation`), and every graph shape the drafters will meet
+        # when something compiles them (compiled attention on GPUs, or the GPU's clocks replayed)
+        held_lengths = sample_lengths(self.heldout) if self.heldout else []
+        self.heldout_batches = evaluation.batches_by_length(self.heldout, held_lengths, tcfg.batch_size)
+        self.shapes: list[tuple[int, int, bool]] = []
+        if self._compiles():
+            train_lengths = self.lengths if self.lengths is not None else sample_lengths(train_samples)
+            self.shapes = evaluation.warm_shapes(
+                train_lengths,
+                self.heldout_batches if tcfg.eval_every else [],
+                dict(zip(self.heldout, held_lengths)),
+                tcfg.batch_size,
+                tcfg.length_bucket,
+            )
+
+    def _compiles(self) -> bool:
+        from dflash_ray.train.devices import planned_placement
+
+        return self.cfg.train.clocks.scale > 0 or planned_placement(self.cfg).attention == "flex"
 
     def _schedule_from(self, origin: tuple[int, int, int]) -> None:
         """The schedule (and the run's length) from `origin` (`Schedule`): the start, or where a
@@ -232,7 +249,7 @@ class Coordinator:
         tcfg = self.cfg.train
         self.schedule = Schedule(
             self.train_samples,
-            tcfg.num_streams,
+            self.streams,
             tcfg.batch_size,
             tcfg.seed,
             origin,
@@ -254,9 +271,13 @@ class Coordinator:
         self.targets, self.groups = [], []
         for team in self.teams:
             team.drafters = []
-        for s in range(tcfg.num_streams):
-            pg = place_stream(tcfg, s, bundles, "actors")
-            self.groups.append(pg)
+        # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
+        self.groups = elastic.place_streams(tcfg, bundles)
+        self.streams = n = len(self.groups)
+        self._schedule_from((0, 0, 0))  # a resume goes on from its checkpoint's position instead
+        # the actors' settings say how many streams there are now (sharding, the process group)
+        tcfg = dataclasses.replace(tcfg, num_streams=n)
+        for s, pg in enumerate(self.groups):
 
             def at(index: int, role: str) -> dict:
                 gpus = bundles[index].get("GPU", 0)
@@ -278,9 +299,9 @@ class Coordinator:
                         self.layer_ids,
                         team.drafter_cfg_json,
                         team.init,
-                        team.cfg.train,
+                        dataclasses.replace(team.cfg.train, num_streams=n),
                         s,
-                        tcfg.num_streams,
+                        n,
                     )
                 )
                 continue
@@ -293,33 +314,73 @@ class Coordinator:
                     drafter_actor(DrafterWorker)
                     .options(**at(1 + i, role))
                     .remote(
-                        self.target, team.drafter_cfg_json, team.init, team.cfg.train, s, tcfg.num_streams, team.pick
+                        self.target,
+                        team.drafter_cfg_json,
+                        team.init,
+                        dataclasses.replace(team.cfg.train, num_streams=n),
+                        s,
+                        n,
+                        team.pick,
                     )
                 )
-        self.stream_nodes.update(ray.get([a.__ray_call__.remote(_node) for a in self.targets + self.all_drafters]))
+        # actors load their weights in their constructors: the start-up's deadline allows for it
+        starting = self.deadlines.floor_s + tcfg.placement_timeout_s
+        actors = self.targets + self.all_drafters
+        self.stream_nodes.update(
+            self._wait([a.__ray_call__.remote(_node) for a in actors], self._names(actors), "start-up", starting)
+        )
         # a hybrid target on its GPU without its fast kernels: refused now, not found slow in hour five
-        missing = first_error([a.kernels.remote() for a in (self.all_drafters if tcfg.colocate else self.targets)])
+        probed = self.all_drafters if tcfg.colocate else self.targets
+        missing = self._wait([a.kernels.remote() for a in probed], self._names(probed), "the kernel check")
         self.slow_kernels = sorted({k for m in missing for k in m})
         if self.direct:  # one process group of every stream actor: features by send/recv
             # target 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
-            rendezvous = ray.get(self.targets[0].__ray_call__.remote(_rendezvous))
+            rendezvous = ray.get(self.targets[0].__ray_call__.remote(_rendezvous), timeout=self.deadlines.limit())
             layout = self.layout
-            first_error(
+            self._wait(
                 [t.join_run.remote(*rendezvous, s, layout) for s, t in enumerate(self.targets)]
                 + [
                     d.join_run.remote(*rendezvous, i, layout)
                     for i, team in enumerate(self.teams)
                     for d in team.drafters
-                ]
+                ],
+                self._names(self.targets + self.all_drafters),
+                "joining the run's process group",
             )
             for team in self.teams:
                 team.rendezvous = rendezvous
         else:
             for team in self.teams:  # each drafter's ranks form a process group of their own
                 # rank 0 hosts the group's store: its own node's address, a port free there (as Ray Train does)
-                team.rendezvous = ray.get(team.drafters[0].__ray_call__.remote(_rendezvous))
-                first_error([d.init_group.remote(*team.rendezvous) for d in team.drafters])
+                team.rendezvous = ray.get(
+                    team.drafters[0].__ray_call__.remote(_rendezvous), timeout=self.deadlines.limit()
+                )
+                self._wait(
+                    [d.init_group.remote(*team.rendezvous) for d in team.drafters],
+                    self._names(team.drafters),
+                    "joining the drafters' process group",
+                )
         ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
+
+    def _names(self, actors: list) -> list[str]:
+        """What the log and the metrics call each of these actors: its role and stream."""
+        names = {a: f"target {s}" for s, a in enumerate(self.targets)}
+        for team in self.teams:
+            role = "stream" if self.cfg.train.colocate else f"drafter {team.name}".strip()
+            names.update({a: f"{role} {s}" for s, a in enumerate(team.drafters)})
+        return [names.get(a, "actor") for a in actors]
+
+    def _wait(self, refs: list, names: list[str], what: str, limit_s: float | None = None, watch=None) -> list:
+        """The calls' results under a deadline (`deadlines`): an error as soon as it is known, and an
+        actor past the deadline named (a log line and the `dflash_train_stalls` counter)."""
+        try:
+            return self.deadlines.wait(refs, names, what, limit_s, watch)
+        except Stalled as e:
+            from ray.util.metrics import Counter
+
+            counter = Counter("dflash_train_stalls", description="actors that missed a deadline", tag_keys=("run",))
+            counter.inc(len(e.late), tags={"run": self.run_name})
+            raise
 
     @property
     def direct(self) -> bool:
@@ -329,7 +390,7 @@ class Coordinator:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.train.num_streams, len(self.teams))
+        return Layout(self.streams, len(self.teams))
 
     @property
     def all_drafters(self) -> list:
@@ -396,7 +457,11 @@ class Coordinator:
                     file=self.output,
                 )
             try:
-                first_error([d.load_checkpoint.remote(team.output, step) for team in self.teams for d in team.drafters])
+                self._wait(
+                    [d.load_checkpoint.remote(team.output, step) for team in self.teams for d in team.drafters],
+                    self._names(self.all_drafters),
+                    f"loading checkpoint {step}",
+                )
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, checkpoint.CorruptCheckpoint):
                     raise
@@ -412,9 +477,17 @@ class Coordinator:
             self._schedule_from((step, *state["position"]))
             ray.get([d.set_total_steps.remote(self.total_steps) for d in self.all_drafters])
             for team, team_state in zip(self.teams, states):  # row k: the k-th step, done
-                team.metrics = [m for m in team_state.get("metrics", []) if m["step"] <= self.step]
+                history.drop_after(team.output, step)  # the steps past it are taken again
+                # a checkpoint older than the run's history carried its rows in its state
+                team.metrics = history.read(team.output, step) or [
+                    m for m in team_state.get("metrics", []) if m["step"] <= step
+                ]
+                team.appended = step
                 team.heldout_start = team_state.get("heldout_start")
             return
+        for team in self.teams:  # no checkpoint: the run starts over, and its history with it
+            history.drop_after(team.output, 0)
+            team.appended = 0
         if rejected:
             raise DFlashError(
                 f"no checkpoint verifies ({'; '.join(rejected)}): resuming would start over; delete "
@@ -428,16 +501,18 @@ class Coordinator:
         writes it in the background while training goes on (`shards`); the run state is taken now,
         and the manifest written (`_commit`) once every rank's files are. One checkpoint is in flight
         at a time."""
-        import ray
 
         self._commit(wait=True)
         for team in self.teams:  # a manifest of an earlier run at this step no longer counts
             checkpoint.begin(team.output, self.step)
-        first_error(
-            [d.write_checkpoint_files.remote(team.output, self.step) for team in self.teams for d in team.drafters]
+        self.checkpointed_at, self.checkpoint_step = time.monotonic(), self.step
+        self._wait(
+            [d.write_checkpoint_files.remote(team.output, self.step) for team in self.teams for d in team.drafters],
+            self._names(self.all_drafters),
+            f"checkpoint {self.step}",
         )
-        rngs = ray.get([d.rng_state.remote() for d in self.all_drafters])
-        n = self.cfg.train.num_streams
+        rngs = self._wait([d.rng_state.remote() for d in self.all_drafters], self._names(self.all_drafters), "rng")
+        n = self.streams
         assert self.schedule is not None  # `_plan` ran
         self.uploading = (
             self.step,
@@ -449,7 +524,7 @@ class Coordinator:
                     "position": list(self.schedule.position(self.step)),  # where the data stands, for any stream count
                     "length_group": self.length_group,
                     "rng": [r.hex() for r in rngs[i * n : (i + 1) * n]],
-                    "metrics": list(team.metrics),
+                    "streams": n,
                     "heldout_start": team.heldout_start,  # what learning is measured against, after a resume too
                     "config": self.cfg.to_dict(),
                     "target": self.target,
@@ -465,14 +540,19 @@ class Coordinator:
         with `wait`): the run state, then the manifest, last; then rotate."""
         if self.uploading is None:
             return
-        written = first_error([d.upload_entries.remote(wait) for d in self.all_drafters])
+        written = self._wait(
+            [d.upload_entries.remote(wait) for d in self.all_drafters],
+            self._names(self.all_drafters),
+            "a checkpoint's upload",
+            self.deadlines.limit(self.cfg.train.checkpoint_every) if wait else None,
+        )
         if any(entries is None for entries in written):
             return
         self._commit_entries(written)
 
     def _commit_entries(self, written: list[dict[str, dict]]) -> None:
         """Commit the checkpoint in flight with every drafter rank's manifest entries."""
-        n = self.cfg.train.num_streams  # every rank of every drafter writes its own shard
+        n = self.streams  # every rank of every drafter writes its own shard
         assert self.uploading is not None  # a checkpoint is in flight
         step, states = self.uploading
         for i, (team, state) in enumerate(zip(self.teams, states)):
@@ -480,9 +560,9 @@ class Coordinator:
             entries["state.json"] = checkpoint.write_file(team.output, step, "state.json", json.dumps(state).encode())
             checkpoint.commit(team.output, step, entries, {"step": step})
             checkpoint.rotate(team.output, self.cfg.train.keep_checkpoints, upto=step)
-            storage.write_text(
-                storage.join(team.output, "metrics.jsonl"), "".join(json.dumps(m) + "\n" for m in state["metrics"])
-            )
+            # the rows since the last commit, appended (`history`): never the whole run again
+            history.append(team.output, [m for m in team.metrics if team.appended < m["step"] <= step], step)
+            team.appended = step
         self.uploading = None
         self.trackers.sync()
 
@@ -509,37 +589,40 @@ class Coordinator:
     def _evaluate(self) -> list[float | None]:
         """Simulated tau of each drafter on the held-out samples, their batches spread over every
         stream (a drafter's ranks hold the same weights, and each batch's anchors come from a fixed
-        seed): no stream idles, and each batch's features are computed once for all the drafters."""
-        import ray
-
-        if not self.heldout:
+        seed): no stream idles, and each batch's features are computed once for all the drafters.
+        In waves (`evaluation`): a target posts a wave's sends only once its drafters took the last
+        wave's, so no send waits long for its receive (NCCL's watchdog counts from the post)."""
+        if not self.heldout_batches:
             return [None] * len(self.teams)
-        bs, n = self.cfg.train.batch_size, self.cfg.train.num_streams
-        batches = [self.heldout[i : i + bs] for i in range(0, len(self.heldout), bs)]
-        counted = len(batches)
-        # every rank runs as many forwards (sharded weights are gathered collectively): the last
-        # round is filled with repeats whose results are dropped
-        batches += [batches[0]] * (-counted % n)
-        if self.cfg.train.colocate:
-            drafters = self.teams[0].drafters
-            per_team = [ray.get([drafters[i % n].evaluate_samples.remote(b) for i, b in enumerate(batches)])]
-        else:  # the training transport: with `handoff`, no training batch is in flight now (`_horizon`)
-            if self.direct:
-                features = [
-                    self.targets[i % n].send_features.remote(
-                        b, [self.layout.drafter(t, i % n) for t in range(len(self.teams))]
-                    )
-                    for i, b in enumerate(batches)
+        n, teams = self.streams, len(self.teams)
+        depth = self.cfg.train.max_in_flight + 1  # training's own window of batches sent ahead
+        taus: list[list[float]] = [[] for _ in self.teams]
+        for k, wave in enumerate(evaluation.waves(self.heldout_batches, n, depth)):
+            what = f"evaluation wave {k + 1} (step {self.step})"
+            limit = self.deadlines.limit(depth)
+            if self.cfg.train.colocate:
+                drafters = self.teams[0].drafters
+                refs = [drafters[s].evaluate_samples.remote(b) for s, b in wave.batches]
+                per_team = [self._wait(refs, self._names([drafters[s] for s, _ in wave.batches]), what, limit)]
+            else:  # the training transport: with `handoff`, no training batch is in flight now (`_horizon`)
+                if self.direct:
+                    features = [
+                        self.targets[s].send_features.remote(b, [self.layout.drafter(t, s) for t in range(teams)])
+                        for s, b in wave.batches
+                    ]
+                else:
+                    features = [self.targets[s].features.remote(b) for s, b in wave.batches]
+                refs = [
+                    team.drafters[s].evaluate.remote(f)
+                    for team in self.teams
+                    for (s, _), f in zip(wave.batches, features)
                 ]
-            else:
-                features = [self.targets[i % n].features.remote(b) for i, b in enumerate(batches)]
-            pending = [[team.drafters[i % n].evaluate.remote(f) for i, f in enumerate(features)] for team in self.teams]
-            per_team = [ray.get(refs) for refs in pending]
-        means = []
-        for taus in per_team:
-            flat = [t for part in taus[:counted] for t in part]
-            means.append(sum(flat) / len(flat) if flat else None)
-        return means
+                actors = [team.drafters[s] for team in self.teams for s, _ in wave.batches]
+                got = self._wait(refs, self._names(actors), what, limit, watch=features if self.direct else None)
+                per_team = [got[i * len(wave.batches) : (i + 1) * len(wave.batches)] for i in range(teams)]
+            for i, results in enumerate(per_team):
+                taus[i] += [t for part, counted in zip(results, wave.counted) if counted for t in part]
+        return [sum(flat) / len(flat) if flat else None for flat in taus]
 
     # -- the loop ---------------------------------------------------------------------------
     def _record(self, team: Team, stats: list[dict[str, float]], wait_s: float, step_s: float) -> None:
@@ -561,6 +644,7 @@ class Coordinator:
             "wait_seconds": wait_s,
             "step_seconds": step_s,
             "tokens_per_s": tokens / max(step_s, 1e-9),
+            "streams": self.streams,
         }
         peaks = [s["peak_flops"] for s in stats]
         if all(peaks):  # the drafters' model FLOPs over what their GPUs could do in the step
@@ -613,7 +697,7 @@ class Coordinator:
         import ray
 
         tcfg = self.cfg.train
-        n = tcfg.num_streams
+        n = self.streams
         ahead: list[dict[int, Any]] = [{} for _ in range(n)]
         assert self.schedule is not None and self.total_steps is not None  # `_plan` ran
 
@@ -623,11 +707,12 @@ class Coordinator:
                 if step < self._horizon() and step not in ahead[s]:
                     batch = self.schedule.batch_for(step, s)
                     trace = self._trace(step, "target", s)
+                    stall = s == min(1, n - 1) and self.restarts == 0 and step + 1 == tcfg.stall_step
                     if self.direct:  # posted to every drafter of the stream; only the shapes come back
                         dsts = [self.layout.drafter(i, s) for i in range(len(self.teams))]
-                        ahead[s][step] = target.send_features.remote(batch, dsts, profile=trace)
+                        ahead[s][step] = target.send_features.remote(batch, dsts, profile=trace, stall=stall)
                     else:
-                        ahead[s][step] = target.features.remote(batch, profile=trace)
+                        ahead[s][step] = target.features.remote(batch, profile=trace, stall=stall)
 
         if tcfg.eval_every and self.step == 0 and self.teams[0].heldout_start is None:
             # the untrained start: what learning is measured against
@@ -637,7 +722,7 @@ class Coordinator:
             start = time.perf_counter()
             if tcfg.colocate:  # each stream computes its own features in place
                 wait_s = 0.0
-                stats = first_error(
+                stats = self._wait(
                     [
                         d.train_samples.remote(
                             self.step,
@@ -646,29 +731,44 @@ class Coordinator:
                             self._trace(self.step, "stream", s),
                         )
                         for s, d in enumerate(self.all_drafters)
-                    ]
+                    ],
+                    self._names(self.all_drafters),
+                    f"step {self.step + 1}",
                 )
             else:
                 for k in range(tcfg.max_in_flight + 1):
                     submit(self.step + k)
                 refs = [ahead[s].pop(self.step) for s in range(n)]
                 ready_at = time.perf_counter()
-                ray.wait(refs, num_returns=len(refs))
+                # a target stuck in its forward or its read is named here, past the deadline
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.deadlines.limit())
+                if len(ready) < len(refs):
+                    late = [self._names(self.targets)[s] for s in range(n) if refs[s] not in ready]
+                    self._wait([r for r in refs if r not in ready], late, f"step {self.step + 1}'s features", 0.0)
                 wait_s = time.perf_counter() - ready_at
                 # each drafter resolves its own stream's features (every drafter of a stream the same
-                # reference): they never pass through here
-                stats = first_error(
+                # reference): they never pass through here. The batches ahead are watched meanwhile: a
+                # target that dies is known now, not when its drafter's receive times out
+                watch = [r for s in range(n) for r in ahead[s].values()] if self.direct else None
+                stats = self._wait(
                     [
                         d.train_step.remote(
                             self.step, refs[s], self._fault(s), self._trace(self.step, "drafter", s, team)
                         )
                         for team in self.teams
                         for s, d in enumerate(team.drafters)
-                    ]
+                    ],
+                    self._names(self.all_drafters),
+                    f"step {self.step + 1}",
+                    watch=watch,
                 )
             self.step += 1
             self._regained()
             step_s = time.perf_counter() - start
+            self.deadlines.observe(step_s)
+            if self.failed_at is not None:  # the first step after a restart: what the restart cost
+                self.restart_seconds.append(round(time.perf_counter() - self.failed_at, 1))
+                self.failed_at = None
             for i, team in enumerate(self.teams):
                 self._record(team, stats[i * n : (i + 1) * n], wait_s, step_s)
             if tcfg.eval_every and (self.step % tcfg.eval_every == 0 or self.step == self.total_steps):
@@ -682,12 +782,14 @@ class Coordinator:
                 self.trackers.log(
                     self.step, {f"{t.name}/{k}": v for t in self.teams for k, v in t.metrics[-1].items() if k != "step"}
                 )
-            if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps:
+            minutes = tcfg.checkpoint_every_minutes
+            due = minutes > 0 and time.monotonic() - self.checkpointed_at >= 60 * minutes
+            if self.step % tcfg.checkpoint_every == 0 or self.step == self.total_steps or due:
                 self._checkpoint()
             else:
                 self._commit(wait=False)  # the checkpoint in flight, as soon as its files are written
             if stop_after_step is not None and self.step >= stop_after_step:
-                if self.step % tcfg.checkpoint_every:
+                if self.checkpoint_step != self.step:
                     self._checkpoint()
                 break
         self._commit(wait=True)
@@ -704,6 +806,7 @@ class Coordinator:
                 try:
                     self._start_actors()
                     self._resume()
+                    self._warm_up()
                     if self.begun_at is None:
                         self.begun_at = self.step
                     if self.restarts:
@@ -711,7 +814,7 @@ class Coordinator:
                     self._regained()
                     self._train(stop_after_step)
                     break
-                except (RayActorError, RayTaskError) as e:
+                except (RayActorError, RayTaskError, Stalled) as e:
                     if self.stopping:
                         raise DFlashError("stopped by the driver") from None
                     if isinstance(e, RayTaskError) and isinstance(e.cause, DFlashError):
@@ -719,8 +822,10 @@ class Coordinator:
                     # an actor died, or a rank raised (out of memory): the others may wait in an
                     # collective; every stream actor is stopped and the run goes on from its checkpoint
                     self.restarts += 1
+                    self.failed_at = self.failed_at or time.perf_counter()
                     self.failures.append(f"step {self.step + 1}: {failure_cause(e)}")
                     self._salvage()
+                    self._note_lost_nodes()
                     if self.lost_since is None:  # a failure while redoing steps: still the first one's loss
                         self.lost_since = (self.step, time.perf_counter())
                     if self.restarts > self.cfg.train.max_restarts:
@@ -733,7 +838,12 @@ class Coordinator:
                     self._stop_actors()
         finally:
             self.trackers.finish()
+        for team in self.teams:  # the run's whole history in one file, once (`history`)
+            history.write_whole(team.output, team.metrics)
         summaries = [self._summary(team) for team in self.teams]
+        steps_fewer = [
+            m["step"] for m in self.metrics if m.get("streams", self.cfg.train.num_streams) < self.cfg.train.num_streams
+        ]
         run = {
             "stage": "train",
             "output": self.output,
@@ -744,6 +854,12 @@ class Coordinator:
             "resumed_from": self.resumed_from,
             "slow_target_kernels": self.slow_kernels,
             "seconds_lost": round(self.seconds_lost, 1),
+            "restart_seconds": self.restart_seconds,
+            "streams": self.streams,
+            "lost_nodes": self.lost_nodes,
+            "steps_on_fewer_streams": len(steps_fewer),
+            "deadlines_missed": self.deadlines.missed,
+            "warm_up": self.warm,
             "coordinator_node": ray.util.get_node_ip_address(),
             "stream_nodes": sorted(self.stream_nodes),
             "seconds": round(time.perf_counter() - started, 1),
@@ -769,6 +885,42 @@ class Coordinator:
             "heldout_tau_start": team.heldout_start,
             "checkpoint": checkpoint.step_dir(team.output, self.step),
         }
+
+    def _warm_up(self) -> None:
+        """Every graph shape of the run met before step 0, on every drafter rank together
+        (`DrafterWorker.warm_up`), with torch's compiled artifacts kept with the run's output so
+        that a restart loads them rather than compiling again."""
+        from dflash_ray.train import compile_cache
+
+        if not self.shapes:
+            return
+        started = time.perf_counter()
+        # a compile a shape (tens of seconds at the real width on a GPU): the floor per 16 of them
+        limit = self.deadlines.floor_s * (1 + len(self.shapes) / 16)
+        done = self._wait(
+            [
+                d.warm_up.remote(self.shapes, compile_cache.uri_for(team.output))
+                for team in self.teams
+                for d in team.drafters
+            ],
+            self._names(self.all_drafters),
+            f"the warm-up of {len(self.shapes)} graph shapes",
+            limit,
+        )
+        self.warm.append(
+            {
+                "shapes": len(self.shapes),
+                "seconds": round(time.perf_counter() - started, 1),
+                "loaded_bytes": max(d["loaded_bytes"] for d in done),
+            }
+        )
+
+    def _note_lost_nodes(self) -> None:
+        """Name the nodes the streams ran on that have left the cluster (once each)."""
+        named = {x["node"] for x in self.lost_nodes}
+        for node in elastic.lost_nodes(self.stream_nodes):
+            if node not in named:
+                self.lost_nodes.append({"node": node, "at_step": self.step + 1})
 
     def stop(self) -> None:
         """Stop the stream actors and free their placement groups now (the driver was interrupted):

@@ -45,11 +45,12 @@ class Layout:
 
 
 def join(
-    backend: str, address: str, port: int, rank: int, layout: Layout, timeout_s: float
+    backend: str, address: str, port: int, rank: int, layout: Layout, timeout_s: float, watchdog_s: float | None = None
 ) -> tuple[list[Any], list[Any]]:
     """Join the run's process group as `rank`, then make every team's subgroups (collective: every
     rank makes all of them, in order): one on the run's backend for training, one over gloo for
-    checkpoints (`shards`). Returns both lists, one group per team each."""
+    checkpoints (`shards`). Returns both lists, one group per team each. `watchdog_s`: the ledger's
+    NCCL watchdog (`p2p`) when it runs on another clock than the CPU's collectives (`train.clocks`)."""
     import torch.distributed as dist
 
     from dflash_ray.train import p2p
@@ -58,7 +59,7 @@ def join(
     dist.init_process_group(
         backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=layout.world, timeout=timeout
     )
-    p2p.start(rank, backend, timeout_s)
+    p2p.start(rank, backend, watchdog_s or timeout_s)
     groups = [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
     return groups, [dist.new_group(layout.team_ranks(t), timeout=timeout, backend="gloo") for t in range(layout.teams)]
 

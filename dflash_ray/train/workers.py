@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ray.config import TrainConfig
+from dflash_ray.train.clocks import Clock
 from dflash_ray.train.devices import actor_placement, wait_compute
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class TargetWorker:
         from dflash_ray.train.feature_cache import FeatureCache
 
         self.cache = FeatureCache(int(cfg.feature_cache_gb * 1024**3))
+        self.clock = Clock(cfg.clocks)  # the GPU's durations, when the run replays them (`train.clocks`)
         self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
 
     def kernels(self) -> list[str]:
@@ -78,28 +80,46 @@ class TargetWorker:
         the stream's drafters."""
         from dflash_ray.train import handoff
 
-        handoff.join(self.place.backend, address, port, layout.target(stream), layout, self.cfg.collective_timeout_s)
+        handoff.join(
+            self.place.backend,
+            address,
+            port,
+            layout.target(stream),
+            layout,
+            self.cfg.collective_timeout_s,
+            self.clock.watchdog_s(self.cfg.collective_timeout_s),
+        )
         handoff.greet([layout.drafter(t, stream) for t in range(layout.teams)], True, self.place.device)
 
-    def send_features(self, samples: list[Sample], dsts: list[int], profile: str | None = None) -> dict[str, Any]:
+    def send_features(
+        self, samples: list[Sample], dsts: list[int], profile: str | None = None, stall: bool = False
+    ) -> dict[str, Any]:
         """The batch's features posted to the drafters at ranks `dsts` (`handoff.send`); returns what
         they allocate to receive them, the target's seconds and the bytes each receives. The sends of
         earlier batches that every receiver has are let go here (their buffers with them)."""
         from dflash_ray.train import handoff
 
         self._sent = [s for s in self._sent if not s.done()]
-        batch = self.features(samples, to_host=False, profile=profile)
+        batch = self.features(samples, to_host=False, profile=profile, stall=stall)
         seconds, read = batch.pop("seconds"), batch.pop("read_bytes")
+        self.clock.transfer(batch["input_ids"].numel())
         sent = handoff.send(batch, dsts)
         self._sent.append(sent)
         return {"meta": sent.meta, "seconds": seconds, "read_bytes": read, "bytes": handoff.nbytes(sent.meta)}
 
-    def features(self, samples: list[Sample], to_host: bool = True, profile: str | None = None) -> dict[str, Any]:
+    def features(
+        self, samples: list[Sample], to_host: bool = True, profile: str | None = None, stall: bool = False
+    ) -> dict[str, Any]:
         """The batch and its features (and with `train.distill`, the target's top-k next-token
         distribution at the response positions); `to_host=False` leaves them on the device.
-        `profile`: where to write a trace of it (`train.profile_steps`)."""
+        `profile`: where to write a trace of it (`train.profile_steps`). `stall`: block forever, as a
+        read from storage that never answers would (`train.stall_step`: the deadlines' drill)."""
         from dflash_ray.train.profile import traced
 
+        if stall:
+            import threading
+
+            threading.Event().wait()
         with traced(profile):
             return self._features_of(samples, to_host)
 
@@ -126,6 +146,7 @@ class TargetWorker:
                     field="loss_mask",
                 )
         ids, mask, attn = pad_batch(rows)
+        self.clock.forward(ids.numel())
         vocab = self.model.get_input_embeddings().num_embeddings
         if ids.numel() and int(ids.max()) >= vocab:  # one reduction a batch; the sample is looked for only then
             self._past_vocabulary(samples, rows, vocab)
@@ -243,6 +264,7 @@ class DrafterWorker:
         # thread: never on the group training's collectives use); None: a lone process
         self.ckpt_group = None
         self.source: int | None = None  # the global rank of this stream's target, when features come by `handoff`
+        self.clock = Clock(cfg.clocks)  # the GPU's durations, when the run replays them (`train.clocks`)
 
     def _autocast(self):
         """bf16 compute over fp32 master weights (the optimizer only ever sees fp32)."""
@@ -274,7 +296,13 @@ class DrafterWorker:
         from dflash_ray.train import handoff
 
         groups, ckpt_groups = handoff.join(
-            self.place.backend, address, port, layout.drafter(team, self.rank), layout, self.cfg.collective_timeout_s
+            self.place.backend,
+            address,
+            port,
+            layout.drafter(team, self.rank),
+            layout,
+            self.cfg.collective_timeout_s,
+            self.clock.watchdog_s(self.cfg.collective_timeout_s),
         )
         self.ckpt_group = ckpt_groups[team]
         self.source = source = layout.target(self.rank)
@@ -332,24 +360,11 @@ class DrafterWorker:
             teacher = batch["target_hidden"].to(device, self.dtype)
         elif self.cfg.distill > 0 and "teacher_ids" in batch:  # distillation's top-k
             teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
-        forward_loss = self.family.forward_loss
-        with self._autocast():
-            out = forward_loss(
-                self.drafter,
-                self.embed,
-                self.head,
-                self._features(batch),
-                batch["input_ids"].to(device),
-                batch["loss_mask"].to(device),
-                num_anchors=self.cfg.num_anchors,
-                generator=self.generator,
-                attention=self.place.attention,
-                gamma=self.cfg.loss_decay,
-                teacher=teacher,
-                distill=self.cfg.distill,
-                length_bucket=self.cfg.length_bucket,
-            )
-        self.opt.zero_grad()
+        # last step's gradients go before this forward, not after it: alive through it they would
+        # add a whole set of gradients to the step's peak
+        self.opt.zero_grad(set_to_none=True)
+        extra = {"gamma": self.cfg.loss_decay, "teacher": teacher, "distill": self.cfg.distill}
+        out = self._forward(batch, self.generator, True, **extra)
         weight = out.loss.weight_sum.detach().float()
         sums = torch.stack([out.loss.loss.detach().float() * weight, weight])
         if self.group is not None:
@@ -365,22 +380,73 @@ class DrafterWorker:
         `handoff` when the run sends its features) and runs the training attention at its padded
         lengths, so an evaluation never needs more memory than a step, nor a new compiled shape."""
         batch = self._received(batch)
+        return self._forward(batch, torch.Generator().manual_seed(self.cfg.seed), False).tau.tolist()
+
+    def _forward(self, batch: dict[str, Any], generator: torch.Generator, grad: bool, **extra: Any):
+        """The family's forward and loss on a batch. Compiled attention (GPU) builds one graph per
+        (batch, padded length, grad mode) on its first use in this process: `warm_up` meets them
+        all before step 0; under `train.clocks` the first use costs the GPU's compile time."""
+        from dflash_ray.drafter.step import bucket_length
+
         device = self.place.device
-        forward_loss = self.family.forward_loss
+        ids = batch["input_ids"]
+        padded = bucket_length(ids.shape[1], self.cfg.length_bucket)
+        self.clock.compile((ids.shape[0], padded, grad))
+        self.clock.step(ids.shape[0] * padded * (1 if grad else 1 / 3))  # no backward: a third of a step
         with self._autocast():
-            out = forward_loss(
+            return self.family.forward_loss(
                 self.drafter,
                 self.embed,
                 self.head,
                 self._features(batch),
-                batch["input_ids"].to(device),
+                ids.to(device),
                 batch["loss_mask"].to(device),
                 num_anchors=self.cfg.num_anchors,
-                generator=torch.Generator().manual_seed(self.cfg.seed),
+                generator=generator,
                 attention=self.place.attention,
                 length_bucket=self.cfg.length_bucket,
+                **extra,
             )
-        return out.tau.tolist()
+
+    def warm_up(self, shapes: list[tuple[int, int, bool]], cache: str | None = None) -> dict[str, Any]:
+        """Meet every graph shape the run will (`shapes`: batch, padded length, grad mode) before
+        step 0, on zero inputs: on GPUs each is compiled now, while the run is still starting, not
+        mid-run where every rank would stall together for it and the sends posted meanwhile age
+        towards NCCL's watchdog. The weights, optimizer and anchor RNG are untouched. `cache`: torch's
+        compiled artifacts of the run (`compile_cache`), loaded first when they exist and saved
+        after (rank 0), so a restart or a resumed run compiles nothing again. Every rank of a drafter
+        calls it with the same shapes (sharded weights are gathered collectively)."""
+        from dflash_ray.train import compile_cache
+
+        start = time.perf_counter()
+        loaded = compile_cache.load(cache) if cache else {}
+        compiles = self.place.attention == "flex" or self.clock.on
+        met = 0
+        generator = torch.Generator().manual_seed(0)
+        for B, S, grad in shapes if compiles else []:
+            hidden = self.drafter.cfg.hidden_size
+            layers = max(self.pick) + 1 if self.pick else len(self.drafter.cfg.target_layer_ids)  # as captured
+            batch = {
+                "input_ids": torch.zeros(B, S, dtype=torch.long),
+                "loss_mask": torch.ones(B, S, dtype=torch.long),
+                "features": torch.zeros(B, S, layers * hidden),
+            }
+            extra: dict[str, Any] = {"gamma": self.cfg.loss_decay}
+            if self.family.wants_target_distribution:
+                extra["teacher"] = torch.zeros(B, S, hidden, device=self.place.device, dtype=self.dtype)
+            with torch.set_grad_enabled(grad):
+                out = self._forward(batch, generator, grad, **extra)
+                if grad:
+                    out.loss.loss.backward()
+            met += 1
+        self.drafter.zero_grad(set_to_none=True)
+        saved = compile_cache.save(cache) if cache and self.rank == 0 and met else {}
+        return {
+            "shapes": met,
+            "seconds": time.perf_counter() - start,
+            "loaded_bytes": loaded.get("loaded_bytes", 0),
+            "saved_bytes": saved.get("saved_bytes", 0),
+        }
 
     def train_step(
         self, step: int, batch: dict[str, Any], fault: bool = False, profile: str | None = None

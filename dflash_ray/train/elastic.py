@@ -1,0 +1,63 @@
+"""Elastic streams: a lost node costs streams, not the run.
+
+`torch.distributed.checkpoint` reshards on load and `Schedule` goes on from where a checkpoint
+stood whatever the number of streams, so a run resumed on fewer streams takes every sample of the
+epoch once. So when a restart cannot place all of `train.num_streams` within
+`train.placement_timeout_s` (a node lost and not yet replaced), it goes on with the streams that
+were placed, down to `train.min_streams`; every restart asks for all of them again, so the run
+grows back once Ray's autoscaler (or a person) returns the capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+from dflash_ray.errors import DFlashError
+
+log = logging.getLogger(__name__)
+
+
+def place_streams(tcfg, bundles: list[dict], what: str = "actors") -> list:
+    """STRICT_PACK placement groups (a stream's bundles on one node) for up to `train.num_streams`
+    streams, all asked for at once and waited for together: those ready within
+    `train.placement_timeout_s`, when at least `train.min_streams` are (the rest are removed);
+    otherwise none, and an error naming the bundles and what the cluster has free."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    wanted = tcfg.num_streams
+    floor = tcfg.min_streams or wanted
+    groups = [placement_group(bundles, strategy="STRICT_PACK") for _ in range(wanted)]
+    refs = [g.ready() for g in groups]
+    ready, _ = ray.wait(refs, num_returns=wanted, timeout=tcfg.placement_timeout_s)
+    placed = [g for g, ref in zip(groups, refs) if ref in ready]
+    if len(placed) < floor:
+        for g in groups:
+            remove_placement_group(g)
+        missing = wanted - len(placed)
+        raise DFlashError(
+            f"{missing} of {wanted} streams' {what} ({bundles}, each stream on one node) were not placed in "
+            f"{tcfg.placement_timeout_s:g} s (at least {floor} must be: train.min_streams): the cluster has "
+            f"{ray.available_resources()} free; other work holds the rest, or the autoscaler cannot add such a node",
+            field="train.placement_timeout_s",
+        )
+    for g in groups:
+        if g not in placed:
+            remove_placement_group(g)
+    if len(placed) < wanted:
+        log.warning(
+            "%d of %d streams placed in %g s: the run goes on with %d (train.min_streams=%d)",
+            len(placed),
+            wanted,
+            tcfg.placement_timeout_s,
+            len(placed),
+            floor,
+        )
+    return placed
+
+
+def lost_nodes(addresses: set[str]) -> list[str]:
+    """Which of the node addresses the run's streams used are no longer alive in the cluster."""
+    import ray
+
+    alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    return sorted(a for a in addresses if a not in alive)
