@@ -25,6 +25,9 @@ One JSON line per check, each with "ok":
 - speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
   target's own greedy output; its acceptance length.
 - ray_free: nothing above imported Ray or vLLM (the GPU machine has neither).
+- compile_cache (with `--compile-cache PATH`, a file or a folder): the compiled artifacts loaded from
+  PATH before the first check and saved there after the last (`dflash_ray.train.compile_cache`), and
+  what was compiled in between: a second start with the same PATH compiles nothing (misses 0).
 
 It runs from a source checkout without installing the project (the GPU machine gets the working tree
 only): `kernels/` is mapped to `dflash_ray.kernels` as the installed package maps it.
@@ -64,6 +67,8 @@ _map_kernels()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from dflash_ray.train import compile_cache  # noqa: E402
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -650,6 +655,48 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     }
 
 
+class _CompileCache:
+    """Compiled artifacts loaded from `path` at once (before any check compiles) and saved back by
+    `finish` (after the last), with what torch compiled in between."""
+
+    def __init__(self, path: str):
+        from dflash_ray import storage
+
+        folder = path.endswith("/") or (not storage.is_s3(path) and storage.local_path(path).is_dir())
+        self.uri = compile_cache.uri_for(path) if folder else path
+        self.before = compile_cache.counts()
+        self.errors: list[str] = []
+        try:
+            self.loaded = compile_cache.load(self.uri)
+        except Exception as e:  # an unreadable cache costs the compiles, not the check
+            self.loaded = {"loaded_bytes": 0, "entries": {}, "seconds": 0.0}
+            self.errors.append(f"load: {type(e).__name__}: {e}"[:1000])
+
+    def finish(self) -> dict:
+        compiled = compile_cache.since(self.before)
+        try:
+            saved = compile_cache.save(self.uri)
+        except Exception as e:
+            saved = {"saved_bytes": 0, "written": False, "entries": {}, "seconds": 0.0}
+            self.errors.append(f"save: {type(e).__name__}: {e}"[:1000])
+        out = {
+            "check": "compile_cache",
+            "ok": not self.errors,
+            "uri": self.uri,
+            "loaded_bytes": self.loaded["loaded_bytes"],
+            "loaded_entries": self.loaded["entries"],
+            "load_seconds": self.loaded["seconds"],
+            "saved_bytes": saved["saved_bytes"],
+            "saved_entries": saved["entries"],
+            "written": saved["written"],
+            "save_seconds": saved["seconds"],
+            **compiled,
+        }
+        if self.errors:
+            out["error"] = "; ".join(self.errors)
+        return out
+
+
 def check_ray_free() -> dict:
     loaded = [m for m in ("ray", "vllm") if m in sys.modules]
     return {"check": "ray_free", "ok": not loaded, "imported": loaded}
@@ -662,6 +709,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the MFU")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks")
     parser.add_argument("--json", action="store_true", help="one JSON line per check (always the case)")
+    parser.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="PATH",
+        help=f"load compiled artifacts from PATH (a file, or a folder holding {compile_cache.COMPILE_CACHE}) before the "
+        "first compile and save them there after the last",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"check": "setup", "ok": False, "error": "no CUDA device: use --device cpu --tiny"}))
@@ -676,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
     }
     print(json.dumps(header), flush=True)
+    cache = _CompileCache(args.compile_cache) if args.compile_cache else None
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         checks = {
@@ -699,6 +754,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result), flush=True)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+    if cache is not None:
+        result = cache.finish()
+        ok = ok and result["ok"]
+        print(json.dumps(result), flush=True)
     return 0 if ok else 1
 
 
