@@ -79,11 +79,14 @@ def calm(ray_cluster, inputs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """A head on 127.0.0.1 (resource `head_node`, no CPUs) and two worker nodes, 127.0.0.2 and
-    127.0.0.3 (`train_node`, room for one stream each): (address, environment for a driver)."""
+    """A head on 127.0.0.1 (resource `head_node`, no CPUs), two worker nodes, 127.0.0.2 and
+    127.0.0.3 (`train_node`, room for one stream each), and a spare one, 127.0.0.4 (no
+    `train_node`), for the drill that runs after the elastic one took a node down: (address,
+    environment for a driver)."""
     from conftest import local_nodes
 
-    with local_nodes([("127.0.0.2", 2, {"train_node": 4}), ("127.0.0.3", 2, {"train_node": 4})]) as cluster:
+    nodes = [("127.0.0.2", 2, {"train_node": 4}), ("127.0.0.3", 2, {"train_node": 4}), ("127.0.0.4", 2, {})]
+    with local_nodes(nodes) as cluster:
         yield cluster
 
 
@@ -176,9 +179,53 @@ def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(t
     assert summary["coordinator_node"] not in workers, summary  # the head (it reports the machine's address)
 
 
+@pytest.mark.timeout(900)
+def test_elastic_streams_a_lost_node_costs_a_stream_not_the_run(three_nodes, target, data, tmp_path):  # noqa: F811
+    """Two streams, one on each training node; one node's raylet is killed while they train. The
+    restart cannot place the second stream (no node left has room for it) and, after
+    train.placement_timeout_s, goes on with one (train.min_streams=1): the run finishes without a
+    person, each training sample taken once an epoch, the summary naming the lost node, the steps
+    run on one stream and the time the loss cost."""
+    address, env = three_nodes
+    out = str(tmp_path / "elastic")
+    settings = SETTINGS + [
+        f"ray.address={address}",
+        "ray.head_resource=head_node",
+        "train.node_resource=train_node",
+        "train.actor_cpus=1",  # a node per stream
+        "train.epochs=6",
+        "train.min_streams=1",
+        "train.placement_timeout_s=15",
+        "train.max_restarts=4",
+        "chaos.faults=[node@8]",
+        "chaos.seed=2",
+    ]
+    args = ["train", "--data", data, "--target", target, "--output", out, "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_ray.cli", *args, *[x for s in settings for x in ("--set", s)]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    drill = summary["chaos"]
+    assert drill["injected"] == 1 and drill["faults"][0]["kind"] == "node", drill
+    lost = drill["faults"][0]["victim"].removeprefix("node ")
+    assert [x["node"] for x in summary["lost_nodes"]] == [lost], summary
+    assert summary["streams"] == 1 and summary["restarts"] >= 1 and summary["steps_on_fewer_streams"] > 0, summary
+    assert summary["seconds_lost"] > 0, summary
+    taken = summary["samples"]  # 16 samples, 6 epochs: each taken 6 times, on two streams or one
+    assert taken["distinct"] == taken["of"] == 16 and taken["min_times"] == taken["max_times"] == 6, taken
+    rows = [json.loads(x) for x in storage.read_text(out + "/metrics.jsonl").splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, summary["step"] + 1))
+    assert {r["streams"] for r in rows} == {1, 2}
+
+
 @pytest.mark.timeout(1200)  # last in this file: it takes a node of the shared cluster down
 def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(three_nodes, inputs, calm, tmp_path):
-    """One worker's raylet is killed while the run uses it, and the run finishes on the other."""
+    """One worker's raylet is killed while the run uses it, and the run finishes on another."""
     address, env = three_nodes
     settings = _settings(tmp_path, inputs) + [
         f"ray.address={address}",
@@ -197,5 +244,5 @@ def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(thre
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     drill = summary["chaos"]
     assert drill["injected"] == drill["recovered"] == 1 and drill["faults"][0]["kind"] == "node", drill
-    assert drill["faults"][0]["victim"] in ("node 127.0.0.2", "node 127.0.0.3"), drill
+    assert drill["faults"][0]["victim"] in ("node 127.0.0.2", "node 127.0.0.3", "node 127.0.0.4"), drill
     _same_as_calm(summary, tmp_path, calm)

@@ -203,6 +203,7 @@ class Coordinator:
         self.warm: list[dict[str, Any]] = []  # each start's warm-up: shapes met before step 0, seconds
         self.checkpointed_at = time.monotonic()
         self.checkpoint_step = -1  # the step of the newest checkpoint taken
+        self.taken: dict[int, list[tuple[str, int]]] = {}  # step -> the samples it trained on, every stream's
         self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
 
     @property
@@ -274,6 +275,7 @@ class Coordinator:
         # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
         self.groups = elastic.place_streams(tcfg, bundles)
         self.streams = n = len(self.groups)
+        self._note_lost_nodes()  # Ray may take seconds to call a node dead: named here if not at the failure
         self._schedule_from((0, 0, 0))  # a resume goes on from its checkpoint's position instead
         # the actors' settings say how many streams there are now (sharding, the process group)
         tcfg = dataclasses.replace(tcfg, num_streams=n)
@@ -472,6 +474,7 @@ class Coordinator:
                     "resuming from step %d; newer checkpoints do not verify: %s", step, "; ".join(rejected)
                 )
             self.step = step
+            self.taken = {k: v for k, v in self.taken.items() if k <= step}  # the steps past it are taken again
             # the data goes on from where it stood, whatever the number of streams that took it there
             self.length_group = state.get("length_group", self.length_group)
             self._schedule_from((step, *state["position"]))
@@ -485,6 +488,7 @@ class Coordinator:
                 team.appended = step
                 team.heldout_start = team_state.get("heldout_start")
             return
+        self.taken = {}
         for team in self.teams:  # no checkpoint: the run starts over, and its history with it
             history.drop_after(team.output, 0)
             team.appended = 0
@@ -762,6 +766,7 @@ class Coordinator:
                     f"step {self.step + 1}",
                     watch=watch,
                 )
+            self.taken[self.step + 1] = [x for s in range(n) for x in self.schedule.batch_for(self.step, s)]
             self.step += 1
             self._regained()
             step_s = time.perf_counter() - start
@@ -860,6 +865,7 @@ class Coordinator:
             "steps_on_fewer_streams": len(steps_fewer),
             "deadlines_missed": self.deadlines.missed,
             "warm_up": self.warm,
+            "samples": self._samples_taken(),
             "coordinator_node": ray.util.get_node_ip_address(),
             "stream_nodes": sorted(self.stream_nodes),
             "seconds": round(time.perf_counter() - started, 1),
@@ -915,6 +921,22 @@ class Coordinator:
             }
         )
 
+    def _samples_taken(self) -> dict[str, int]:
+        """How often each training sample was taken by the steps this coordinator ran (those a
+        restart took again counted once): a run of whole epochs takes each of them `epochs` times,
+        whatever number of streams each step ran on."""
+        import collections
+
+        counts = collections.Counter(x for samples in self.taken.values() for x in samples)
+        return {
+            "steps": len(self.taken),
+            "taken": sum(counts.values()),
+            "distinct": len(counts),
+            "of": len(self.train_samples),
+            "min_times": min(counts.values(), default=0),
+            "max_times": max(counts.values(), default=0),
+        }
+
     def _note_lost_nodes(self) -> None:
         """Name the nodes the streams ran on that have left the cluster (once each)."""
         named = {x["node"] for x in self.lost_nodes}
@@ -938,5 +960,6 @@ class Coordinator:
             "last": self.metrics[-1] if self.metrics else None,
             "rows": self.metrics[since:],
             "count": len(self.metrics),
+            "streams": self.streams,
             "begun_at": self.begun_at,
         }
