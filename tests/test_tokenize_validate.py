@@ -172,3 +172,77 @@ def test_tokenize_refuses_a_dataset_of_another_stage_naming_what_it_holds(tmp_pa
     with pytest.raises(DFlashError, match=says) as e:
         run_tokenize(folder, str(tmp_path / "out"), load_config())
     assert e.value.file == folder
+
+
+def _rendered(tmp_path, rows, name, remask=None):
+    """A tokenized dataset made without Ray: each row rendered by the chat template and masked as
+    `tokenize` does, then `remask(mask)` applied to every mask."""
+    from dflash_ray.data import masking
+    from dflash_ray.registry import load_tokenizer
+
+    tokenizer = load_tokenizer(load_config().tokenize.tokenizer)
+    samples = [masking.render(tokenizer, r) for r in rows]
+    masks = [remask(s.loss_mask) if remask else s.loss_mask for s in samples]
+    table = pa.table(
+        {
+            "input_ids": pa.array([s.input_ids.tolist() for s in samples], pa.list_(pa.int32())),
+            "loss_mask": pa.array([m.tolist() for m in masks], pa.list_(pa.int8())),
+            "id": [r["id"] for r in rows],
+        }
+    )
+    (tmp_path / name).mkdir()
+    pq.write_table(table, tmp_path / name / "part-0.parquet")
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "remask, rule",
+    [(lambda m: 1 - m, "prompt_loss"), (lambda m: np.ones_like(m), "all_loss"), (None, None)],
+    ids=["inverted", "all-ones", "as-tokenized"],
+)
+def test_gate_fails_a_mask_on_the_prompt_and_an_all_loss_mask_naming_the_rule(tmp_path, capsys, remask, rule):
+    from dflash_ray.cli import main
+
+    rng = np.random.default_rng(1)
+    rows = [  # prompts as long and varied as the answers: the distributions alone pass an inverted mask
+        {**r, "messages": [{"role": "user", "content": f"Question {i}: {_long_text(rng, int(rng.integers(40, 90)))}"}]}
+        for i, r in enumerate(healthy_rows(40))
+    ]
+    data = _rendered(tmp_path, rows, "data", remask)
+    code = main(["validate", "--input", data, "--tokenizer", load_config().tokenize.tokenizer, "--json"])
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    if rule is None:  # the mask `tokenize` makes: on the response alone
+        assert code == 0 and summary["passed"], summary["rules"]
+        assert summary["stats"]["prompt_loss_share"] == summary["stats"]["all_loss_share"] == 0
+        return
+    assert code == 3, err
+    assert summary["failed_rules"] == ["prompt_loss"] + (["all_loss"] if rule == "all_loss" else [])
+    assert summary["stats"]["prompt_loss_share"] == 1.0
+    assert f"{rule}: " in err and "whose loss tokens read '<|im_start|>user\\nQuestion 0: " in err
+
+
+def test_prompt_loss_accepts_earlier_answers_and_refuses_a_header_under_the_loss():
+    """A conversation answered turn by turn trains on each answer; a mask shifted onto the header does not pass."""
+    from dflash_ray.data import masking
+    from dflash_ray.data.validate import assistant_header, prompt_loss
+    from dflash_ray.registry import load_tokenizer
+
+    tokenizer = load_tokenizer(load_config().tokenize.tokenizer)
+    record = {
+        **_completion(0, "thinking it over", "second"),
+        "messages": [
+            {"role": "user", "content": "a?"},
+            {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "b?"},
+        ],
+        "regenerate": True,
+    }
+    sample = masking.render(tokenizer, record)
+    header = assistant_header(tokenizer)
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], sample.loss_mask])) == 1)
+    assert len(runs) == 2  # the earlier answer and the response
+    offsets = np.asarray([0, sample.input_ids.size])
+    assert not prompt_loss(sample.input_ids, sample.loss_mask, offsets, header, int(header[0]))[0]
+    shifted = np.concatenate([sample.loss_mask[2:], [0, 0]])  # the loss starts on the assistant header's end
+    assert prompt_loss(sample.input_ids, shifted, offsets, header, int(header[0]))[0]

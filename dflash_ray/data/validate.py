@@ -6,6 +6,13 @@ the whole dataset, computes the distributions that expose such data, decodes sam
 dominant mode and at random, and refuses the dataset when a gate rule (in config) fails. It reads
 any tokenized dataset, this project's or another's (see `dflash_ray.data.tokenized`): only
 `input_ids` and `loss_mask` are needed; per-source figures appear when there is a `source` column.
+
+Distributions do not show where the mask sits: a mask inverted onto the prompt, or one of all ones,
+passes them. So the gate also checks placement, with the tokenizer's chat template: each run of loss
+tokens must start after an assistant header (the first line of the template's generation prompt,
+`<|im_start|>assistant`) that follows the sample's start and the run before, and no loss token may
+be a turn's header; and no sample may be all loss. Such a mask is a fault of the data, never a
+distribution: a single sample fails these rules, and the report decodes it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class _Scan:
     sources: collections.Counter
     source_loss: dict[str, list[np.ndarray]]
     locations: list[tuple[str, int]]  # (file, rows in file), to fetch examples back
+    prompt_loss: np.ndarray  # bool per sample: loss tokens on its prompt (`prompt_loss`)
 
 
 def _offsets_values(column: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +90,59 @@ def _empty_thinking(
     return count
 
 
+def assistant_header(tokenizer) -> np.ndarray | None:
+    """The token ids that open an assistant turn in the tokenizer's chat template: the first line of
+    its generation prompt (`<|im_start|>assistant`); None for a tokenizer without a chat template."""
+    probe = [{"role": "user", "content": "ping"}]
+    try:
+        asked = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
+    except Exception:  # no chat template, or one that refuses the probe (jinja errors share no base class)
+        return None
+    if not isinstance(asked, str) or not asked.startswith(plain) or not asked[len(plain) :].strip():
+        return None
+    ids = tokenizer(asked[len(plain) :].strip().split("\n")[0], add_special_tokens=False)["input_ids"]
+    return np.asarray(ids, dtype=np.int64) if ids else None
+
+
+def prompt_loss(
+    ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, header: np.ndarray | None, turn: int | None
+) -> np.ndarray:
+    """Per sample (bool): whether loss tokens fall on its prompt. A run of loss tokens must start
+    after an assistant `header` that begins at or after the sample's start and the end of the run
+    before; no loss token may be a header's (nor the `turn` token that opens every turn). Without a
+    header (no chat template), only a run at the sample's first token counts."""
+    count = offsets.size - 1
+    n = ids.size
+    if n == 0:
+        return np.zeros(count, dtype=bool)
+    sample = np.repeat(np.arange(count), np.diff(offsets))
+    m = mask.astype(bool)
+    first = np.zeros(n, dtype=bool)
+    first[offsets[:-1][np.diff(offsets) > 0]] = True
+    before = np.roll(m, 1)  # the previous token's mask (a sample's first token is `first` anyway)
+    run = m & (first | ~before)
+    # the latest sample start or end of a run at or before each token: a header must come after it
+    since = np.maximum.accumulate(np.where(first | (~m & before), np.arange(n), -1))
+    bad = m & (ids == turn) if turn is not None else np.zeros(n, dtype=bool)
+    if header is None:
+        bad |= run & first
+    else:
+        size = header.size
+        hit = np.ones(max(n - size + 1, 0), dtype=bool)
+        for i, token in enumerate(header):
+            hit &= ids[i : n - size + 1 + i] == token
+        starts = np.flatnonzero(hit)
+        starts = starts[sample[starts] == sample[starts + size - 1]]  # within one sample
+        opened = np.full(n + 1, -1)
+        opened[starts + size] = starts  # at the token after a header: where it began
+        latest = np.maximum.accumulate(opened)[:n]  # the latest header ended at or before each token
+        bad |= run & (latest < since)
+        for i in range(size):  # a header under the loss
+            bad[starts + i] |= m[starts + i]
+    return np.bincount(sample[bad], minlength=count) > 0
+
+
 def scan(data: TokenizedData, tokenizer) -> _Scan:
     think = tokenizer.convert_tokens_to_ids("<think>") if "<think>" in tokenizer.get_vocab() else -1
     think_end = tokenizer.convert_tokens_to_ids("</think>") if think >= 0 else -1
@@ -90,7 +151,10 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
         for t, i in tokenizer.get_vocab().items()
         if len(t) <= 8 and tokenizer.convert_tokens_to_string([t]).strip() == ""
     }
-    sums, lens, locations = [], [], []
+    header = assistant_header(tokenizer)
+    opener = None if header is None else tokenizer.convert_ids_to_tokens(int(header[0]))
+    turn = int(header[0]) if header is not None and opener in tokenizer.get_added_vocab() else None
+    sums, lens, locations, on_prompt = [], [], [], []
     empty = 0
     sources: collections.Counter[str] = collections.Counter()
     source_loss: dict[str, list[np.ndarray]] = collections.defaultdict(list)
@@ -150,6 +214,7 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
             sums.append(batch_sums)
             lens.append(np.diff(ioffsets))
             empty += _empty_thinking(ivalues, mvalues, moffsets, think, think_end, blank)
+            on_prompt.append(prompt_loss(ivalues, mvalues, moffsets, header, turn))
             if "source" in columns:
                 batch_sources = [str(s) for s in batch.column("source").to_pylist()]
                 sources.update(batch_sources)
@@ -166,6 +231,7 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
         sources,
         source_loss,
         locations,
+        np.concatenate(on_prompt) if on_prompt else np.zeros(0, dtype=bool),
     )
 
 
@@ -215,6 +281,24 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
             gate.max_no_loss_share,
             "<=",
             f"{stats['no_loss_share']:.1%} of samples have no loss token",
+        ),
+    ]
+    rules += [
+        (
+            "prompt_loss",
+            stats["prompt_loss_share"],
+            0.0,
+            "<=",
+            f"{stats['prompt_loss_share']:.1%} of samples have loss tokens on their prompt (before the "
+            "assistant header, or on a turn's header): the mask is inverted or shifted, and training "
+            "would teach the drafter the user's words",
+        ),
+        (
+            "all_loss",
+            stats["all_loss_share"],
+            0.0,
+            "<=",
+            f"{stats['all_loss_share']:.1%} of samples are all loss (every token masked, the prompt's too)",
         ),
     ]
     if stats["empty_thinking_share"] is not None:
@@ -311,6 +395,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"| seq_len mean / median / p90 / max | {s['seq_len']['mean']:.1f} / {s['seq_len']['median']:g}"
         f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
         f"| samples with no loss token | {s['no_loss_share']:.1%} |",
+        f"| samples with loss on their prompt / all loss | {s['prompt_loss_share']:.1%} / {s['all_loss_share']:.1%} |",
         f"| empty thinking blocks | {_share(s['empty_thinking_share'])} |",
         f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |",
         "",
@@ -322,7 +407,10 @@ def markdown(report: dict[str, Any]) -> str:
     for title, key in (
         ("Samples of the dominant loss-mask sum", "dominant_examples"),
         ("Random samples", "random_examples"),
+        ("Samples with loss on their prompt, or all loss", "mask_examples"),
     ):
+        if key == "mask_examples" and not report[key]:
+            continue
         lines += ["", f"## {title}"]
         for ex in report[key]:
             lines += [

@@ -43,6 +43,7 @@ def run_validate(
     values, counts = np.unique(found.loss_sums, return_counts=True)
     order = np.argsort(-counts, kind="stable")[:TOP_VALUES]
     tokens, loss_tokens = int(found.seq_lens.sum()), int(found.loss_sums.sum())
+    all_loss = (found.loss_sums == found.seq_lens) & (found.seq_lens > 0)
     stats = {
         "samples": n,
         "tokens": tokens,
@@ -56,6 +57,8 @@ def run_validate(
         },
         "seq_len": distribution(found.seq_lens),
         "no_loss_share": float((found.loss_sums == 0).mean()),
+        "prompt_loss_share": float(found.prompt_loss.mean()),
+        "all_loss_share": float(all_loss.mean()),
         "empty_thinking_share": (found.empty_thinking / n) if "<think>" in tokenizer.get_vocab() else None,
         "offline_storage_bytes": vcfg.num_feature_layers * vcfg.hidden_size * 2 * tokens,
         "sources": {
@@ -64,6 +67,15 @@ def run_validate(
         },
     }
     rules = gate_rules(stats, vcfg.gate)
+    has_id = "id" in data.columns
+    mask_examples = examples(
+        found, np.flatnonzero(found.prompt_loss | all_loss)[: vcfg.num_examples].tolist(), tokenizer, has_id
+    )
+    for rule in rules:  # a misplaced mask is shown decoded: the prompt's words among the loss tokens
+        flagged = {"prompt_loss": found.prompt_loss, "all_loss": all_loss}.get(rule["rule"])
+        if flagged is not None and flagged.any():
+            ex = examples(found, [int(np.argmax(flagged))], tokenizer, has_id)[0]
+            rule["message"] += f"; e.g. {ex['id']}, whose loss tokens read {ex['response'][:200]!r}"
     rng = np.random.default_rng(vcfg.seed)
     mode = int(values[order[0]])
     dominant = np.flatnonzero(found.loss_sums == mode)[: vcfg.num_examples].tolist()
@@ -78,6 +90,7 @@ def run_validate(
         "stats": stats,
         "dominant_examples": examples(found, dominant, tokenizer, "id" in data.columns),
         "random_examples": examples(found, random_rows, tokenizer, "id" in data.columns),
+        "mask_examples": mask_examples,
     }
     if report_dir:
         storage.write_text(storage.join(report_dir, "report.json"), json.dumps(report, indent=1))
