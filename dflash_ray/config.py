@@ -191,6 +191,9 @@ class GateConfig:
     min_median_response: float = at_least(0, default=32)  # median loss-mask sum must reach this many tokens
     max_no_loss_share: float = within(0, 1, default=0.01)  # share of samples with no loss token at all
     max_empty_thinking_share: float = within(0, 1, default=0.50)  # share of samples whose thinking block is empty
+    # share of samples with loss tokens on their prompt (before the assistant header, or on a turn's header)
+    max_prompt_loss_share: float = within(0, 1, default=0.0)
+    max_all_loss_share: float = within(0, 1, default=0.0)  # share of samples whose every token is under the loss
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -287,7 +287,7 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
         (
             "prompt_loss",
             stats["prompt_loss_share"],
-            0.0,
+            gate.max_prompt_loss_share,
             "<=",
             f"{stats['prompt_loss_share']:.1%} of samples have loss tokens on their prompt (before the "
             "assistant header, or on a turn's header): the mask is inverted or shifted, and training "
@@ -296,7 +296,7 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
         (
             "all_loss",
             stats["all_loss_share"],
-            0.0,
+            gate.max_all_loss_share,
             "<=",
             f"{stats['all_loss_share']:.1%} of samples are all loss (every token masked, the prompt's too)",
         ),
