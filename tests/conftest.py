@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "test_train.py",
     "test_chaos.py",
     "test_train_guards.py",
+    "test_clocks.py",
     "test_vllm_export.py",
     "test_job_submit.py",
     "test_generate_actors.py",
