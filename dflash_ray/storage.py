@@ -8,6 +8,9 @@ S3 endpoint, region and credentials come from the standard AWS environment varia
 (`AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`, `AWS_ACCESS_KEY_ID`, ...) or an instance profile, never
 from config files. Transient S3 errors (throttling, 5xx, dropped connections) are retried with
 exponential backoff by botocore's standard retry mode; `AWS_MAX_ATTEMPTS` sets the number of tries.
+Every try has a deadline: connecting within `DFLASH_RAY_S3_CONNECT_TIMEOUT_S` (default 10 s) and each
+read of an answer within `DFLASH_RAY_S3_READ_TIMEOUT_S` (default 10 s), so an endpoint that accepts
+and never answers is given up on after the tries (8 x 10 s and the backoff: under two minutes).
 Failures a retry cannot fix (no such bucket, access denied, no credentials, an endpoint that does
 not answer), and throttling that outlasts the tries, are raised as `DFlashError` naming the URI and
 what to set; a missing object as `MissingObject`, which is also a `FileNotFoundError`.
@@ -26,6 +29,8 @@ from dflash_ray.errors import DFlashError, MissingObject
 
 S3_PREFIX = "s3://"
 DEFAULT_MAX_ATTEMPTS = 8
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_READ_TIMEOUT_S = 10.0  # per read of an answer (a socket read), not per transfer
 
 
 def is_s3(uri: str) -> bool:
@@ -123,16 +128,42 @@ def parent(uri: str) -> str:
     return str(local_path(uri).parent)
 
 
+def _tries() -> int:
+    raw = os.environ.get("AWS_MAX_ATTEMPTS", str(DEFAULT_MAX_ATTEMPTS))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise DFlashError(f"{raw!r}: allowed: a whole number of tries >= 1", field="AWS_MAX_ATTEMPTS (environment)")
+    return int(raw)
+
+
+def timeouts() -> tuple[float, float]:
+    """The deadlines of one S3 try, in seconds: (connect, each read of an answer), from the environment."""
+    found = []
+    for name, default in (
+        ("DFLASH_RAY_S3_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S),
+        ("DFLASH_RAY_S3_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S),
+    ):
+        raw = os.environ.get(name, str(default))
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise DFlashError(f"{raw!r}: allowed: a number of seconds > 0", field=f"{name} (environment)")
+        found.append(value)
+    return found[0], found[1]
+
+
 @functools.lru_cache(maxsize=None)
 def _s3_client(pid: int):  # keyed by pid: a client must not cross a fork
     import boto3
     from botocore.config import Config
 
-    raw = os.environ.get("AWS_MAX_ATTEMPTS", str(DEFAULT_MAX_ATTEMPTS))
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise DFlashError(f"{raw!r}: allowed: a whole number of tries >= 1", field="AWS_MAX_ATTEMPTS (environment)")
+    connect, read = timeouts()
+    config = Config(
+        retries={"mode": "standard", "total_max_attempts": _tries()}, connect_timeout=connect, read_timeout=read
+    )
     try:
-        return boto3.client("s3", config=Config(retries={"mode": "standard", "total_max_attempts": int(raw)}))
+        return boto3.client("s3", config=config)
     except ValueError as e:  # botocore's check of the environment's endpoint, region and the like
         raise DFlashError(
             f"the S3 client refuses the environment's settings: {e}",
@@ -213,20 +244,30 @@ def _classify(uri: str, action: str, error: Exception) -> Exception | None:
     """The clear error for an S3 failure a retry cannot fix; None for any other."""
     from botocore.exceptions import (
         ClientError,
+        ConnectionClosedError,
         ConnectTimeoutError,
         EndpointConnectionError,
         NoCredentialsError,
         PartialCredentialsError,
         ProxyConnectionError,
+        ReadTimeoutError,
     )
 
     bucket, _ = split_s3(uri)
     if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
         return DFlashError(f"no usable AWS credentials for S3 ({error}): {CREDENTIALS_HINT}", file=uri)
-    if isinstance(error, (EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError)):
+    if isinstance(error, (EndpointConnectionError, ConnectionClosedError, ProxyConnectionError, ReadTimeoutError)):
+        connect, read = timeouts()
+        if isinstance(error, ReadTimeoutError):
+            what = f"no answer within {read:g} s (DFLASH_RAY_S3_READ_TIMEOUT_S)"
+        elif isinstance(error, ConnectTimeoutError):
+            what = f"no connection within {connect:g} s (DFLASH_RAY_S3_CONNECT_TIMEOUT_S)"
+        else:
+            what = f"no connection ({error})"
         return DFlashError(
-            f"the S3 endpoint {_endpoint()} does not answer ({error}): set AWS_ENDPOINT_URL to "
-            "the S3 service's address (unset for AWS itself) and check the network",
+            f"the S3 endpoint {_endpoint()} does not answer: {what} in {_tries()} tries of s3:{action} "
+            "(AWS_MAX_ATTEMPTS); set AWS_ENDPOINT_URL to the S3 service's address (unset for AWS "
+            "itself) and check the network",
             file=uri,
         )
     if not isinstance(error, ClientError):
@@ -247,7 +288,7 @@ def _classify(uri: str, action: str, error: Exception) -> Exception | None:
         return DFlashError(
             f"{_endpoint()} still answered {code} after {tries} tries of s3:{action}: the service is "
             "overloaded or throttling this bucket; raise AWS_MAX_ATTEMPTS (now "
-            f"{os.environ.get('AWS_MAX_ATTEMPTS', DEFAULT_MAX_ATTEMPTS)}) or send fewer requests at "
+            f"{_tries()}) or send fewer requests at "
             "once (fewer generate.generators, a lower tokenize.concurrency)",
             file=uri,
         )
@@ -499,10 +540,10 @@ def arrow_filesystem(uri: str):
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             kwargs["region"] = region
-        retry = pafs.AwsStandardS3RetryStrategy(
-            max_attempts=int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))
-        )
-        return pafs.S3FileSystem(retry_strategy=retry, **kwargs), f"{bucket}/{key}"
+        connect, read = timeouts()
+        retry = pafs.AwsStandardS3RetryStrategy(max_attempts=_tries())
+        fs = pafs.S3FileSystem(retry_strategy=retry, connect_timeout=connect, request_timeout=read, **kwargs)
+        return fs, f"{bucket}/{key}"
     return pafs.LocalFileSystem(), str(local_path(uri).absolute())
 
 

@@ -205,3 +205,36 @@ def test_a_dataset_of_the_wrong_kind_is_refused_before_any_model_or_engine_start
         run_generate(str(tokenized), str(tmp_path / "out"), str(tmp_path / "no-model"), load_config(None, []))
     assert "--prompts" in str(e.value) and "messages" in str(e.value)
     assert time.monotonic() - start < 30 and not (tmp_path / "out").exists()
+
+
+def test_evaluate_skips_prompts_past_the_targets_positions_before_decoding_and_says_so(
+    tmp_path, tiny_qwen3_dir, capsys, caplog
+):
+    """A prompt that with evaluate.max_new_tokens passes the target's max_position_embeddings is
+    measured before anything is decoded, left out, said on stderr and counted in the summary; none
+    left is an error naming the setting."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    short = tmp_path / "short-target"
+    shutil.copytree(tiny_qwen3_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
+    cfg = from_target(AutoConfig.from_pretrained(short), mask_token_id=151660, num_layers=1, num_target_features=3)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "drafter", dtype=torch.float32)
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(
+        "\n".join(json.dumps({"messages": [{"role": "user", "content": q}]}) for q in ("Hello there", "word " * 80))
+    )
+    run_prompts([str(raw)], str(tmp_path / "prompts"), load_config(), progress=False)
+    evaluate = ["evaluate", "--drafter", str(tmp_path / "drafter"), "--target", str(short), "--tokenizer", "qwen3"]
+    evaluate += ["--prompts", str(tmp_path / "prompts"), "--json"]
+    assert main([*evaluate, "--set", "evaluate.max_new_tokens=4", "--set", "evaluate.temperature=0"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["prompts"] == 1 and summary["prompts_skipped"] == 1 and summary["context"] == 48
+    said = caplog.text
+    assert "1 of 2 prompts (up to 89 tokens)" in said and "pass the target's 48 positions" in said, said
+    assert main([*evaluate, "--set", "evaluate.max_new_tokens=40"]) == 2  # the short one no longer fits either
+    summary = json.loads(capsys.readouterr().out)
+    assert "none is left to measure" in summary["error"] and "evaluate.max_new_tokens" in summary["error"]

@@ -295,3 +295,31 @@ def test_a_request_that_breaks_an_engine_step_is_rejected_alone(tiny_qwen3_dir, 
     assert [c["id"] for c in result.completions] == ["p0", "p2"]
     assert [(r["id"], r["kind"]) for r in result.rejects] == [("p1", "engine_error")]
     assert "engine step failed" in result.rejects[0]["reason"] and engine.unfinished() == 0
+
+
+def test_a_prompt_past_the_models_own_positions_is_not_generated_and_an_answer_stops_there(
+    tiny_qwen3_dir, qwen3_tokenizer, tmp_path
+):
+    """generate.max_model_len above the model's positions (transformers would decode past them without
+    a word): a prompt that does not fit them is rejected as prompt_too_long naming them, and an answer
+    stops at the last position, as vLLM's does at max_model_len."""
+    import shutil
+
+    from dflash_ray.generation.engines import HFEngine
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_qwen3_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    cfg = GenerateConfig(backend="transformers", max_tokens=60, max_model_len=8192, temperature=0.0, truncated="keep")
+    engine = HFEngine(str(short), cfg, [config["vocab_size"] - 1])  # a stop token never drawn: answers run to the end
+    gen = ShardGenerator(qwen3_tokenizer, engine, cfg, "tiny", "g0")
+    rows = [
+        {"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": c}], "tools": None, "turn": 0}
+        for i, c in enumerate(["hi", "word " * 60])
+    ]
+    result = gen.run(rows)
+    assert [(r["id"], r["kind"]) for r in result.rejects] == [("p1", "prompt_too_long")]
+    assert "the model has 40 positions (fewer than generate.max_model_len 8192)" in result.rejects[0]["reason"]
+    (done,) = result.completions
+    assert len(done["prompt_token_ids"]) + done["num_output_tokens"] == 40 and done["finish_reason"] == "length"

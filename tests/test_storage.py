@@ -333,3 +333,72 @@ def test_a_manifest_entry_outside_its_folder_is_refused_naming_it(tmp_path, name
     with pytest.raises(DFlashError) as e:
         manifest.dataset_files(folder)
     assert e.value.field == "files[1].name" and e.value.file == uri
+
+
+def test_an_s3_endpoint_that_accepts_and_never_answers_is_named_within_the_deadline(tmp_path, monkeypatch, capsys):
+    """A listener that takes the connection and says nothing: `prompts --output s3://...` gives up
+    after the tries' deadlines, exit 2, naming the endpoint and the URI, with the --json line; the
+    default deadlines and tries end within two minutes."""
+    import json
+    import socket
+    import time
+
+    import boto3
+
+    from dflash_ray.cli import main
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept():
+        while True:
+            try:
+                held.append(listener.accept()[0])  # kept open, never read, never answered
+            except OSError:  # closed at the test's end
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_MAX_ATTEMPTS": "2",
+        "DFLASH_RAY_S3_READ_TIMEOUT_S": "1",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    storage._s3_client.cache_clear()
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    try:
+        start = time.monotonic()
+        code = main(["prompts", "--input", str(inputs), "--output", "s3://quiet/prompts", "--json"])
+        elapsed = time.monotonic() - start
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+        monkeypatch.undo()
+        storage._s3_client.cache_clear()
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 2 and summary["exit_code"] == 2 and elapsed < 20, (code, elapsed)
+    assert f"the S3 endpoint {endpoint} does not answer: no answer within 1 s" in summary["error"], summary
+    assert "s3://quiet/prompts" in summary["error"] and "2 tries" in summary["error"]
+    # the defaults: 8 tries of 10 s each, the backoff between them (50 ms doubling) at most 6.35 s
+    connect, read = storage.timeouts()
+    backoff = sum(min(0.05 * 2**i, 20) for i in range(storage.DEFAULT_MAX_ATTEMPTS - 1))
+    assert storage.DEFAULT_MAX_ATTEMPTS * max(connect, read) + backoff < 120
+
+
+def test_s3_deadlines_in_the_environment_are_checked(monkeypatch):
+    monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "soon")
+    with pytest.raises(DFlashError, match="DFLASH_RAY_S3_READ_TIMEOUT_S"):
+        storage.timeouts()
+    monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "0")
+    with pytest.raises(DFlashError, match="a number of seconds > 0"):
+        storage.timeouts()
+    monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "2.5")
+    assert storage.timeouts() == (storage.DEFAULT_CONNECT_TIMEOUT_S, 2.5)

@@ -383,6 +383,8 @@ class VLLMEngine:
                 raise _start_error(e, engine_log.since(mark), kwargs, cfg) from e
         self.cfg = cfg
         self.capacity = cfg.batch_size  # sequences it runs at once (max_num_seqs)
+        # positions a sequence may take, its prompt included (vLLM refused a max_model_len past the model's)
+        self.context: int | None = self.llm.llm_engine.vllm_config.model_config.max_model_len
         # prompt tokens one step prefills (a longer prefill is split across steps)
         self.token_budget: int | None = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
@@ -448,6 +450,8 @@ class HFEngine:
         self.count = 0
         self.capacity = 1  # one sequence at a time, whole
         self.token_budget: int | None = None
+        # transformers decodes past the model's positions without a word: the answer stops there, as vLLM's does
+        self.context: int | None = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
     def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[str]:
         ids = [str(self.count + i) for i in range(len(prompts))]
@@ -482,7 +486,7 @@ class HFEngine:
             y = self.model.generate(
                 x,
                 attention_mask=torch.ones_like(x),
-                max_new_tokens=c.max_tokens,
+                max_new_tokens=c.max_tokens if self.context is None else min(c.max_tokens, self.context - len(ids)),
                 do_sample=sample,
                 temperature=c.temperature if sample else None,
                 top_p=c.top_p if sample else None,

@@ -76,6 +76,9 @@ class ShardGenerator:
     def __init__(self, tokenizer, engine: Engine, cfg: GenerateConfig, model_name: str, generator_id: str):
         self.tokenizer, self.engine, self.cfg = tokenizer, engine, cfg
         self.model_name, self.generator_id = model_name, generator_id
+        # the positions a prompt and its answer may take: the setting, or the model's own when fewer
+        positions = getattr(engine, "context", None)
+        self.context = min(cfg.max_model_len, positions or cfg.max_model_len)
 
     def render(self, row: dict[str, Any]) -> list[int]:
         tools = json.loads(row["tools"]) if row.get("tools") else None
@@ -91,11 +94,14 @@ class ShardGenerator:
         except Exception as e:  # jinja errors carry no common base class
             raise BadRecord(f"chat template error: {e}", "template_error") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= self.cfg.max_model_len:
-            raise BadRecord(
-                f"prompt has {len(ids)} tokens; the engine's max_model_len is {self.cfg.max_model_len}",
-                "prompt_too_long",
+        if len(ids) >= self.context:
+            limit = (
+                f"generate.max_model_len is {self.cfg.max_model_len}"
+                if self.context == self.cfg.max_model_len
+                else f"the model has {self.context} positions (fewer than generate.max_model_len "
+                f"{self.cfg.max_model_len})"
             )
+            raise BadRecord(f"prompt has {len(ids)} tokens; {limit}: not generated", "prompt_too_long")
         return ids
 
     def run(self, rows: list[dict[str, Any]], heartbeat: Callable[[], None] = lambda: None) -> ShardResult:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,8 @@ from dflash_ray import manifest
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
+
+log = logging.getLogger(__name__)
 
 
 def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
@@ -57,6 +60,43 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
             )
         taus += out.tau.tolist()
     return sum(taus) / len(taus) if taus else None
+
+
+def _within_context(
+    rows: list[dict[str, Any]], tokenizer, ecfg, context: int | None, prompts_uri: str
+) -> tuple[list[tuple[dict[str, Any], list[int]]], list[int]]:
+    """Each row with its prompt's tokens, those whose decoding fits the target's `context` positions
+    (the prompt and `evaluate.max_new_tokens`), and the lengths of those that do not: every prompt is
+    measured before any decoding, and what is left out is said, not decoded for minutes past the
+    positions the target was made for."""
+    kept, skipped = [], []
+    for row in rows:
+        tools = json.loads(row["tools"]) if row.get("tools") else None
+        text = tokenizer.apply_chat_template(
+            row["messages"],
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=ecfg.enable_thinking,
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if context is not None and len(ids) + ecfg.max_new_tokens > context:
+            skipped.append(len(ids))
+        else:
+            kept.append((row, ids))
+    if skipped:
+        what = (
+            f"{len(skipped)} of {len(rows)} prompts (up to {max(skipped)} tokens) with evaluate.max_new_tokens="
+            f"{ecfg.max_new_tokens} pass the target's {context} positions (its max_position_embeddings)"
+        )
+        if not kept:
+            raise DFlashError(
+                f"{what}: none is left to measure; lower evaluate.max_new_tokens or give shorter prompts",
+                file=prompts_uri,
+                field="evaluate.max_new_tokens",
+            )
+        log.warning("%s: skipped, not decoded (the summary's prompts_skipped)", what)
+    return kept, skipped
 
 
 def evaluation_device(setting: str, cuda_available: bool) -> str:
@@ -176,6 +216,8 @@ def run_evaluate(
     num_drafts = drafter.cfg.block_size - families.get(drafter.cfg.family).first_prediction
 
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
+    context = getattr(text_cfg, "max_position_embeddings", None)
+    encoded, skipped = _within_context(rows, tokenizer, ecfg, context, prompts_uri)
     per_source: dict[str, list[int]] = collections.defaultdict(list)
     ngram_per_source: dict[str, list[int]] = collections.defaultdict(list)
     all_steps, sampled_steps, ngram_steps, prompt_ids, references = [], [], [], [], []
@@ -184,16 +226,7 @@ def run_evaluate(
     cache = reference_cache if reference_cache is not None else {}
     spec_s = base_s = 0.0
     tokens = mismatches = 0
-    for row in tqdm(rows, desc="evaluate", unit=" prompts"):
-        tools = json.loads(row["tools"]) if row.get("tools") else None
-        text = tokenizer.apply_chat_template(
-            row["messages"],
-            tools=tools,
-            add_generation_prompt=True,
-            tokenize=False,
-            enable_thinking=ecfg.enable_thinking,
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for row, ids in tqdm(encoded, desc="evaluate", unit=" prompts"):
         prompt_ids.append(ids)
         key = (target_uri, ecfg.max_new_tokens, tuple(ids))
         if key not in cache:
@@ -231,7 +264,10 @@ def run_evaluate(
         "drafter": drafter_uri,
         "target": target_uri,
         "device": device,
-        "prompts": len(rows),
+        "prompts": len(encoded),
+        # prompts whose tokens and evaluate.max_new_tokens pass the target's positions: not decoded
+        "prompts_skipped": len(skipped),
+        "context": context,
         "tokens": tokens,
         "tau": mean(all_steps),
         "verify_steps": len(all_steps),

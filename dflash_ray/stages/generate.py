@@ -423,7 +423,16 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
 
 
 def _nonempty(summary: dict[str, Any], output: str) -> dict[str, Any]:
-    """The summary of a generation that kept some answer; none kept is an error (nothing to train on)."""
+    """The summary of a generation that kept some answer; none kept is an error (nothing to train on).
+    Prompts longer than the target's context were never decoded: said here, and counted."""
+    too_long = summary["rejected_kinds"].get("prompt_too_long", 0)
+    if too_long:
+        log.warning(
+            "%d prompts were longer than the target's context (generate.max_model_len, or the model's positions "
+            "when fewer): not generated; each is in %s with kind prompt_too_long",
+            too_long,
+            storage.join(output, manifest.REJECTED),
+        )
     if summary["completions"] == 0:
         kinds = ", ".join(f"{k}: {v}" for k, v in summary["rejected_kinds"].items()) or "none counted"
         raise DFlashError(
