@@ -472,9 +472,11 @@ class PlanConfig:
     gpu: str = "H200"  # the training and generation nodes' GPU: H100, H200 or B200 (its memory and peaks)
     target_config: str = ""  # the target's config.json (or folder, or a bundled name); "": the run's target
     dataset: str = ""  # a tokenized dataset: its lengths give the steps' straggler ratio
-    # share of the GPU's memory a role's simulated peak may take (the rest:
+    # share of the GPU's memory a role's simulated steady-state peak may take. The simulation is 1.046x
+    # the H200's max_memory_allocated for the code measured (bench.simulate), so a peak needs no
+    # scaling up; the 10% left is what max_memory_allocated does not count: the CUDA context and
+    # NCCL's buffers (1-3 GB) and the caching allocator's fragmentation (reserved over allocated)
     memory_headroom: float = within(0, 1, low_open=True, default=0.9)
-    # the CUDA context, the allocator's fragmentation, kernels' workspaces the simulation does not see)
 
     def check(self) -> None:
         if self.gpu not in PLAN_GPUS:

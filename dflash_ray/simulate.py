@@ -16,11 +16,20 @@ with the memory and FLOPs of the GPU kernel it stands for:
 - AdamW takes its multi-tensor path over a whole drafter, the GPU's default (its temporaries a copy
   of the weights' size), and the per-tensor path over a sharded one: on fake tensors the sharded
   multi-tensor path counts full-size temporaries that the real one (checked on real tensors over a
-  fake group) never holds, while its one shard-sized temporary falls after the backward's peak.
+  fake group) never holds, while its one shard-sized temporary falls after the backward's peak;
+- SDPA on fake CPU tensors is an operator the flop counter has no rule for: a target's attention
+  FLOPs are counted from its layers (causal pairs, or the window of them) when it records none.
 
-Not seen here: allocator fragmentation and the CUDA context (`plan.memory_headroom` leaves room for
-them), the kernels' own efficiency (the step time is counted FLOPs at a utilisation calibrated on
-the one H200 measurement, `bench/RESULTS.md`). No Ray.
+The drafter's step is the steady state, not the first: AdamW makes its two moments at its first
+`step()`, so a first step peaks without them. The simulation makes them as a first step does (a
+zero gradient on every parameter, one `step()`, the gradients freed) before the tracked step, and
+places `zero_grad` where the worker does (`averaged_gradients`: before the forward, so the previous
+step's gradients are freed before the activations grow).
+
+Not seen here: allocator fragmentation, the CUDA context and NCCL's buffers (`plan.memory_headroom`
+leaves room for them; the peak itself is 1.046x the H200's `max_memory_allocated` for the code
+measured, `bench/simulate.py`), the kernels' own efficiency (the step time is counted FLOPs at a
+utilisation calibrated on the one H200 measurement, `bench/RESULTS.md`). No Ray.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -219,6 +228,27 @@ def attention_flops(drafter_cfg, seq_len: int, prompt_len: int, num_anchors: int
     return total
 
 
+def causal_attention_flops(target_config, seq_len: int, num_layers: int | None = None) -> float:
+    """FLOPs of a target's softmax attention over one sequence in a forward through its first
+    `num_layers` layers (all by default): 2 matmuls (4·pairs·heads·dim) over the causal pairs a flash
+    kernel computes, each query seeing the keys before it (the window of them in a sliding layer);
+    linear-attention layers are counted apart."""
+    text = getattr(target_config, "text_config", None) or target_config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    kinds = kinds[:num_layers] if num_layers else kinds
+    S, window = seq_len, getattr(text, "sliding_window", None) or seq_len
+    pairs = {"full_attention": S * (S + 1) / 2}
+    w = min(window, S)  # query i sees min(i + 1, w) keys
+    pairs["sliding_attention"] = w * (w + 1) / 2 + (S - w) * w
+    return sum(4 * pairs[k] * heads * head_dim for k in kinds if k in pairs)
+
+
+def _counter_saw_attention(flops) -> bool:
+    return any("attention" in str(op) and n for op, n in flops.get_flop_counts().get("Global", {}).items())
+
+
 # -- the roles ---------------------------------------------------------------------------------
 
 
@@ -244,10 +274,17 @@ def drafter_step(
     distill: float,
     gamma: float | None,
     length_bucket: int,
+    zero_grad_first: bool = True,
+    after_backward: Callable[[nn.Module], None] | None = None,
 ) -> dict[str, Any]:
-    """One training step of a drafter rank: its family's own forward and loss, the backward, the
-    clipped gradients and AdamW, sharded with FSDP2 over `world` ranks (a fake process group) as a
-    run shards it. Returns memory by category (GB), FLOPs and the simulator's own seconds."""
+    """One steady-state training step of a drafter rank: its family's own forward and loss, the
+    backward, the clipped gradients and AdamW (its moments made by a first step before this one),
+    sharded with FSDP2 over `world` ranks (a fake process group) as a run shards it. Returns memory
+    by category (GB) at the step's peak, FLOPs and the simulator's own seconds.
+
+    `zero_grad_first`: the worker's placement (last step's gradients freed before the forward);
+    False keeps them, zeroed, through the forward, as code that zeroes after the forward does.
+    `after_backward(drafter)`: what that code does with the gradients before clipping them."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
@@ -278,11 +315,17 @@ def drafter_step(
 
             shard(drafter, "cpu", group, torch.bfloat16)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, foreach=group is None)  # see the module's note
+        for p in drafter.parameters():  # the first step's state: AdamW's moments, made at its first step()
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=zero_grad_first)
         tracker = FSDPMemTracker(drafter, opt) if group is not None else MemTracker()
         if group is None:
             tracker.track_external(drafter, opt)
         flops = FlopCounterMode(display=False)
         with tracker, flops:
+            if zero_grad_first:
+                opt.zero_grad(set_to_none=True)  # `averaged_gradients`: before the forward
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = family.forward_loss(
                     drafter,
@@ -299,7 +342,11 @@ def drafter_step(
                     distill=distill,
                     length_bucket=length_bucket,
                 )
+            if not zero_grad_first:
+                opt.zero_grad(set_to_none=False)
             out.loss.loss.backward()
+            if after_backward is not None:
+                after_backward(drafter)
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
         memory = _categories(tracker.get_tracker_snapshot("peak"))
@@ -365,9 +412,13 @@ def target_forward(
         with tracker, flops, torch.no_grad():
             target_outputs(model, ids, layer_ids, attention_mask=attn, top_k=top_k, want_BS=want, last_hidden=last)
         memory = _categories(tracker.get_tracker_snapshot("peak"))
+        counted = flops.get_total_flops() + _Counted.flops
+        if not _counter_saw_attention(flops):  # SDPA's CPU operator: no rule in the counter
+            run = None if top_k or last else max(layer_ids) + 1  # the capture stops after its last layer
+            counted += causal_attention_flops(target_config, S, run) * B
     memory["total"] = round(sum(memory.values()), 2)
     return {
         "memory_gb": memory,
-        "flops_per_step": flops.get_total_flops() + _Counted.flops,
+        "flops_per_step": counted,
         "simulated_in_s": round(time.perf_counter() - started, 1),
     }

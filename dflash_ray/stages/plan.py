@@ -27,10 +27,10 @@ from dflash_ray.errors import DFlashError
 from dflash_ray.stages import Stage
 
 # Calibrated on the one H200 run of the GPU check (bench/RESULTS.md, 2026-11-30): the colocated step's
-# FLOPs counted at its shapes (138.2 TFLOP) over its measured target and drafter seconds (0.328 s) on
-# a 989 TFLOP/s peak; its AdamW (the multi-tensor path, 7 passes over 6.9 GB of fp32 weights) over its
-# 0.041 s on 4.8 TB/s.
-COMPUTE_EFFICIENCY = 0.426
+# FLOPs counted at its shapes (138.6 TFLOP, the target's attention included) over its measured target
+# and drafter seconds (0.328 s) on a 989 TFLOP/s peak; its AdamW (the multi-tensor path, 7 passes over
+# 6.9 GB of fp32 weights) over its 0.041 s on 4.8 TB/s.
+COMPUTE_EFFICIENCY = 0.427
 OPTIMIZER_BANDWIDTH_EFFICIENCY = 0.25
 OPTIMIZER_PASSES = 7  # AdamW reads the weight, gradient and both moments and writes three of them
 ESTIMATOR = (
@@ -186,6 +186,7 @@ def _drafter_step(
     distill: float,
     gamma: float | None,
     bucket: int,
+    zero_grad_first: bool = True,
 ) -> dict:
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.simulate import Sample, drafter_step
@@ -202,11 +203,14 @@ def _drafter_step(
         distill=distill,
         gamma=gamma,
         length_bucket=bucket,
+        zero_grad_first=zero_grad_first,
     )
 
 
-def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
-    """Each GPU role's step at `sample`: memory by category per GPU, FLOPs, and seconds on `plan.gpu`."""
+def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> dict[str, dict]:
+    """Each GPU role's step at `sample`: memory by category per GPU at the drafters' steady-state
+    peak, FLOPs, and seconds on `plan.gpu`. `zero_grad_first`: where the drafter's step frees last
+    step's gradients (`simulate.drafter_step`)."""
     import torch
 
     from dflash_ray.drafter import families
@@ -249,6 +253,7 @@ def simulate_roles(cfg: RunConfig, hf, sample) -> dict[str, dict]:
             t.distill,
             t.loss_decay,
             t.length_bucket,
+            zero_grad_first,
         )
         shard_gb = step["parameters"] * 4 / t.num_streams / 1e9
         role = {
