@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import atexit
+import json
+import logging
 import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
 
 from dflash_ray.config import RayConfig
 from dflash_ray.errors import DFlashError
 
+log = logging.getLogger(__name__)
 
-def connect(cfg: RayConfig, *, existing: bool = False) -> None:
+
+def connect(cfg: RayConfig, *, existing: bool = False, holds: Callable[[], bool] | None = None) -> None:
     """Join the cluster named by config or `RAY_ADDRESS` (as under `ray job submit`), else start a
-    local one (`existing`: else join the one running on this machine). A driver that already called
-    `ray.init` keeps its cluster."""
+    local one (`existing`: else join one running on this machine, `holds`: the first where it says
+    yes; see `join_running`). A driver that already called `ray.init` keeps its cluster."""
     import ray
 
     if ray.is_initialized():
@@ -22,16 +31,94 @@ def connect(cfg: RayConfig, *, existing: bool = False) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     if existing:
-        try:
-            ray.init(address="auto", log_to_driver=False)
-        except ConnectionError:
-            raise DFlashError(
-                "no Ray cluster is running here; set ray.address or RAY_ADDRESS", field="ray.address"
-            ) from None
+        looked = join_running(holds)
+        if not looked:
+            raise DFlashError("no Ray cluster is running here; set ray.address or RAY_ADDRESS", field="ray.address")
         return
     start_local(
         num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory, include_dashboard=cfg.include_dashboard
     )
+
+
+def join_running(holds: Callable[[], bool] | None = None, within_s: float = 5.0) -> list[str]:
+    """Join a cluster running on this machine: those the local starts recorded (`start_local`,
+    newest first), then the one Ray itself finds (`ray start`'s). With `holds`, each is joined in
+    turn until `holds()` says yes; without, the first that answers. Returns the addresses looked at,
+    connected to the last of them when it holds (or no `holds` was given), to none otherwise. Every
+    wait is bounded: an address that takes no connection within `within_s` is passed over."""
+    import ray
+
+    looked: list[str] = []
+    candidates = [(r["address"], r.get("auth")) for r in local_clusters()]
+    found = _ray_found()
+    if found is not None and found not in [a for a, _ in candidates]:
+        candidates.append((found, None))
+    for address, auth in candidates:
+        if not _answers(address, within_s):
+            continue
+        looked.append(address)
+        if _is_loopback(address):
+            _join_loopback(address, auth)
+        else:
+            ray.init(address=address, log_to_driver=False)
+        if holds is None or holds():
+            return looked
+        ray.shutdown()
+    return looked
+
+
+def _ray_found() -> str | None:
+    """The cluster `ray.init(address="auto")` would join: `ray start`'s recorded address, else any GCS
+    Ray finds running here; None when there is none."""
+    from ray._private import services
+
+    try:
+        return services.get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        return None
+
+
+def _answers(address: str, within_s: float) -> bool:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=within_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _join_loopback(address: str, auth: str | None) -> None:
+    """Join a cluster listening on the loopback address as a driver on it: Ray would otherwise turn
+    127.0.0.1 into the machine's outward address and wait for a GCS there without end (the same
+    switch as `start_local`). A cluster Ray started with token authentication is joined with the
+    token Ray saved for it, as its own "auto" does."""
+    import ray
+    from ray._private import ray_constants
+
+    if auth == "token":
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address=address, _node_ip_address=LOCAL_ADDRESS, log_to_driver=False)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
 
 
 def check_reachable(address: str, setting: str, within_s: float = 20.0) -> None:
@@ -77,7 +164,9 @@ LOCAL_ADDRESS = "127.0.0.1"
 
 def start_local(**init_args) -> None:
     """Start a one-machine cluster for this process alone, on the loopback address: its GCS, raylet,
-    workers and agents listen on 127.0.0.1, never on the machine's other interfaces.
+    workers and agents listen on 127.0.0.1, never on the machine's other interfaces. Its address is
+    recorded (`local_clusters`) while this process runs, so that `status`, `scale`, `pause` and
+    `resume` on this machine find it.
 
     Ray 2.60 turns a loopback `_node_ip_address` into the machine's outward address unless
     multi-node clusters are off (its default on macOS and Windows, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`);
@@ -93,3 +182,40 @@ def start_local(**init_args) -> None:
         ray.init(address="local", _node_ip_address=LOCAL_ADDRESS, **init_args)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
+    _record(ray.get_runtime_context().gcs_address)
+
+
+def records_dir() -> Path:
+    """Where the local starts of this user record their clusters' addresses, one file a process."""
+    return Path(tempfile.gettempdir()) / f"dflash-ray-{os.getuid()}" / "clusters"
+
+
+def _record(address: str) -> None:
+    folder = records_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"{os.getpid()}.json"
+        body = {"address": address, "pid": os.getpid(), "started": time.time()}
+        body["auth"] = os.environ.get("RAY_AUTH_MODE")  # "token": Ray turned its token authentication on
+        path.write_text(json.dumps(body))
+    except OSError as e:  # only the control commands lose: the run itself goes on
+        log.warning("could not record the local cluster's address (%s): status and scale will not find it", e)
+        return
+    atexit.register(lambda: path.unlink(missing_ok=True))
+
+
+def local_clusters() -> list[dict]:
+    """The local clusters recorded by processes that still run, newest first (a record of a process
+    that is gone is removed)."""
+    found = []
+    for path in records_dir().glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+            os.kill(int(record["pid"]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append(record)
+    return sorted(found, key=lambda r: -float(r.get("started", 0)))

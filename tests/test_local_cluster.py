@@ -37,3 +37,58 @@ def test_a_local_cluster_binds_to_loopback_only():
     assert result["node"] == result["task"] == "127.0.0.1"
     assert result["listening"], "no listening socket found"
     assert set(result["listening"]) <= {"127.0.0.1", "::ffff:127.0.0.1"}, result["listening"]
+
+
+RUNNING = """
+import sys, ray
+from dflash_ray.cluster import connect
+from dflash_ray.config import GenerateConfig, RayConfig
+from dflash_ray.generation.actors import NAMESPACE, ShardPool
+
+connect(RayConfig(num_cpus=1, include_dashboard=False))  # as a local `generate` starts its cluster
+name = sys.argv[1]
+pool = ShardPool.options(name=name, namespace=NAMESPACE).remote(
+    [{"index": 0, "count": 3}], {}, GenerateConfig(name=name, generators=1), "unused", {}
+)
+ray.get(pool.status.remote())
+print("READY", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_status_and_scale_reach_a_generation_on_the_local_cluster(tmp_path):
+    """During a local generation (its cluster on 127.0.0.1), `status` and `scale` from another process
+    on the machine find its cluster, answer within seconds, and scale it; a name that runs nowhere is
+    said, as quickly; the record of the cluster goes with its process."""
+    import time
+    import uuid
+
+    from dflash_ray.cluster import records_dir
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    run = subprocess.Popen(
+        [sys.executable, "-c", RUNNING, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline().strip() == "READY"
+        record = records_dir() / f"{run.pid}.json"
+        assert json.loads(record.read_text())["address"].startswith("127.0.0.1:")
+
+        def command(*args):
+            start = time.monotonic()
+            done = subprocess.run(
+                [sys.executable, "-m", "dflash_ray.cli", *args, "--json"], capture_output=True, text=True, env=env
+            )
+            return done.returncode, json.loads(done.stdout.strip().splitlines()[-1]), time.monotonic() - start
+
+        code, status, seconds = command("status", "--name", name)
+        assert code == 0 and status["generators_target"] == 1 and status["prompts_total"] == 3, status
+        assert seconds < 30
+        code, scaled, _ = command("scale", "generators", "2", "--name", name)
+        assert code == 0 and scaled["generators_target"] == 2, scaled
+        code, missing, seconds = command("status", "--name", f"{name}-not")
+        assert code == 2 and "is running on this machine" in missing["error"] and seconds < 30, missing
+    finally:
+        run.communicate(timeout=60)
+    assert not record.exists()

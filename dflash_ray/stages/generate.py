@@ -492,13 +492,24 @@ def _pool(cfg: RunConfig):
 
     from dflash_ray.generation.actors import NAMESPACE
 
-    connect(cfg.ray, existing=True)
-    try:
-        return ray.get_actor(cfg.generate.name, namespace=NAMESPACE)
-    except ValueError:
-        raise DFlashError(
-            f"no generation named {cfg.generate.name!r} is running on this cluster", field="generate.name"
-        ) from None
+    def named():
+        try:
+            return ray.get_actor(cfg.generate.name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+
+    # on this machine: the cluster that runs the generation of this name, of those running here
+    connect(cfg.ray, existing=True, holds=lambda: named() is not None)
+    pool = named() if ray.is_initialized() else None
+    if pool is None:
+        where = (
+            "on the cluster at ray.address (or RAY_ADDRESS)"
+            if cfg.ray.address or os.environ.get("RAY_ADDRESS")
+            else "on this machine (the clusters local runs started, and `ray start`'s); set ray.address or "
+            "RAY_ADDRESS for another machine's"
+        )
+        raise DFlashError(f"no generation named {cfg.generate.name!r} is running {where}", field="generate.name")
+    return pool
 
 
 def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
@@ -507,7 +518,7 @@ def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
 
     if n < 0:
         raise DFlashError(f"must be >= 0, got {n}", field="generators")
-    status = ray.get(_pool(cfg).set_target.remote(n))
+    status = ray.get(_pool(cfg).set_target.remote(n), timeout=POOL_TIMEOUT_S)
     return {"stage": "scale", "name": cfg.generate.name, **status}
 
 
@@ -516,7 +527,7 @@ def pause(paused: bool, cfg: RunConfig) -> dict[str, Any]:
     wait, engines loaded) or resume it (`dflash-ray resume`)."""
     import ray
 
-    status = ray.get(_pool(cfg).pause.remote(paused))
+    status = ray.get(_pool(cfg).pause.remote(paused), timeout=POOL_TIMEOUT_S)
     return {"stage": "resume" if not paused else "pause", "name": cfg.generate.name, **status}
 
 
@@ -537,7 +548,7 @@ def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
             "shards_done": len(done),
             **_totals(done),
         }
-    return {"stage": "status", "name": cfg.generate.name, **ray.get(_pool(cfg).status.remote())}
+    return {"stage": "status", "name": cfg.generate.name, **ray.get(_pool(cfg).status.remote(), timeout=POOL_TIMEOUT_S)}
 
 
 def _named(cfg: RunConfig, name: str | None) -> RunConfig:
