@@ -23,7 +23,7 @@ class UsageError(Exception):
     """A command line argparse refuses, raised instead of its exit so `--json` still ends with a summary."""
 
 
-DRILLED = {"pipeline", "demo"}  # the commands `chaos.faults` acts in
+DRILLED = {"pipeline", "demo", "train"}  # the commands `chaos.faults` acts in
 
 
 class _Parser(argparse.ArgumentParser):

@@ -275,6 +275,7 @@ class Coordinator:
         # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
         self.groups = elastic.place_streams(tcfg, bundles)
         self.streams = n = len(self.groups)
+        self.stream_nodes |= elastic.group_nodes(self.groups)
         self._note_lost_nodes()  # Ray may take seconds to call a node dead: named here if not at the failure
         self._schedule_from((0, 0, 0))  # a resume goes on from its checkpoint's position instead
         # the actors' settings say how many streams there are now (sharding, the process group)

@@ -55,6 +55,16 @@ def place_streams(tcfg, bundles: list[dict], what: str = "actors") -> list:
     return placed
 
 
+def group_nodes(groups: list) -> set[str]:
+    """The addresses of the nodes the placement groups' bundles were given: known at placement,
+    before any actor on them answers (a node lost while its actors start is still named)."""
+    import ray
+    from ray.util import placement_group_table
+
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return {address[i] for g in groups for i in placement_group_table(g)["bundles_to_node_id"].values() if i in address}
+
+
 def lost_nodes(addresses: set[str]) -> list[str]:
     """Which of the node addresses the run's streams used are no longer alive in the cluster."""
     import ray
