@@ -57,8 +57,31 @@ def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys, sma
     assert abs(out["generation"]["gpu_hours"] - 1.64e9 / 400 / 3600) < 0.1
     assert abs(out["generation"]["wall_hours"] - out["generation"]["gpu_hours"] / 64) < 0.01
     assert out["training"]["rate_source"].startswith("simulated step")
-    # 1.87B tokens x 5 layers x 5120 x 2 bytes
-    assert out["offline_storage_avoided_tb"] == round(1.87e9 * 5 * 5120 * 2 / 1e12, 1)
+    # 1.87B tokens x the one captured layer (of a 4-layer target) x the target's width (64) x 2 bytes
+    assert out["offline_storage_avoided_tb"] == round(1.87e9 * 1 * 64 * 2 / 1e12, 1)
+    assert out["offline_storage_note"].startswith("captured layers (1) x hidden 64")
+    assert out["target"]["layers"] == 4 and out["target"]["hidden_size"] == 64
+
+
+def test_every_preset_plans_its_own_target_and_a_fallback_says_so():
+    """The presets name their targets, bundled with the project (Qwen3-8B by name or by Hub id);
+    a config naming none plans the seed's target with a warning."""
+    from dflash_ray.config import load_config
+    from dflash_ray.drafter.shape import drafter_config_of
+    from dflash_ray.stages.plan import fallback_warning, target_config, target_summary
+
+    for preset, layers, width in (("qwen3-8b", 36, 4096), ("mix-example", 36, 4096), ("qwen3.6-27b", 64, 5120)):
+        cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"), [])
+        hf, source = target_config(cfg)
+        shape = target_summary(hf, 16.4)
+        assert (shape["layers"], shape["hidden_size"]) == (layers, width) and "bundled" in source
+        assert fallback_warning(cfg) == []
+        drafter_config_of(hf, cfg)  # the preset's drafter builds on its target
+    eight = target_config(load_config(str(ROOT / "configs" / "qwen3-8b.yaml"), []))[0]
+    assert (eight.num_attention_heads, eight.num_key_value_heads, eight.vocab_size) == (32, 8, 151936)
+    bare = load_config(str(ROOT / "configs" / "qwen3-8b.yaml"), ["plan.target_config="])
+    assert target_config(bare)[0].num_hidden_layers == 64
+    assert "falls back to Qwen/Qwen3.6-27B" in fallback_warning(bare)[0]
 
 
 def test_a_measured_training_rate_replaces_the_simulated_one(capsys, small_target):

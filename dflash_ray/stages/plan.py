@@ -38,7 +38,9 @@ ESTIMATOR = (
     f"{OPTIMIZER_PASSES} passes over the rank's fp32 shard at {OPTIMIZER_BANDWIDTH_EFFICIENCY:.0%} of its "
     "memory bandwidth; both shares calibrated on the H200 GPU check of 2026-11-30 (bench/RESULTS.md)"
 )
-BUNDLED_TARGETS = ("qwen3.6-27b",)  # targets a plan needs no copy of: their config.json ships here
+# targets a plan needs no copy of: their config.json ships in dflash_ray/assets/targets, found by
+# the bundled name or by the Hub id (`pipeline.target: Qwen/Qwen3-8B` plans with it offline)
+BUNDLED_TARGETS = {"qwen3.6-27b": "Qwen/Qwen3.6-27B", "qwen3-8b": "Qwen/Qwen3-8B"}
 DEFAULT_TARGET = "qwen3.6-27b"  # the seed workload's target
 
 
@@ -107,11 +109,13 @@ def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
     `plan.target_config` (a bundled name, a config.json or a model folder), else `pipeline.target`,
     else the seed's."""
     source = target or cfg.plan.target_config or cfg.pipeline.target or DEFAULT_TARGET
-    if source in BUNDLED_TARGETS:
+    bundled = next((name for name, hub in BUNDLED_TARGETS.items() if source in (name, hub)), None)
+    if bundled is not None:
         from importlib import resources
 
-        path = resources.files("dflash_ray.assets").joinpath("targets", f"{source}.json")
-        return _config_from_json(path.read_text(), source), f"{source} (bundled config.json)"
+        path = resources.files("dflash_ray.assets").joinpath("targets", f"{bundled}.json")
+        hub = BUNDLED_TARGETS[bundled]
+        return _config_from_json(path.read_text(), bundled), f"{bundled} (bundled config.json of {hub})"
     if source.endswith(".json"):
         return _config_from_json(storage.read_bytes(source).decode(), source), source
     from dflash_ray.drafter.shape import target_config as resolved
@@ -122,6 +126,34 @@ def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
         raise DFlashError(
             f"no model config.json transformers can read: {str(e).splitlines()[0]}", file=source
         ) from None
+
+
+def fallback_warning(cfg: RunConfig, target: str = "") -> list[str]:
+    """The warning a plan gives when nothing names the run's target and it plans the seed's."""
+    if target or cfg.plan.target_config or cfg.pipeline.target:
+        return []
+    hub = BUNDLED_TARGETS[DEFAULT_TARGET]
+    return [
+        f"no plan.target_config or pipeline.target names this run's target: the plan falls back to "
+        f"{hub}'s config (the seed's target), whose memory, time and cost are not your target's; set "
+        f"plan.target_config (a bundled name: {', '.join(BUNDLED_TARGETS)}; a config.json; or a model "
+        "folder)"
+    ]
+
+
+def target_summary(hf, weights_gb: float) -> dict[str, Any]:
+    """The planned target's shape, as its config.json gives it."""
+    text = getattr(hf, "text_config", None) or hf
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    return {
+        "model_type": text.model_type,
+        "layers": text.num_hidden_layers,
+        "attention_layers": kinds.count("full_attention") + kinds.count("sliding_attention"),  # the rest linear
+        "hidden_size": text.hidden_size,
+        "intermediate_size": getattr(text, "intermediate_size", None),
+        "vocab_size": text.vocab_size,
+        "parameters_b": round(weights_gb / 2, 2),  # its bf16 weights
+    }
 
 
 def gpu_of(cfg: RunConfig):
@@ -396,6 +428,7 @@ def straggler_ratios(cfg: RunConfig) -> dict[str, float]:
 
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray.preflight import preflight
+    from dflash_ray.train.drafters import union_layers
 
     warnings = preflight(cfg)  # every check a run of this config makes before it starts
     p, tr, gpu = cfg.plan, cfg.train, gpu_of(cfg)
@@ -403,6 +436,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     if gen_gpus < 1 or train_gpus < 1:
         raise DFlashError("needs at least one GPU for each stage", field="plan.generation_gpus")
     hf, source = target_config(cfg, target)
+    warnings += fallback_warning(cfg, target)
     stragglers = straggler_ratios(cfg) if p.dataset else None  # the dataset read before any simulation
     longest, mean = samples(cfg)
     peak = simulate_roles(cfg, hf, longest)
@@ -444,8 +478,9 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
                 f"{role['step_seconds']:.2f} s of compute: it cannot hide behind it; the step needs "
                 f"{role['collective_gb_per_step'] / role['step_seconds']:.0f} GB/s of bus bandwidth"
             )
-    v = cfg.validate
-    offline = p.train_tokens * v.num_feature_layers * v.hidden_size * 2  # bf16 features of every token
+    features = len(union_layers([list(d.target_layer_ids) for _, _, d in _team_drafters(cfg, hf)])[0])
+    hidden = (getattr(hf, "text_config", None) or hf).hidden_size
+    offline = p.train_tokens * features * hidden * 2  # bf16 features of every token
     roles = {
         name: {
             **role,
@@ -458,6 +493,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         "stage": "plan",
         "cluster": p.cluster or None,
         "target_config": source,
+        "target": target_summary(hf, (peak.get("target") or peak["stream"])["weights_gb"]),
         "gpu": {
             "name": gpu.name,
             "memory_gb": gpu.memory_gb,
@@ -490,7 +526,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
             "wall_hours": round(train_gpu_h / train_gpus, 2),
         },
         "offline_storage_avoided_tb": round(offline / 1e12, 1),
-        "offline_storage_note": f"{v.num_feature_layers} layers x hidden {v.hidden_size} x 2 bytes per token, "
+        "offline_storage_note": f"captured layers ({features}) x hidden {hidden} x 2 bytes per token, "
         "written once and read every epoch",
         "warnings": warnings,
     }
