@@ -572,3 +572,53 @@ def test_a_link_out_of_an_input_folder_is_skipped_and_named(tmp_path, capsys):
     assert summary["records"] == 1 and summary["skipped_files"] == [str(folder / "users.jsonl")]
     assert "users.jsonl" in _error(capsys)
     assert "secret" not in (tmp_path / "out" / "quarantine.jsonl").read_text()
+
+
+def test_dolly_records_keep_their_passage_and_answer(tmp_path):
+    """Dolly's `instruction`/`context`/`response`: the context is the prompt's passage in `prompts`,
+    the response is the answer in `responses`; an instruction record with no answer names the fields."""
+    from dflash_ray.stages.prompts import run_prompts
+
+    dolly = {"instruction": "Who wrote it?", "context": "Hamlet was written by Shakespeare.", "category": "closed_qa"}
+    raw = tmp_path / "dolly.jsonl"
+    raw.write_text(json.dumps({**dolly, "response": "Shakespeare."}) + "\n" + json.dumps(dolly) + "\n")
+    cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}"])
+    run_prompts([str(raw)], str(tmp_path / "prompts"), cfg, progress=False)  # the same prompt twice: one
+    asked = [{"role": "user", "content": "Who wrote it?\n\nHamlet was written by Shakespeare."}]
+    assert [r["messages"] for r in manifest.read_rows(str(tmp_path / "prompts"), ["messages"], 10)] == [asked]
+    summary = run_prompts([str(raw)], str(tmp_path / "answers"), cfg, progress=False, responses=True)
+    assert summary["prompts"] == 1 and summary["quarantine_kinds"] == {"no_response": 1}, summary
+    (row,) = manifest.read_rows(str(tmp_path / "answers"), ["messages", "text"], 10)
+    assert [m["content"] for m in row["messages"]] == [asked[0]["content"]] and row["text"] == "Shakespeare."
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "answers" / "quarantine.jsonl").open()]
+    assert reasons == ["an instruction record with no answer: neither 'output' (Alpaca) nor 'response' (Dolly)"]
+
+
+def test_thinking_tags_are_split_as_templates_make_them_or_quarantined_with_the_reason(tmp_path):
+    """R1's answers close a block their template opened (`...</think>answer`): the part before is the
+    thinking; `<THINK>` is a tag in any case; nested or repeated tags are quarantined, saying so."""
+    from dflash_ray.stages.prompts import run_prompts
+
+    answers = {
+        "q1": "Two is even and prime.\n</think>\n\nTwo.",
+        "q2": "<THINK>Small primes.</THINK>\n\nThree.",
+        "q3": "<think>a<think>b</think>c</think>Five.",
+        "q4": "<think>a</think>Seven.</think>",
+    }
+    raw = tmp_path / "in.jsonl"
+    raw.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            for q, a in answers.items()
+        )
+    )
+    cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}"])
+    summary = run_prompts([str(raw)], str(tmp_path / "out"), cfg, progress=False, responses=True)
+    assert summary["prompts"] == 2 and summary["quarantine_kinds"] == {"ambiguous_thinking": 2}, summary
+    rows = manifest.read_rows(str(tmp_path / "out"), ["reasoning", "text"], 10)
+    assert sorted((r["reasoning"], r["text"]) for r in rows) == [
+        ("Small primes.", "Three."),
+        ("Two is even and prime.", "Two."),
+    ]
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "out" / "quarantine.jsonl").open()]
+    assert "nested, one block inside another" in reasons[0] and "a stray closing tag" in reasons[1], reasons
