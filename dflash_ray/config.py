@@ -194,6 +194,8 @@ class GateConfig:
     # share of samples with loss tokens on their prompt (before the assistant header, or on a turn's header)
     max_prompt_loss_share: float = within(0, 1, default=0.0)
     max_all_loss_share: float = within(0, 1, default=0.0)  # share of samples whose every token is under the loss
+    # share of samples that repeat an earlier one token for token (copies of files or records)
+    max_duplicate_share: float = within(0, 1, default=0.01)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

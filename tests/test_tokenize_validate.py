@@ -246,3 +246,40 @@ def test_prompt_loss_accepts_earlier_answers_and_refuses_a_header_under_the_loss
     assert not prompt_loss(sample.input_ids, sample.loss_mask, offsets, header, int(header[0]))[0]
     shifted = np.concatenate([sample.loss_mask[2:], [0, 0]])  # the loss starts on the assistant header's end
     assert prompt_loss(sample.input_ids, shifted, offsets, header, int(header[0]))[0]
+
+
+def test_tokenize_keeps_each_sample_once_from_a_folder_holding_copies_of_its_shard(ray_cluster, tmp_path):
+    """A completions folder holding three copies of its shard (and a record twice in it): every copy is
+    dropped once tokenized, counted, each named in rejected.jsonl beside the sample it repeats; the
+    copies' files go, and the gate names what tokenize dropped."""
+    rows = healthy_rows(12)
+    rows.append({**rows[0], "id": "again"})  # the same conversation and answer under another id
+    src, out = tmp_path / "completions", str(tmp_path / "tokenized")
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    names = [f"completions-0000{i}.parquet" for i in range(3)]
+    for name in names:
+        storage.write_bytes(str(src / name), buf.getvalue())
+    manifest.write_manifest(str(src), kind="completions", files=[{"name": n, "rows": 13} for n in names], summary={})
+    summary = run_tokenize(str(src), out, load_config(None, ["tokenize.batch_size=8"]))
+    assert summary["rows_in"] == 39 and summary["rows_out"] == 12 and summary["duplicates"] == 27, summary
+    assert summary["rejected_kinds"] == {"duplicate": 27} and summary["files"] == 1
+    rejected = [json.loads(x) for x in storage.read_text(storage.join(out, "rejected.jsonl")).splitlines()]
+    assert rejected[0]["id"] == "again" and "as sample c00000 (tokenized-" in rejected[0]["reason"], rejected[0]
+    assert len(storage.list_files(out, ".parquet")) == 1
+    report = run_validate(out, load_config())
+    assert report["passed"] and report["stats"]["duplicates"] == 0 and report["stats"]["duplicates_dropped"] == 27
+    assert "it dropped 27 here" in next(r["message"] for r in report["rules"] if r["rule"] == "duplicates")
+
+
+def test_the_gate_names_samples_repeated_token_for_token(tmp_path, capsys):
+    from dflash_ray.cli import main
+
+    rows = healthy_rows(30)
+    data = _rendered(tmp_path, rows + [{**r, "id": f"copy-{r['id']}"} for r in rows[:5]], "data")
+    code = main(["validate", "--input", data, "--tokenizer", load_config().tokenize.tokenizer, "--json"])
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert code == 3 and summary["failed_rules"] == ["duplicates"], summary["failed_rules"]
+    assert summary["stats"]["duplicates"] == 5 and "5 samples (14.3%) repeat an earlier one" in err
+    assert "e.g. copy-c00000 repeats c00000" in err

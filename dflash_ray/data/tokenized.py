@@ -15,10 +15,12 @@ the column and the command that makes a tokenized dataset.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -203,3 +205,24 @@ def _num_rows(uri: str) -> int:
     fs, path = storage.arrow_filesystem(uri)
     with fs.open_input_file(path) as f:
         return pq.ParquetFile(f).metadata.num_rows
+
+
+DIGEST_BYTES = 16
+
+
+def sample_digest(input_ids: np.ndarray, loss_mask: np.ndarray) -> bytes:
+    """What a sample is, in 16 bytes: the same tokens under the same mask give the same digest."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h.update(np.asarray(input_ids, dtype=np.int32).tobytes())
+    h.update(b"|")
+    h.update(np.asarray(loss_mask, dtype=np.int8).tobytes())
+    return h.digest()
+
+
+def first_copies(digests: np.ndarray) -> np.ndarray:
+    """For each sample (a row of `digests`, in dataset order), the index of the first sample with its
+    content: itself when it is the first, an earlier one when it is a copy."""
+    if not len(digests):
+        return np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(digests, axis=0, return_index=True, return_inverse=True)
+    return first[inverse.reshape(-1)]

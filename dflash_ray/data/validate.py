@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from dflash_ray import storage
 from dflash_ray.config import GateConfig
-from dflash_ray.data.tokenized import TokenizedData, iter_batches, read_table
+from dflash_ray.data.tokenized import TokenizedData, first_copies, iter_batches, read_table, sample_digest
 from dflash_ray.errors import DFlashError
 
 TOP_VALUES = 5
@@ -44,6 +44,7 @@ class _Scan:
     source_loss: dict[str, list[np.ndarray]]
     locations: list[tuple[str, int]]  # (file, rows in file), to fetch examples back
     prompt_loss: np.ndarray  # bool per sample: loss tokens on its prompt (`prompt_loss`)
+    first_copy: np.ndarray  # per sample, the first sample of the same content (itself when none before)
 
 
 def _offsets_values(column: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +156,7 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
     opener = None if header is None else tokenizer.convert_ids_to_tokens(int(header[0]))
     turn = int(header[0]) if header is not None and opener in tokenizer.get_added_vocab() else None
     sums, lens, locations, on_prompt = [], [], [], []
+    digests: list[bytes] = []
     empty = 0
     sources: collections.Counter[str] = collections.Counter()
     source_loss: dict[str, list[np.ndarray]] = collections.defaultdict(list)
@@ -215,6 +217,10 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
             lens.append(np.diff(ioffsets))
             empty += _empty_thinking(ivalues, mvalues, moffsets, think, think_end, blank)
             on_prompt.append(prompt_loss(ivalues, mvalues, moffsets, header, turn))
+            ids32, mask8 = ivalues.astype(np.int32, copy=False), mvalues.astype(np.int8, copy=False)
+            digests += [
+                sample_digest(ids32[a:b], mask8[a:b]) for a, b in zip(ioffsets[:-1].tolist(), ioffsets[1:].tolist())
+            ]
             if "source" in columns:
                 batch_sources = [str(s) for s in batch.column("source").to_pylist()]
                 sources.update(batch_sources)
@@ -232,6 +238,7 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
         source_loss,
         locations,
         np.concatenate(on_prompt) if on_prompt else np.zeros(0, dtype=bool),
+        first_copies(np.frombuffer(b"".join(digests), dtype=np.uint64).reshape(-1, 2)),
     )
 
 
@@ -299,6 +306,16 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
             gate.max_all_loss_share,
             "<=",
             f"{stats['all_loss_share']:.1%} of samples are all loss (every token masked, the prompt's too)",
+        ),
+        (
+            "duplicates",
+            stats["duplicate_share"],
+            gate.max_duplicate_share,
+            "<=",
+            f"{stats['duplicates']} samples ({stats['duplicate_share']:.1%}) repeat an earlier one token for token "
+            "(copies of files or records): training would weigh them several times; `dflash-ray tokenize` "
+            "keeps each once"
+            + (f" (it dropped {stats['duplicates_dropped']} here)" if stats.get("duplicates_dropped") else ""),
         ),
     ]
     if stats["empty_thinking_share"] is not None:
@@ -396,6 +413,8 @@ def markdown(report: dict[str, Any]) -> str:
         f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
         f"| samples with no loss token | {s['no_loss_share']:.1%} |",
         f"| samples with loss on their prompt / all loss | {s['prompt_loss_share']:.1%} / {s['all_loss_share']:.1%} |",
+        f"| duplicate samples (kept here / dropped by tokenize) | {s['duplicates']:,} / "
+        f"{s.get('duplicates_dropped') or 0:,} |",
         f"| empty thinking blocks | {_share(s['empty_thinking_share'])} |",
         f"| offline hidden-state storage avoided | {_human_bytes(s['offline_storage_bytes'])} |",
         "",

@@ -9,8 +9,11 @@ The `_manifest.json`, written last from those rows, lists exactly this run's fil
 run's leftovers are never read, and a rerun replaces an earlier dataset only once it is complete.
 A bad row never stops the run: rejected rows (malformed JSON, missing or ill-typed fields, over-long
 under `drop`, template errors) go to `rejected.jsonl` with their file, line (row, for Parquet) and
-reason; a file or row group that cannot be read is one entry standing for its rows. Every row in is
-written or rejected (`rows_in` = `rows_out` + `rejected`); a run that writes no sample is an error.
+reason; a file or row group that cannot be read is one entry standing for its rows. A sample whose
+tokens and mask an earlier one has (copies of shards or records) is kept once: the driver finds the
+copies from each unit's digests and writes their files again without them (`duplicate` rejects).
+Every row in is written or rejected (`rows_in` = `rows_out` + `rejected`); a run that writes no
+sample is an error.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data import schema
 from dflash_ray.data.masking import TokenizeBatch
 from dflash_ray.data.records import json_lines
+from dflash_ray.data.tokenized import first_copies, sample_digest
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
 
@@ -70,13 +74,14 @@ class _TokenizeUnit:
         self.output, self.prefix = output, prefix
 
     def __call__(self, unit: dict[str, Any]) -> dict[str, Any]:
-        tables, rejects, cut = [], [], 0
+        tables, rejects, cut, digests = [], [], 0, []
         for rows, where, unreadable in _unit_rows(unit, self.batch_size):
             rejects += unreadable
             columns, batch_rejects = self.tokenize(rows, where)
             tables.append(to_table(columns))
             cut += sum(columns["cut"])
             rejects += batch_rejects
+            digests += [sample_digest(i, m) for i, m in zip(columns["input_ids"], columns["loss_mask"])]
         table = pa.concat_tables(tables) if tables else schema.TOKENIZED.empty_table()
         name = f"{self.prefix}-{int(unit['index']):06d}.parquet"
         sink = io.BytesIO()
@@ -92,7 +97,70 @@ class _TokenizeUnit:
             "tokens_cut": cut,
             "truncated": int(table["truncated"].to_numpy(zero_copy_only=False).sum()),
             "rejects": json.dumps(rejects),
+            "digests": b"".join(digests),  # the samples' contents, for the driver's dedup across files
         }
+
+
+def _drop_duplicates(results: list[dict[str, Any]], output: str) -> list[dict[str, Any]]:
+    """Keep the first of samples with the same content, across every file (a completions folder
+    holding copies of its shards, the same record in two inputs): the copies' files are written
+    again without them (removed when nothing is left), `results` updated; returns the reject
+    entries of the dropped, each naming the sample it copies."""
+    digests = [np.frombuffer(r["digests"], dtype=np.uint64).reshape(-1, 2) for r in results]
+    first = first_copies(np.concatenate(digests) if digests else np.zeros((0, 2), dtype=np.uint64))
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in digests])]).astype(np.int64)
+    if not len(first) or (first == np.arange(len(first))).all():
+        return []
+    names = [r["name"] for r in results]
+    ids: dict[int, str] = {}  # ids of the kept samples that are copied, read back from their files
+
+    def file_of(k: int) -> int:
+        return int(np.searchsorted(starts, k, "right")) - 1
+
+    copied = sorted({int(k) for k in first[first != np.arange(len(first))]})
+    for f in sorted({file_of(k) for k in copied}):
+        column = read_ids(storage.join(output, names[f]))
+        ids.update({k: column[k - starts[f]] for k in copied if file_of(k) == f})
+    rejects, gone = [], set()
+    for f, result in enumerate(results):
+        mine = first[starts[f] : starts[f + 1]]
+        drop = np.flatnonzero(mine != np.arange(starts[f], starts[f + 1]))
+        if not drop.size:
+            continue
+        uri = storage.join(output, result["name"])
+        table = pq.read_table(io.BytesIO(storage.read_bytes(uri)))
+        keep = np.ones(table.num_rows, dtype=bool)
+        keep[drop] = False
+        for k in drop:
+            kept = int(mine[k])
+            rejects.append(
+                {
+                    "id": table["id"][int(k)].as_py(),
+                    "file": uri,
+                    "row": int(k) + 1,
+                    "kind": "duplicate",
+                    "reason": f"the same tokens and loss mask as sample {ids[kept]} "
+                    f"({names[file_of(kept)]} row {kept - starts[file_of(kept)] + 1}): dropped, kept once",
+                }
+            )
+        table = table.filter(pa.array(keep))
+        result["rows"] = table.num_rows
+        result["tokens"] = int(table["seq_len"].to_numpy().sum())
+        result["truncated"] = int(table["truncated"].to_numpy(zero_copy_only=False).sum())
+        if table.num_rows == 0:  # every sample a copy: the file goes
+            storage.delete(uri)
+            gone.add(result["name"])
+            continue
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        storage.write_bytes(uri, sink.getvalue())
+        result.update(manifest.file_entry(sink.getvalue()))
+    results[:] = [r for r in results if r["name"] not in gone]
+    return rejects
+
+
+def read_ids(uri: str) -> list[str]:
+    return pq.read_table(io.BytesIO(storage.read_bytes(uri)), columns=["id"])["id"].to_pylist()
 
 
 def _unreadable(uri: str, reason: str, rows: int, **where: Any) -> dict[str, Any]:
@@ -239,6 +307,9 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
         results = sorted(ds.take_all(), key=lambda r: r["name"])
 
     rejects += [r for res in results for r in json.loads(res["rejects"])]
+    read = {key: sum(int(r[key]) for r in results) for key in ("tokens", "tokens_cut")}
+    duplicates = _drop_duplicates(results, output)
+    rejects += duplicates
     entries = [
         {"name": r["name"], "rows": int(r["rows"]), "bytes": int(r["bytes"]), "sha256": r["sha256"]} for r in results
     ]
@@ -259,11 +330,13 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim) -
         "truncated": sum(int(r["truncated"]) for r in results),
         "tokens": sum(int(r["tokens"]) for r in results),
         "files": len(entries),
+        # samples whose tokens and mask an earlier one has (copies of files or records): kept once
+        "duplicates": len(duplicates),
     }
     # what truncation threw away of what was generated: the cost of a generation length the training
-    # length does not keep (config.check_lengths)
-    summary["tokens_cut"] = sum(int(r["tokens_cut"]) for r in results)
-    summary["share_kept"] = round(summary["tokens"] / max(1, summary["tokens"] + summary["tokens_cut"]), 4)
+    # length does not keep (config.check_lengths); of every sample read, copies included
+    summary["tokens_cut"] = read["tokens_cut"]
+    summary["share_kept"] = round(read["tokens"] / max(1, read["tokens"] + read["tokens_cut"]), 4)
     if num_rows_in != num_rows_out + num_rejected:
         raise DFlashError(
             f"{num_rows_in} rows in, {num_rows_out} written and {num_rejected} rejected: rows were lost", file=input_uri

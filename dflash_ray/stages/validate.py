@@ -44,6 +44,7 @@ def run_validate(
     order = np.argsort(-counts, kind="stable")[:TOP_VALUES]
     tokens, loss_tokens = int(found.seq_lens.sum()), int(found.loss_sums.sum())
     all_loss = (found.loss_sums == found.seq_lens) & (found.seq_lens > 0)
+    duplicate = found.first_copy != np.arange(n)
     stats = {
         "samples": n,
         "tokens": tokens,
@@ -59,6 +60,10 @@ def run_validate(
         "no_loss_share": float((found.loss_sums == 0).mean()),
         "prompt_loss_share": float(found.prompt_loss.mean()),
         "all_loss_share": float(all_loss.mean()),
+        "duplicates": int(duplicate.sum()),
+        "duplicate_share": float(duplicate.mean()),
+        # what `tokenize` dropped as copies before this dataset was written, from its manifest
+        "duplicates_dropped": (made_by.get("summary") or {}).get("duplicates"),
         "empty_thinking_share": (found.empty_thinking / n) if "<think>" in tokenizer.get_vocab() else None,
         "offline_storage_bytes": vcfg.num_feature_layers * vcfg.hidden_size * 2 * tokens,
         "sources": {
@@ -76,6 +81,10 @@ def run_validate(
         if flagged is not None and flagged.any():
             ex = examples(found, [int(np.argmax(flagged))], tokenizer, has_id)[0]
             rule["message"] += f"; e.g. {ex['id']}, whose loss tokens read {ex['response'][:200]!r}"
+        if rule["rule"] == "duplicates" and duplicate.any():  # the first copy, and what it copies
+            k = int(np.argmax(duplicate))
+            copy, of = examples(found, [k, int(found.first_copy[k])], tokenizer, has_id)
+            rule["message"] += f"; e.g. {copy['id']} repeats {of['id']}"
     rng = np.random.default_rng(vcfg.seed)
     mode = int(values[order[0]])
     dominant = np.flatnonzero(found.loss_sums == mode)[: vcfg.num_examples].tolist()
