@@ -807,9 +807,19 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     try:
         return _build(RunConfig, data)
     except DFlashError as e:
-        if path and e.file is None:
+        if e.file is not None:
+            raise
+        given = [a for a in overrides if e.field and _touches(a.split("=", 1)[0].strip(), e.field)]
+        if given:  # the command line's, not the file's
+            raise DFlashError(f"{e.message} (given by --set {given[-1]})", field=e.field) from None
+        if path:
             raise DFlashError(str(e), file=path) from None
         raise
+
+
+def _touches(key: str, field: str) -> bool:
+    """Whether an override of `key` sets `field` (or a section holding it, or a field inside it)."""
+    return key == field or field.startswith(f"{key}.") or key.startswith(f"{field}.")
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

@@ -21,7 +21,7 @@ class DFlashError(Exception):
         if field is not None:
             where.append(f"field '{field}'")
         super().__init__(": ".join(where + [message]) if where else message)
-        self.file, self.record, self.field = file, record, field
+        self.message, self.file, self.record, self.field = message, file, record, field
         self.summary: dict = {}
 
     def with_summary(self, summary: dict) -> "DFlashError":

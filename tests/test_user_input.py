@@ -131,6 +131,21 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):
     assert "the key 'lr' is given twice" in _error(capsys)
 
 
+def test_a_bad_set_is_named_as_the_set_not_the_config_file(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n")
+    for given, said in (
+        ("train.max_steps=-1", "field 'train.max_steps': -1 is out of range"),
+        ("train.nope=1", "field 'train.nope': unknown config key"),
+    ):
+        assert main(["plan", "--config", str(path), "--set", given]) == 2
+        error = _error(capsys)
+        assert said in error and f"(given by --set {given})" in error and str(path) not in error, error
+    path.write_text("train:\n  max_steps: -1\n")  # the file's own mistake is still the file's
+    assert main(["plan", "--config", str(path), "--set", "train.lr=0.1"]) == 2
+    assert f"{path}: field 'train.max_steps'" in _error(capsys)
+
+
 @pytest.mark.parametrize(
     "ids, mask, field",
     [
