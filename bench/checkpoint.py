@@ -106,11 +106,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from dflash_ray.train.coordinator import _free_port
+    from dflash_ray.train.streams import free_port
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(_free_port(), args, results), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), args, results), nprocs=2, join=True)
     held = {
         case: statistics.median(max(results[r]["seconds"][case][i] for r in (0, 1)) for i in range(args.iters))
         for case in ("whole_to_rank0", "sharded_async")

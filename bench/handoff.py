@@ -83,12 +83,12 @@ def main() -> None:
 
     import ray
 
-    from dflash_ray.train.coordinator import _free_port
+    from dflash_ray.train.streams import free_port
 
     ray.init(num_cpus=2, object_store_memory=2 * 1024**3, include_dashboard=False, log_to_driver=False)
     target = ray.remote(Target).options(num_cpus=1).remote(args.tokens, args.hidden)
     drafter = ray.remote(Drafter).options(num_cpus=1).remote()
-    port = _free_port()
+    port = free_port()
     ray.get([target.join.remote(port), drafter.join.remote(port)])
     seconds: dict[str, list[float]] = {"object_store": [], "direct": []}
     through_ray = {}

@@ -143,7 +143,7 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     weights after an optimizer step as one process given the whole batch, and each rank holding
     half the optimizer state that process holds."""
 
-    from dflash_ray.train.coordinator import _free_port
+    from dflash_ray.train.streams import free_port
 
     cfg = load_config(None, SETTINGS + ["train.num_anchors=64"])  # every valid position: same anchors
     drafter_json = json.dumps(drafter_config(target, cfg))
@@ -154,7 +154,7 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
 
     actor = ray.remote(DrafterWorker).options(num_cpus=0.5)
     workers = [actor.remote(target, drafter_json, "target", cfg.train, rank, 2) for rank in range(2)]
-    port = _free_port()
+    port = free_port()
     ray.get([w.init_group.remote("127.0.0.1", port) for w in workers])
     ray.get([w.averaged_gradients.remote(batch) for w, batch in zip(workers, (a, b))])
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below run in the actors
@@ -247,7 +247,7 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     the target computed, twice in a row (messages in order), and trains on it."""
     import pickle
 
-    from dflash_ray.train.coordinator import _free_port
+    from dflash_ray.train.streams import free_port
     from dflash_ray.train.handoff import Layout
 
     cfg = load_config(None, SETTINGS + ["train.num_streams=1"])
@@ -260,7 +260,7 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
         .options(num_cpus=0.5)
         .remote(target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
     )
-    port = _free_port()
+    port = free_port()
     ray.get(
         [sender.join_run.remote("127.0.0.1", port, 0, layout), receiver.join_run.remote("127.0.0.1", port, 0, layout)]
     )

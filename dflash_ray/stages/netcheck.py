@@ -26,7 +26,7 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
 
     import dataclasses
 
-    from dflash_ray.train.coordinator import _node, _rendezvous, first_error
+    from dflash_ray.train.streams import first_error, node_of, rendezvous_of
     from dflash_ray.train.elastic import place_streams
     from dflash_ray.train.devices import stream_bundles
     from dflash_ray.train.netprobe import NetProbe, bus_bandwidth, node_pairs
@@ -49,8 +49,8 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
                 )
                 .remote(tcfg, s, n)
             )
-        nodes = ray.get([p.__ray_call__.remote(_node) for p in probes])
-        address, port = ray.get(probes[0].__ray_call__.remote(_rendezvous))
+        nodes = ray.get([p.__ray_call__.remote(node_of) for p in probes])
+        address, port = ray.get(probes[0].__ray_call__.remote(rendezvous_of))
         first_error([p.join.remote(address, port) for p in probes])
         nbytes = int(megabytes * 1e6) // 4 * 4
         pairs = node_pairs(nodes)

@@ -7,14 +7,16 @@ sends waited minutes, past `train.collective_timeout_s`. So an evaluation goes i
 than training's in-flight window (`train.max_in_flight` + 1 batches a stream), the next wave's
 sends posted only once the drafters took the last one's; and the held-out samples are batched in
 order of length, so a wave meets few padded lengths. The run meets all of them, training's and
-evaluation's, before step 0 (`warm_shapes`, `DrafterWorker.warm_up`). No Ray here.
+evaluation's, before step 0 (`warm_shapes`, `DrafterWorker.warm_up`). `evaluate` drives the waves
+on the stream actors it is given; nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-Sample = tuple[str, int]  # (tokenized file URI, row in it)
+from dflash_ray.train.schedule import Sample
 
 
 def bucket(length: int, length_bucket: int) -> int:
@@ -69,3 +71,35 @@ def warm_shapes(
     shapes = {(batch_size, bucket(n, length_bucket), True) for n in train_lengths}
     shapes |= {(len(b), bucket(max(heldout_lengths[s] for s in b), length_bucket), False) for b in heldout_batches}
     return sorted(shapes, key=lambda s: (-s[1], -s[0], not s[2]))
+
+
+def evaluate(streams: Any, batches: list[list[Sample]], depth: int, step: int) -> list[float | None]:
+    """Simulated tau of each drafter of `streams` (`Streams`) on the held-out `batches`, spread over
+    every stream (a drafter's ranks hold the same weights, and each batch's anchors come from a fixed
+    seed), in waves of `depth` batches a stream; each batch's features are computed once for all the
+    drafters. With send/recv features no training batch is in flight now (`Coordinator._horizon`)."""
+    teams = streams.teams
+    if not batches:
+        return [None] * len(teams)
+    taus: list[list[float]] = [[] for _ in teams]
+    for k, wave in enumerate(waves(batches, streams.count, depth)):
+        what = f"evaluation wave {k + 1} (step {step})"
+        limit = streams.deadlines.limit(depth)
+        if streams.cfg.train.colocate:
+            drafters = [teams[0].drafters[s] for s, _ in wave.batches]
+            refs = [d.evaluate_samples.remote(b) for d, (_, b) in zip(drafters, wave.batches)]
+            per_team = [streams.wait(refs, drafters, what, limit)]
+        else:
+            targets = streams.targets
+            if streams.direct:
+                dsts = [[streams.layout.drafter(t, s) for t in range(len(teams))] for s in range(streams.count)]
+                features = [targets[s].send_features.remote(b, dsts[s]) for s, b in wave.batches]
+            else:
+                features = [targets[s].features.remote(b) for s, b in wave.batches]
+            actors = [team.drafters[s] for team in teams for s, _ in wave.batches]
+            refs = [d.evaluate.remote(f) for d, f in zip(actors, features * len(teams))]
+            got = streams.wait(refs, actors, what, limit, watch=features if streams.direct else None)
+            per_team = [got[i * len(wave.batches) : (i + 1) * len(wave.batches)] for i in range(len(teams))]
+        for i, results in enumerate(per_team):
+            taus[i] += [t for part, counted in zip(results, wave.counted) if counted for t in part]
+    return [sum(flat) / len(flat) if flat else None for flat in taus]

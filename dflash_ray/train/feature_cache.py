@@ -11,12 +11,9 @@ a cache too small for the run still serves the samples it holds every epoch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from dflash_ray.train.workers import Sample
+from dflash_ray.train.schedule import Sample
 
 
 class FeatureCache:

@@ -22,6 +22,8 @@ from dflash_ray.errors import DFlashError
 
 RUNS_PER_CHUNK = 32  # runs of about one length shuffled together
 
+Sample = tuple[str, int]  # (tokenized file URI, row in it)
+
 
 class Schedule:
     """Which samples each stream trains on at each step: a seeded permutation per epoch.

@@ -22,11 +22,10 @@ import torch
 from dflash_ray.config import TrainConfig
 from dflash_ray.train.clocks import Clock
 from dflash_ray.train.devices import actor_placement, wait_compute
+from dflash_ray.train.schedule import Sample
 
 if TYPE_CHECKING:
     from dflash_ray.train.checkpoint import Upload
-
-Sample = tuple[str, int]  # (tokenized file URI, row in it)
 
 
 def pad_batch(rows: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

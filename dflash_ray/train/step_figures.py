@@ -1,0 +1,57 @@
+"""One training step's figures: the metric row every stream's statistics make, and the live gauges
+the Ray dashboard shows (`ray.util.metrics`), per run and per drafter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def step_row(step: int, stats: list[dict[str, Any]], wait_s: float, step_s: float, streams: int) -> dict[str, Any]:
+    """The metric row of `step` from each stream's drafter statistics (`DrafterWorker.train_step`)."""
+    tokens = sum(s["tokens"] for s in stats)
+    row = {
+        "step": step,
+        "loss": stats[0]["loss"],
+        "lr": stats[0]["lr"],
+        "grad_norm": stats[0]["grad_norm"],
+        "tau": sum(s["tau"] for s in stats) / len(stats),
+        "acc_k1": sum(s["acc_k1"] for s in stats) / len(stats),
+        "target_seconds": max(s["target_seconds"] for s in stats),
+        "handoff_seconds": max(s["handoff_seconds"] for s in stats),
+        "read_bytes": sum(s["read_bytes"] for s in stats),  # tokenized data the targets read
+        # the longest stream's target tokens over the mean (the step waits for the longest)
+        "straggler_ratio": max(s["tokens"] for s in stats) / max(1e-9, tokens / len(stats)),
+        "drafter_seconds": max(s["drafter_seconds"] for s in stats),
+        "optimizer_seconds": max(s["optimizer_seconds"] for s in stats),
+        "wait_seconds": wait_s,
+        "step_seconds": step_s,
+        "tokens_per_s": tokens / max(step_s, 1e-9),
+        "streams": streams,  # the streams placed for it (`elastic`)
+    }
+    peaks = [s["peak_flops"] for s in stats]
+    if all(peaks):  # the drafters' model FLOPs over what their GPUs could do in the step
+        row["mfu"] = sum(s["flops"] for s in stats) / (step_s * sum(peaks))
+    return row
+
+
+class Gauges:
+    """`dflash_train_<figure>` gauges of one drafter of one run (two runs on one cluster, and the
+    drafters of one run, stay apart by their tags)."""
+
+    def __init__(self, run: str, drafter: str):
+        self.tags = {"run": run, "drafter": drafter or "drafter"}
+        self.gauges: dict[str, Any] = {}
+
+    def set(self, name: str, value: float) -> None:
+        from ray.util.metrics import Gauge
+
+        if name not in self.gauges:
+            gauge = Gauge(f"dflash_train_{name}", description=f"training {name}", tag_keys=("run", "drafter"))
+            gauge.set_default_tags(self.tags)
+            self.gauges[name] = gauge
+        self.gauges[name].set(value)
+
+    def show(self, row: dict[str, Any]) -> None:
+        for k, v in row.items():
+            if k != "step":
+                self.set(k, v)

@@ -1,0 +1,276 @@
+"""A run's stream actors: where they are placed, how they meet, how the coordinator waits on them.
+
+A stream is a target actor and one drafter actor per drafter of the run (a `Team` is one drafter's
+actors over the streams, with its own process group, checkpoints, metrics and output folder), or
+with `train.colocate` one actor that is both. `Streams.start` places as many streams as the cluster
+holds now (`elastic`: down to `train.min_streams`), starts their actors and joins them into their
+process groups: with send/recv features (`handoff`) one group of every stream actor, its store on
+target 0's node; otherwise one group per drafter, its store on drafter rank 0's node (as Ray Train
+does). Every wait on them has a deadline (`deadlines`) and names the actors that miss it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_ray.cluster import on_node
+from dflash_ray.config import RunConfig
+from dflash_ray.train import elastic
+from dflash_ray.train.deadlines import Deadlines, Stalled
+from dflash_ray.train.devices import stream_bundles
+from dflash_ray.train.handoff import Layout
+from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
+
+CHECKPOINT_THREAD = "checkpoint"  # a drafter actor's concurrency group for its checkpoint files
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_of(_worker) -> str:
+    """Run inside a stream actor (`__ray_call__`): the address of the node it runs on."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def rendezvous_of(_worker) -> tuple[str, int]:
+    """Run inside a group's first rank (`__ray_call__`): its node's address and a port free there,
+    where its process group store will listen."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def drafter_actor(cls):
+    """A drafter role as an actor that answers for its checkpoint files on a thread of its own
+    (`Checkpoints.salvage`), its training calls still one at a time."""
+    import ray
+
+    return ray.remote(concurrency_groups={CHECKPOINT_THREAD: 1})(cls)
+
+
+def first_error(refs: list) -> list:
+    """The results of calls on several actors; a rank's error is raised as soon as it is known, while
+    the other ranks may still wait for it in a collective."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(refs)
+
+
+@dataclass
+class Team:
+    """One drafter of the run: its settings, its actors (one per stream, a process group of their
+    own), where it writes, and its figures."""
+
+    name: str  # "" for a run's only drafter
+    cfg: RunConfig  # the run's settings with this drafter's own (`train.drafters`)
+    drafter_cfg_json: str
+    init: str
+    output: str  # the run's output, or OUTPUT/NAME
+    layer_ids: list[int]
+    pick: list[int] | None = None  # its layers' positions among the captured ones (None: all of them)
+    drafters: list = field(default_factory=list)
+    rendezvous: tuple[str, int] | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    appended: int = 0  # the last step whose metric row is in the run's history (`history`)
+    heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
+    gauges: dict[str, Any] = field(default_factory=dict)
+
+
+class Streams:
+    """The stream actors of one attempt of a run (`start` ... `stop`), and what outlives attempts:
+    the nodes they ran on, the nodes lost, the deadlines missed."""
+
+    def __init__(self, cfg: RunConfig, target: str, run_name: str, teams: list[Team], layer_ids: list[int]):
+        self.cfg, self.target, self.run_name, self.teams, self.layer_ids = cfg, target, run_name, teams, layer_ids
+        self.count = cfg.train.num_streams  # the streams placed now: num_streams, or fewer (`elastic`)
+        self.targets: list[Any] = []  # actor handles
+        self.groups: list[Any] = []  # placement groups
+        self.nodes: set[str] = set()  # every node a stream ran on, over restarts too
+        self.lost: list[dict[str, Any]] = []  # nodes the streams ran on that left the cluster
+        self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
+        self.deadlines = Deadlines(cfg.train.deadline_floor_s, cfg.train.deadline_factor)
+
+    @property
+    def direct(self) -> bool:
+        """Features go from a target to its drafters by send/recv (`handoff`), not as object references."""
+        tcfg = self.cfg.train
+        return not tcfg.colocate and tcfg.feature_transport == "direct"
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.count, len(self.teams))
+
+    @property
+    def drafters(self) -> list:
+        """Every drafter actor, team by team."""
+        return [d for team in self.teams for d in team.drafters]
+
+    def names(self, actors: list) -> list[str]:
+        """What the log and the metrics call each of these actors: its role and stream."""
+        names = {a: f"target {s}" for s, a in enumerate(self.targets)}
+        for team in self.teams:
+            role = "stream" if self.cfg.train.colocate else f"drafter {team.name}".strip()
+            names.update({a: f"{role} {s}" for s, a in enumerate(team.drafters)})
+        return [names.get(a, "actor") for a in actors]
+
+    def wait(self, refs: list, actors: list, what: str, limit_s: float | None = None, watch=None) -> list:
+        """The results of calls on `actors` (one each, in order) under a deadline (`deadlines`): an
+        error as soon as it is known, and an actor past the deadline named (a log line, the
+        `dflash_train_stalls` counter)."""
+        try:
+            return self.deadlines.wait(refs, self.names(actors), what, limit_s, watch)
+        except Stalled as e:
+            from ray.util.metrics import Counter
+
+            counter = Counter("dflash_train_stalls", description="actors that missed a deadline", tag_keys=("run",))
+            counter.inc(len(e.late), tags={"run": self.run_name})
+            raise
+
+    def start(self, step: int) -> int:
+        """Place the streams, start their actors and join them into their process groups; returns
+        how many streams were placed. `step`: where the run stands (for the lost nodes' record)."""
+        import ray
+
+        tcfg = self.cfg.train
+        self.targets = []
+        for team in self.teams:
+            team.drafters = []
+        # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
+        self.groups = elastic.place_streams(tcfg, stream_bundles(tcfg))
+        self.count = n = len(self.groups)
+        self.nodes |= elastic.group_nodes(self.groups)
+        self.note_lost(step)  # Ray may take seconds to call a node dead: named here if not at the failure
+        for s, pg in enumerate(self.groups):
+            self._start_stream(s, pg, n)
+        # actors load their weights in their constructors: the start-up's deadline allows for it
+        actors = self.targets + self.drafters
+        starting = self.deadlines.floor_s + tcfg.placement_timeout_s
+        self.nodes.update(self.wait([a.__ray_call__.remote(node_of) for a in actors], actors, "start-up", starting))
+        # a hybrid target on its GPU without its fast kernels: refused now, not found slow in hour five
+        probed = self.drafters if tcfg.colocate else self.targets
+        missing = self.wait([a.kernels.remote() for a in probed], probed, "the kernel check")
+        self.slow_kernels = sorted({k for m in missing for k in m})
+        if self.direct:  # one process group of every stream actor: features by send/recv
+            rendezvous = ray.get(self.targets[0].__ray_call__.remote(rendezvous_of), timeout=self.deadlines.limit())
+            layout = self.layout
+            self.wait(
+                [t.join_run.remote(*rendezvous, s, layout) for s, t in enumerate(self.targets)]
+                + [
+                    d.join_run.remote(*rendezvous, i, layout)
+                    for i, team in enumerate(self.teams)
+                    for d in team.drafters
+                ],
+                self.targets + self.drafters,
+                "joining the run's process group",
+            )
+            for team in self.teams:
+                team.rendezvous = rendezvous
+        else:
+            for team in self.teams:  # each drafter's ranks form a process group of their own
+                team.rendezvous = ray.get(
+                    team.drafters[0].__ray_call__.remote(rendezvous_of), timeout=self.deadlines.limit()
+                )
+                self.wait(
+                    [d.init_group.remote(*team.rendezvous) for d in team.drafters],
+                    team.drafters,
+                    "joining the drafters' process group",
+                )
+        return n
+
+    def _start_stream(self, s: int, pg, n: int) -> None:
+        """Stream `s`'s actors in its placement group; their settings say how many streams there are
+        now (sharding, the process group)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        tcfg = dataclasses.replace(self.cfg.train, num_streams=n)
+        bundles = stream_bundles(tcfg)
+
+        def at(index: int, role: str) -> dict:
+            return {
+                "num_cpus": tcfg.actor_cpus,
+                "num_gpus": bundles[index].get("GPU", 0),
+                "resources": on_node(tcfg.node_resource),
+                "name": f"{self.run_name}-{role}-{s}",
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            }
+
+        if tcfg.colocate:  # the stream's one actor is its target and its drafter
+            team = self.teams[0]
+            settings = dataclasses.replace(team.cfg.train, num_streams=n)
+            team.drafters.append(
+                drafter_actor(ColocatedWorker)
+                .options(**at(0, "stream"))
+                .remote(self.target, self.layer_ids, team.drafter_cfg_json, team.init, settings, s, n)
+            )
+            return
+        self.targets.append(
+            ray.remote(TargetWorker).options(**at(0, "target")).remote(self.target, self.layer_ids, tcfg)
+        )
+        for i, team in enumerate(self.teams):
+            role = f"drafter-{team.name}" if team.name else "drafter"
+            settings = dataclasses.replace(team.cfg.train, num_streams=n)
+            team.drafters.append(
+                drafter_actor(DrafterWorker)
+                .options(**at(1 + i, role))
+                .remote(self.target, team.drafter_cfg_json, team.init, settings, s, n, team.pick)
+            )
+
+    def warm_up(self, shapes: list[tuple[int, int, bool]]) -> dict[str, Any]:
+        """Every graph shape of the run met before step 0, on every drafter rank together
+        (`DrafterWorker.warm_up`), torch's compiled artifacts kept with each drafter's output so
+        that a restart loads them rather than compiling again."""
+        import time
+
+        from dflash_ray.train import compile_cache
+
+        started = time.perf_counter()
+        # a compile a shape (tens of seconds at the real width on a GPU): the floor per 16 of them
+        limit = self.deadlines.floor_s * (1 + len(shapes) / 16)
+        done = self.wait(
+            [
+                d.warm_up.remote(shapes, compile_cache.uri_for(team.output))
+                for team in self.teams
+                for d in team.drafters
+            ],
+            self.drafters,
+            f"the warm-up of {len(shapes)} graph shapes",
+            limit,
+        )
+        return {
+            "shapes": len(shapes),
+            "seconds": round(time.perf_counter() - started, 1),
+            "loaded_bytes": max(d["loaded_bytes"] for d in done),
+        }
+
+    def note_lost(self, step: int) -> None:
+        """Name the nodes the streams ran on that have left the cluster (once each)."""
+        named = {x["node"] for x in self.lost}
+        for node in elastic.lost_nodes(self.nodes):
+            if node not in named:
+                self.lost.append({"node": node, "at_step": step + 1})
+
+    def stop(self) -> None:
+        """Kill every stream actor and free the placement groups."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.targets + self.drafters:
+            ray.kill(actor)
+        for pg in self.groups:
+            remove_placement_group(pg)
+        self.targets, self.groups = [], []
+        for team in self.teams:
+            team.drafters = []
