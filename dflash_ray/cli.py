@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import traceback
 from typing import Any, Callable
 
 from dflash_ray import stages
 from dflash_ray.config import RunConfig, load_config
-from dflash_ray.errors import DFlashError, Interrupted
+from dflash_ray.errors import DFlashError, DiskFull, Interrupted, carried, failure_cause
 
 
 class UsageError(Exception):
@@ -92,6 +93,38 @@ def _file_in_the_way(e: OSError) -> str | None:
     return None
 
 
+def _user_error(e: Exception) -> DFlashError | None:
+    """The user's error an exception stands for (a missing or unreadable file, a file in the way, a
+    full disk, S3's refusal, an error of the project's own raised in a Ray worker); None for a bug."""
+    from dflash_ray import storage
+
+    if isinstance(e, FileNotFoundError):
+        return DFlashError("no such file or object", file=e.filename or str(e))
+    if isinstance(e, PermissionError):
+        return DFlashError("permission denied", file=e.filename or str(e))
+    if storage.no_space(e):  # here, or in a worker whose traceback says so
+        path = e.filename if isinstance(e, OSError) else None
+        named = re.search(r"No space left on device: '([^']+)'", str(e))
+        path = path or (named.group(1) if named else None)
+        if path:
+            return storage.disk_full(path)
+        return DiskFull(
+            f"no space left on a device ({failure_cause(e)}): free space on the output's disk, the temporary "
+            "folder's (TMPDIR) or the cache's (DFLASH_RAY_CACHE, ~/.cache)"
+        )
+    if isinstance(e, OSError) and e.filename is not None:  # a folder where a file was expected, a file in the way
+        blocker = _file_in_the_way(e)
+        if blocker is not None:
+            return DFlashError("is a file where a folder is needed: it is left as it is; choose a folder", file=blocker)
+        return DFlashError(f"{e.strerror or type(e).__name__}", file=e.filename)
+    found = carried(e)
+    if found is not None:
+        return found
+    if type(e).__module__.startswith("botocore"):  # S3: no bucket, no credentials, denied
+        return DFlashError(f"S3: {e}")
+    return None
+
+
 def _ray_initialized() -> bool:
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()
@@ -122,19 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                     field="chaos.faults",
                 )
             summary = run(args, cfg)
-        except FileNotFoundError as e:
-            raise DFlashError("no such file or object", file=e.filename or str(e)) from None
-        except PermissionError as e:
-            raise DFlashError("permission denied", file=e.filename or str(e)) from None
-        except OSError as e:  # a folder where a file was expected, a file in the way, a full disk: the user's to fix
-            if e.filename is None:
-                raise
-            blocker = _file_in_the_way(e)
-            if blocker is not None:
-                raise DFlashError(
-                    "is a file where a folder is needed: it is left as it is; choose a folder", file=blocker
-                ) from None
-            raise DFlashError(f"{e.strerror or type(e).__name__}", file=e.filename) from None
         except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
             raise Interrupted(
                 "interrupted: what this run had committed stays, nothing half-written is listed; "
@@ -143,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         except DFlashError:
             raise
         except Exception as e:
-            if type(e).__module__.startswith("botocore"):  # S3: no bucket, no credentials, denied
-                raise DFlashError(f"S3: {e}") from None
+            clear = _user_error(e)
+            if clear is not None:
+                raise clear from None
             # not an error of the input or settings (each of those is a DFlashError): a bug, said as one
             traceback.print_exc()
             print(

@@ -37,6 +37,11 @@ class MissingObject(DFlashError, FileNotFoundError):
     __str__ = Exception.__str__  # the message, not OSError's "[Errno None] ..."
 
 
+class DiskFull(DFlashError):
+    """A write the disk had no room for: the message names the path and the space (`storage.disk_full`).
+    Never retried: a restart would meet the same full disk."""
+
+
 class Interrupted(DFlashError):
     """Ctrl-C: the run stopped cleanly; the message says where it can resume from."""
 
@@ -59,3 +64,23 @@ def failure_cause(e: Exception) -> str:
         kind = m.group(1).rsplit(".", 1)[-1]
         return (m.group(2) if kind == "DFlashError" else f"{kind}: {m.group(2)}")[:1500]
     return f"{type(e).__name__}: {last}"[:1500]
+
+
+_RAISED = re.compile(r"^dflash_ray\.errors\.(\w+): (.+)$", re.M)
+
+
+def carried(e: BaseException) -> DFlashError | None:
+    """The project's own error that an exception from a Ray worker stands for: the `cause` Ray keeps
+    of a task's error, or, where Ray Data keeps only the worker's traceback text, the last
+    `dflash_ray.errors.NAME: message` line of it (rebuilt as that class). None when there is none."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, DFlashError):
+        return cause
+    found = _RAISED.findall(str(e))
+    if not found:
+        return None
+    name, message = found[-1]
+    kind = globals().get(name)
+    if not (isinstance(kind, type) and issubclass(kind, DFlashError)):
+        kind = DFlashError
+    return kind(message)

@@ -62,10 +62,12 @@ def _convert_smollm2(out: Path, with_model: bool) -> None:
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         try:
             _write_smollm2(gguf, tmp, with_model)
-        except BaseException:
+        except BaseException as e:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+            if storage.no_space(e):  # the cache's disk (DFLASH_RAY_CACHE), full
+                raise storage.disk_full(tmp) from None
             raise
         out.mkdir(exist_ok=True)
         for item in sorted(tmp.iterdir(), key=lambda p: p.name == marker.name):
@@ -139,10 +141,7 @@ def _download_folder(uri: str) -> str:
         for remote in storage.list_files(uri):
             target = out / storage.basename(remote)
             if not target.exists() or target.stat().st_size != storage.size(remote):
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_name(f"{target.name}.part{os.getpid()}")
-                tmp.write_bytes(storage.read_bytes(remote))
-                os.replace(tmp, target)
+                storage.write_bytes(str(target), storage.read_bytes(remote))  # atomic; a full disk named
     return str(out)
 
 

@@ -25,7 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dflash_ray.errors import DFlashError, MissingObject
+from dflash_ray.errors import DFlashError, DiskFull, MissingObject
 
 S3_PREFIX = "s3://"
 DEFAULT_MAX_ATTEMPTS = 8
@@ -344,6 +344,47 @@ def read_text(uri: str) -> str:
     return read_bytes(uri).decode("utf-8")
 
 
+def no_space(error: BaseException) -> bool:
+    """Whether `error` is a full disk (or quota): errno ENOSPC or EDQUOT, or a library's own words
+    for it (safetensors and others pass the OS's message on without its number)."""
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    said = str(error)
+    return "No space left on device" in said or "Disk quota exceeded" in said
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def disk_full(path: str | Path, needed: int | None = None) -> DiskFull:
+    """The error of a write the disk had no room for: the path, the bytes the write needed (when
+    known) and what is free there. The caller has removed what it left half-written."""
+    import shutil
+
+    where = Path(str(path).removeprefix("file://"))
+    free = None
+    for folder in (where, *where.parents):
+        try:
+            free = shutil.disk_usage(folder).free
+            break
+        except OSError:
+            continue
+    wanted = f"{human_bytes(needed)} to write, " if needed is not None else ""
+    room = f"{human_bytes(free)} free there" if free is not None else "the free space is unknown"
+    return DiskFull(
+        f"no space left on the device ({wanted}{room}): nothing half-written is left; free space "
+        "there, or write to a folder on another disk",
+        file=str(path),
+    )
+
+
 def write_bytes(uri: str, data: bytes) -> None:
     """Write atomically: readers see the old object or the whole new one, never a part."""
     if is_s3(uri):
@@ -356,8 +397,13 @@ def write_bytes(uri: str, data: bytes) -> None:
             s3_client().upload_fileobj(io.BytesIO(data), bucket, key)
         return
     path = local_path(uri)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        if no_space(e):
+            raise disk_full(path, len(data)) from None
+        raise
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as `open` would make it: mkstemp's own is 0600
         with os.fdopen(fd, "wb") as f:
@@ -365,8 +411,10 @@ def write_bytes(uri: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if no_space(e):
+            raise disk_full(path, len(data)) from None
         raise
 
 
@@ -397,10 +445,16 @@ def upload_file(src: str | Path, uri: str) -> None:
     import shutil
 
     dst = local_path(uri)
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.{os.getpid()}.tmp"
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if no_space(e):
+            raise disk_full(dst, Path(src).stat().st_size) from None
+        raise
 
 
 def exists(uri: str) -> bool:

@@ -156,7 +156,7 @@ def _completion(i, **changes):
         "source": "s",
         "messages": [{"role": "user", "content": f"q{i}"}],
         "text": "a",
-        "prompt_token_ids": [1, 2, 3],
+        "prompt_token_ids": [1, 2, 3 + i],  # each sample its own tokens: copies are kept once
         "output_token_ids": [4, 5],
     }
     return {**row, **changes}

@@ -402,3 +402,37 @@ def test_s3_deadlines_in_the_environment_are_checked(monkeypatch):
         storage.timeouts()
     monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "2.5")
     assert storage.timeouts() == (storage.DEFAULT_CONNECT_TIMEOUT_S, 2.5)
+
+
+def _no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_is_named_with_the_space_needed_and_nothing_half_written_is_left(tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from dflash_ray.errors import DiskFull
+
+    uri = str(tmp_path / "out" / "part-0.parquet")
+    monkeypatch.setattr(os, "fsync", _no_space)  # the write fails as a full disk's does, after the bytes went out
+    with pytest.raises(DiskFull) as e:
+        storage.write_bytes(uri, b"x" * 12_345)
+    assert str(e.value).startswith(f"{uri}: no space left on the device (12.3 KB to write, ") and "free there" in str(
+        e.value
+    )
+    assert list((tmp_path / "out").iterdir()) == []  # no temporary file left
+
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"y" * 2_000)
+
+    def half(a, b, *args, **kwargs):
+        open(b, "wb").write(b"y" * 10)  # part of it written, then the disk is full
+        _no_space()
+
+    monkeypatch.setattr(shutil, "copyfile", half)
+    with pytest.raises(DiskFull, match="2.0 KB to write"):
+        storage.upload_file(src, str(tmp_path / "up" / "big.bin"))
+    assert list((tmp_path / "up").iterdir()) == []

@@ -637,3 +637,56 @@ def test_thinking_tags_are_split_as_templates_make_them_or_quarantined_with_the_
     ]
     reasons = [json.loads(line)["reason"] for line in (tmp_path / "out" / "quarantine.jsonl").open()]
     assert "nested, one block inside another" in reasons[0] and "a stray closing tag" in reasons[1], reasons
+
+
+def test_a_full_disk_is_named_in_every_stage_with_the_json_line(tmp_path, tiny_qwen3_dir, monkeypatch, capsys):
+    """export onto a full disk: the path and the space needed, the --json line, nothing left (its
+    folder included); a full disk a stage met without a path, or in a Ray worker (said only in the
+    worker's traceback), is named too: never a traceback, never "a bug"."""
+    import errno
+    import os
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+    from dflash_ray.stages import plan
+    from transformers import AutoConfig
+
+    cfg = from_target(
+        AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1, num_target_features=3
+    )
+    save_drafter(DFlashDrafter(cfg), tmp_path / "ckpt" / "drafter", dtype=torch.float32)
+
+    fsync = os.fsync
+
+    def full(fd):  # room for the small files (the writer's claim), none for the weights
+        if os.fstat(fd).st_size > 10_000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full)
+        assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "export"), "--json"]) == 2
+    summary = json.loads(capsys.readouterr().out)
+    assert "export/model.safetensors: no space left on the device (" in summary["error"], summary
+    assert " KB to write, " in summary["error"] and not (tmp_path / "export").exists()
+
+    for raised, said in (
+        (OSError(errno.ENOSPC, "No space left on device"), "no space left on a device ("),
+        (
+            RuntimeError(  # a Ray Data worker's error: its traceback as text
+                "ray::MapWorker(Map(_TokenizeUnit)).submit()\n  File x, line 1\n"
+                "dflash_ray.errors.DiskFull: /data/tok/part.parquet: no space left on the device (1.0 KB to write, "
+                "0 B free there): nothing half-written is left\n\nThe above exception was the direct cause of ..."
+            ),
+            "/data/tok/part.parquet: no space left on the device (1.0 KB to write",
+        ),
+    ):
+
+        def broken(*args, raised=raised, **kwargs):
+            raise raised
+
+        monkeypatch.setattr(plan, "run_plan", broken)
+        assert main(["plan", "--json"]) == 2
+        out = capsys.readouterr()
+        assert said in json.loads(out.out)["error"] and "Traceback" not in out.err and "bug" not in out.err

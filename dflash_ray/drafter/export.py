@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -144,13 +143,13 @@ def save_drafter(
     dtype: torch.dtype | None = None,
     state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write config.json + model.safetensors; files land under temporary names, then are renamed."""
+    """Write config.json + model.safetensors; files land under temporary names, then are renamed
+    (`storage.write_bytes`: a full disk leaves no temporary file and names the space needed)."""
+    from dflash_ray import storage
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     for name, data in drafter_files(drafter, dtype, state).items():
-        tmp = out / f".{name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, out / name)
+        storage.write_bytes(str(out / name), data)
     return out
 
 

@@ -38,7 +38,7 @@ from typing import Any
 from dflash_ray import manifest, storage, writer
 from dflash_ray.cluster import connect, on_node
 from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
-from dflash_ray.errors import DFlashError, failure_cause
+from dflash_ray.errors import DFlashError, DiskFull, failure_cause
 from dflash_ray.generation.book import PROGRESS
 from dflash_ray.registry import pin
 from dflash_ray.stages import PipelineRun, Stage
@@ -277,7 +277,9 @@ class _Fleet:
             cause = failure_cause(error)
             self.deaths.append(f"{gid}: {cause}")
             raised = isinstance(error, RayTaskError) or (isinstance(error, RayActorError) and error.actor_init_failed)
-            if not had_started and raised and gid not in self.killed:  # its own code failed: it would again
+            if isinstance(error, RayTaskError) and isinstance(error.cause, DiskFull):  # every restart would meet it
+                fatal = fatal or f"generator {gid}: {error.cause}"
+            elif not had_started and raised and gid not in self.killed:  # its own code failed: it would again
                 fatal = fatal or f"generator {gid} failed before its first shard: {cause}"
             elif raised and gid not in self.killed:
                 first = self.errors.setdefault(same_error(cause), gid)
