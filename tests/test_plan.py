@@ -52,11 +52,13 @@ def small_target(tmp_path) -> list[str]:
 def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys, small_target):
     out = _plan(capsys, "--cluster", str(ROOT / "cluster.yaml"), *small_target)
     # gen_b200 + gen_h200: 4 nodes x 8 GPUs each; train_h200: 2 nodes x 8 GPUs
-    assert out["generation"]["gpus"] == 64 and out["training"]["gpus"] == 16
-    # 1.64B tokens at 400 tok/s per GPU: 1,139 GPU-hours, over 64 GPUs
-    assert abs(out["generation"]["gpu_hours"] - 1.64e9 / 400 / 3600) < 0.1
-    assert abs(out["generation"]["wall_hours"] - out["generation"]["gpu_hours"] / 64) < 0.01
-    assert out["training"]["rate_source"].startswith("simulated step")
+    assert out["generation"]["gpus"] == 64 and out["generation"]["engines"] == 64 and out["training"]["gpus"] == 16
+    # every stage's GPUs held from its start to its end; the job sums its stages
+    for name in ("generation", "training"):
+        assert abs(out[name]["gpu_hours"] - out[name]["wall_hours"] * out[name]["gpus"]) <= 0.01 * out[name]["gpus"]
+    assert set(out["stages"]) == {"generation", "tokenization", "training", "evaluation", "export"}
+    assert out["job"]["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in out["stages"].values()), abs=0.2)
+    assert out["training"]["rate_source"].startswith("simulated step") and "dollars" not in out["job"]
     # 1.87B tokens x the one captured layer (of a 4-layer target) x the target's width (64) x 2 bytes
     assert out["offline_storage_avoided_tb"] == round(1.87e9 * 1 * 64 * 2 / 1e12, 1)
     assert out["offline_storage_note"].startswith("captured layers (1) x hidden 64")
@@ -84,13 +86,105 @@ def test_every_preset_plans_its_own_target_and_a_fallback_says_so():
     assert "falls back to Qwen/Qwen3.6-27B" in fallback_warning(bare)[0]
 
 
-def test_a_measured_training_rate_replaces_the_simulated_one(capsys, small_target):
+def test_measured_rates_replace_the_simulated_ones(capsys, small_target):
     out = _plan(
-        capsys, "--set", "plan.training_tokens_per_s_per_gpu=5000", "--set", "plan.training_gpus=8", *small_target
+        capsys,
+        "--set",
+        "plan.training_tokens_per_s_per_gpu=5000",
+        "--set",
+        "plan.generation_tokens_per_s_per_gpu=400",
+        "--set",
+        "plan.training_gpus=8",
+        *small_target,
     )
-    assert out["training"]["rate_source"].startswith("measured")
-    assert abs(out["training"]["gpu_hours"] - 1.87e9 * 6 / 5000 / 3600) < 0.1
-    assert out["training"]["gpus"] == 8
+    training, generation = out["training"], out["generation"]
+    assert training["rate_source"].startswith("measured") and training["gpus"] == 8
+    assert training["seconds"]["steps"] * 8 / 3600 == pytest.approx(1.87e9 * 6 / 5000 / 3600, rel=0.01)
+    assert generation["rate_source"].startswith("measured")
+    busy_s = (generation["wall_hours"] * 3600 - generation["start_s"]) * 32
+    assert busy_s == pytest.approx(generation["output_tokens"] / 400, rel=0.01)
+
+
+def test_generation_is_simulated_from_the_engines_settings_and_the_lengths(capsys, small_target, tmp_path):
+    """Its time grows with generate.max_tokens (fewer responses cut), follows plan.dataset's lengths
+    (a completions dataset; one the dataset shows cut continues past its cut under a larger cap), and
+    tensor parallelism makes fewer engines of more GPUs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def generation(*extra: str) -> dict:
+        return _plan(capsys, *small_target, *extra)["generation"]
+
+    base = generation()
+    longer = generation(
+        "--set",
+        "generate.max_tokens=1536",
+        "--set",
+        "generate.max_model_len=2048",
+        "--set",
+        "tokenize.max_seq_len=2048",
+    )
+    assert base["lengths"]["response_max"] == 384 and longer["lengths"]["response_max"] == 1536
+    assert longer["output_tokens"] > 2 * base["output_tokens"]
+    assert longer["wall_hours"] > base["wall_hours"] and longer["gpu_hours"] > base["gpu_hours"]
+    engine = base["engine"]
+    assert engine["batch"] == 64 and engine["decode_bound"] in ("memory bandwidth", "compute")
+
+    short = tmp_path / "completions.parquet"
+    rows = {"num_prompt_tokens": [50, 70] * 50, "num_output_tokens": [100, 300] * 50, "finish_reason": ["stop"] * 100}
+    pq.write_table(pa.table(rows), short)
+    read = generation("--set", f"plan.dataset={short}")
+    assert read["lengths"]["source"].startswith("plan.dataset (completions, 100 rows")
+    assert read["lengths"]["response_max"] == 300 and read["lengths"]["prompt_mean"] == pytest.approx(60, abs=2)
+    assert read["output_tokens"] < base["output_tokens"] and read["wall_hours"] < base["wall_hours"]
+    # a folder as generate leaves it: its rejected answers (here cut at the dataset's own 300 tokens)
+    # were written by the engine too, and continue past their cut under the plan's larger cap
+    folder = tmp_path / "completions"
+    folder.mkdir()
+    pq.write_table(pa.table(rows), folder / "completions-0.parquet")
+    cut = {"num_prompt_tokens": 60, "num_output_tokens": 300, "finish_reason": "length"}
+    (folder / "rejected-0.jsonl").write_text(json.dumps({"id": "a", "kind": "truncated", "record": cut}) + "\n")
+    both = generation("--set", f"plan.dataset={folder}")
+    assert both["lengths"]["source"].startswith("plan.dataset (completions, 101 rows, 1.0% cut")
+    assert both["lengths"]["response_max"] > 300
+
+    split = generation("--set", "generate.tensor_parallel_size=2")
+    assert split["engines"] == 16 and split["gpus"] == 32
+
+
+def test_the_job_prices_the_bus_restarts_and_dollars(capsys, small_target):
+    """FSDP2's traffic is in the step at the bus bandwidth (plan.bus_bandwidth, else
+    train.min_bus_bandwidth): a slower bus, a longer training; a price gives dollars per stage."""
+    common = [
+        *small_target,
+        "--set",
+        "train.num_streams=4",
+        "--set",
+        "train.eval_every=100",
+        "--set",
+        "train.heldout=8",
+    ]
+    fast = _plan(
+        capsys,
+        *common,
+        "--set",
+        "plan.bus_bandwidth=1000",
+        "--set",
+        "plan.dollars_per_gpu_hour=3.5",
+        "--set",
+        "plan.failures_per_gpu_hour=0.5",
+    )
+    slow = _plan(capsys, *common, "--set", "train.min_bus_bandwidth=0.001")
+    assert slow["training"]["step"]["bound"] == "FSDP2 traffic" and slow["training"]["step"]["bus_gb_per_s"] == 0.001
+    assert slow["training"]["wall_hours"] > fast["training"]["wall_hours"]
+    assert any("FSDP2 traffic" in w and "priced" in w for w in slow["warnings"])
+    seconds = fast["training"]["seconds"]
+    assert seconds["compile"] > 0 and seconds["evaluations"] > 0 and fast["training"]["checkpoints"] > 0
+    assert fast["training"]["expected_restarts"] > 0 and {"weights_load", "restarts"} <= set(seconds)
+    assert fast["job"]["dollars"] == pytest.approx(fast["job"]["gpu_hours"] * 3.5, abs=2)
+    assert fast["stages"]["generation"]["dollars"] > 0 and "dollars" not in slow["job"]
+    assert fast["throughput"]["samples_per_s"] > slow["throughput"]["samples_per_s"]
+    assert fast["throughput"]["published"][0]["samples_per_s"] == 10.65
 
 
 PRESET = ["--config", str(ROOT / "configs" / "qwen3.6-27b.yaml")]

@@ -6,9 +6,12 @@ code once under fake tensors (`dflash_ray.simulate`) at the longest sequence the
 memory by category against the GPU of the training nodes (`plan.gpu`), FLOPs counted. A role that
 does not fit is refused here and by `train`'s preflight, naming the fields that would bring it
 under. The same steps at the workload's mean length give the step time (counted FLOPs at the
-utilisation calibrated on the H200 measurement), the throughput and the GPU-hours of the workload
-(the seed's by default: 902K prompts, 1.64B output tokens, 6 epochs). Generation runs at a measured
-rate per GPU; its memory is the target's weights and the KV cache vLLM fills the rest with.
+utilisation calibrated on the H200 measurement), and with FSDP2's traffic at the bus, the features'
+trip, start-up, evaluations, checkpoints and restarts, the training stage's time
+(`dflash_ray.simulate_job`) for the workload (the seed's by default: 902K prompts, 1.64B output
+tokens, 6 epochs). Generation is simulated from generate's settings and the target's config
+(`dflash_ray.simulate_generation`). Every stage's wall time and GPU-hours, and dollars at
+`plan.dollars_per_gpu_hour`, sum to the job's.
 """
 
 from __future__ import annotations
@@ -298,9 +301,7 @@ def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> 
         }
         if t.num_streams > 1:  # FSDP2: bf16 weights gathered forward and backward, fp32 gradients reduce-scattered
             moved = step["parameters"] * (2 + 2 + 4) * (t.num_streams - 1) / t.num_streams / 1e9
-            role["collective_gb_per_step"] = round(moved, 2)
-            if t.min_bus_bandwidth > 0:
-                role["collective_seconds_at_min_bus_bandwidth"] = round(moved / t.min_bus_bandwidth, 3)
+            role["collective_gb_per_step"] = float(f"{moved:.4g}")  # priced at the bus: simulate_job.training_step
         roles[f"drafter:{name}" if name else "drafter"] = role
     if tr.colocate:  # one GPU holds both: the drafter's step runs after the target's forward
         drafter = roles.pop("drafter")
@@ -427,6 +428,7 @@ def straggler_ratios(cfg: RunConfig) -> dict[str, float]:
 
 
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
+    from dflash_ray import simulate_generation, simulate_job
     from dflash_ray.preflight import preflight
     from dflash_ray.train.drafters import union_layers
 
@@ -437,47 +439,43 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         raise DFlashError("needs at least one GPU for each stage", field="plan.generation_gpus")
     hf, source = target_config(cfg, target)
     warnings += fallback_warning(cfg, target)
-    stragglers = straggler_ratios(cfg) if p.dataset else None  # the dataset read before any simulation
+    # the dataset read before any simulation; a completions one gives lengths, not steps
+    tokenized = bool(p.dataset) and simulate_generation.dataset_kind(p.dataset) == "tokenized"
+    stragglers = straggler_ratios(cfg) if tokenized else None
     longest, mean = samples(cfg)
     peak = simulate_roles(cfg, hf, longest)
     peak["generator"] = generator_role(cfg, hf, (peak.get("target") or peak["stream"])["weights_gb"])
     fitting(cfg, peak)
     at_mean = simulate_roles(cfg, hf, mean)
 
-    # a stream's step: the target's forward overlaps its drafters' steps when batches are sent ahead
-    drafter_s = max(r["step_seconds"] for k, r in at_mean.items() if k.startswith("drafter") or k == "stream")
-    step_s = (
-        drafter_s
-        if tr.colocate
-        else (
-            max(drafter_s, at_mean["target"]["step_seconds"])
-            if tr.max_in_flight
-            else drafter_s + at_mean["target"]["step_seconds"]
-        )
-    )
-    if stragglers and not tr.colocate:  # the step waits for the stream with the longest sample
-        step_s = (
-            max(drafter_s, at_mean["target"]["step_seconds"] * stragglers["balanced"])
-            if tr.max_in_flight
-            else drafter_s + at_mean["target"]["step_seconds"] * stragglers["balanced"]
-        )
     per_stream = sum(r["gpus"] for r in at_mean.values())
+    step = simulate_job.training_step(cfg, at_mean, stragglers)
     if p.training_tokens_per_s_per_gpu > 0:
-        train_rate, rate_source = p.training_tokens_per_s_per_gpu, "measured (plan.training_tokens_per_s_per_gpu)"
-    else:
-        train_rate = mean.seq_len * mean.batch / max(step_s, 1e-9) / per_stream
-        rate_source = f"simulated step at the mean length ({mean.seq_len} tokens): {step_s:.3f} s on {per_stream} GPUs"
-    gen_gpu_h = p.output_tokens / p.generation_tokens_per_s_per_gpu / 3600
-    train_gpu_h = p.train_tokens * p.epochs / train_rate / 3600
-    for name, role in at_mean.items():
-        comm = role.get("collective_seconds_at_min_bus_bandwidth")
-        if comm and comm > role["step_seconds"]:
-            warnings.append(
-                f"the {name} role's FSDP2 traffic ({role['collective_gb_per_step']} GB a step) takes "
-                f"{comm:.2f} s at train.min_bus_bandwidth={tr.min_bus_bandwidth:g} GB/s, more than its "
-                f"{role['step_seconds']:.2f} s of compute: it cannot hide behind it; the step needs "
-                f"{role['collective_gb_per_step'] / role['step_seconds']:.0f} GB/s of bus bandwidth"
-            )
+        step |= {"step_s": mean.seq_len * mean.batch / (p.training_tokens_per_s_per_gpu * per_stream)}
+        step["bound"] = "measured (plan.training_tokens_per_s_per_gpu)"
+    warnings += simulate_job.check_bus(cfg, at_mean)
+    weights = (peak.get("target") or peak["stream"])["weights_gb"] * 1e9
+    drafter_parameters = sum(r["parameters"] for k, r in at_mean.items() if "parameters" in r)
+    generation = simulate_generation.plan_generation(cfg, hf, weights, gen_gpus, gpu)
+    # an evaluation batch: the target's forward, and the drafter's (a third of its step, its bf16 weights
+    # gathered: a quarter of the step's FSDP2 bytes)
+    eval_step_s = (0 if tr.colocate else at_mean["target"]["step_seconds"]) + max(
+        step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4
+    )
+    training = simulate_job.plan_training(
+        cfg, step, mean, train_gpus, per_stream, weights, drafter_parameters, eval_step_s
+    )
+    training |= {
+        "gpus_per_stream": per_stream,
+        "straggler_ratio": stragglers or "no tokenized plan.dataset: the step assumes streams of equal lengths",
+        "rate_source": step["bound"]
+        if step["bound"].startswith("measured")
+        else f"simulated step at the mean length ({mean.seq_len} tokens): {step['step_s']:.3g} s on "
+        f"{per_stream} GPUs, bound by {step['bound']}",
+    }
+    stages = simulate_job.plan_stages(
+        cfg, generation, training, generation["engine"]["decode_step_s_at_batch_1"], weights, drafter_parameters
+    )
     features = len(union_layers([list(d.target_layer_ids) for _, _, d in _team_drafters(cfg, hf)])[0])
     hidden = (getattr(hf, "text_config", None) or hf).hidden_size
     offline = p.train_tokens * features * hidden * 2  # bf16 features of every token
@@ -510,20 +508,17 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
             "train_tokens": p.train_tokens,
             "epochs": p.epochs,
         },
-        "generation": {
-            "gpus": gen_gpus,
-            "tokens_per_s_per_gpu": p.generation_tokens_per_s_per_gpu,
-            "gpu_hours": round(gen_gpu_h, 1),
-            "wall_hours": round(gen_gpu_h / gen_gpus, 2),
-        },
-        "training": {
-            "gpus": train_gpus,
-            "gpus_per_stream": per_stream,
-            "tokens_per_s_per_gpu": round(train_rate, 1),
-            "straggler_ratio": stragglers or "no plan.dataset: the step assumes streams of equal lengths",
-            "rate_source": rate_source,
-            "gpu_hours": round(train_gpu_h, 1),
-            "wall_hours": round(train_gpu_h / train_gpus, 2),
+        "generation": generation,
+        "training": training,
+        "stages": stages,
+        "job": simulate_job.job_total(cfg, stages),
+        "throughput": {
+            "samples_per_s": training["samples_per_s"],
+            "samples_per_s_per_gpu": training["samples_per_s_per_gpu"],
+            "samples_per_s_per_drafter_gpu": round(training["samples_per_s"] / training["streams"], 2),
+            "mean_sample_tokens": mean.seq_len,
+            "features_mb_per_sample": round(step.get("features_gb", 0.0) * 1e3 / max(1, mean.batch)),
+            "published": simulate_job.PUBLISHED,
         },
         "offline_storage_avoided_tb": round(offline / 1e12, 1),
         "offline_storage_note": f"captured layers ({features}) x hidden {hidden} x 2 bytes per token, "
