@@ -17,7 +17,16 @@ from typing import Any, Callable
 
 from dflash_ray import stages
 from dflash_ray.config import RunConfig, load_config
-from dflash_ray.errors import DFlashError, DiskFull, Interrupted, carried, failure_cause
+from dflash_ray.errors import (
+    DFlashError,
+    DiskFull,
+    Interrupted,
+    carried,
+    catch_sigterm,
+    failure_cause,
+    release_sigterm,
+    sigterm_received,
+)
 
 
 class UsageError(Exception):
@@ -141,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"stage": stage, "ok": False, "error": str(e), "exit_code": 2}), flush=True)
         return 2
     run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
+    previous_sigterm = catch_sigterm()  # SIGTERM stops a command as Ctrl-C does (exit 143)
     out = sys.stdout
     if args.json:  # stdout carries the summary alone: worker logs Ray forwards go to stderr
         sys.stdout = sys.stderr
@@ -189,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return 1
     except DFlashError as e:
+        if isinstance(e, Interrupted) and sigterm_received():  # stopped by SIGTERM, as by Ctrl-C
+            e = Interrupted(f"SIGTERM: {e}")
+            e.exit_code = 143
         print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
         if args.json:
             failed = {"stage": args.command, "ok": False, "error": str(e), "exit_code": e.exit_code, **e.summary}
@@ -198,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         if not joined and _ray_initialized():  # Ray's log thread must not print after the summary
             sys.modules["ray"].shutdown()
         sys.stdout = out
+        release_sigterm(previous_sigterm)
     if args.json:
         print(json.dumps(_json_safe({"ok": True, **summary}), allow_nan=False), flush=True)
     else:

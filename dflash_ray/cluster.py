@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_ray.config import RayConfig
-from dflash_ray.errors import DFlashError
+from dflash_ray.errors import DFlashError, keep_catching_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,18 @@ def connect(cfg: RayConfig, *, existing: bool = False, holds: Callable[[], bool]
     if address:
         check_reachable(address, "ray.address" if cfg.address else "the environment's RAY_ADDRESS")
         ray.init(address=address, log_to_driver=True)
+        keep_catching_sigterm()  # ray.init installs its own SIGTERM handler, which exits at once
         return
     if existing:
         looked = join_running(holds)
         if not looked:
             raise DFlashError("no Ray cluster is running here; set ray.address or RAY_ADDRESS", field="ray.address")
+        keep_catching_sigterm()
         return
     start_local(
         num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory, include_dashboard=cfg.include_dashboard
     )
+    keep_catching_sigterm()
 
 
 def join_running(holds: Callable[[], bool] | None = None, within_s: float = 5.0) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 
 class DFlashError(Exception):
@@ -46,6 +47,58 @@ class Interrupted(DFlashError):
     """Ctrl-C: the run stopped cleanly; the message says where it can resume from."""
 
     exit_code = 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Kubernetes, `ray job stop` and `kill` send), raised where Ctrl-C raises
+    KeyboardInterrupt, so a long command stops as it does on Ctrl-C: what it committed stays, and it
+    says where to go on from; exit 143 (128 + SIGTERM)."""
+
+
+_sigterm = {"catching": False, "received": False}
+
+
+def catch_sigterm() -> Any:
+    """From now on SIGTERM raises `Terminated` in the main thread; returns the handler it replaced
+    (for `release_sigterm`). The CLI calls it first, and the cluster module again after `ray.init`,
+    which installs a handler of its own that exits at once."""
+    import signal
+    import threading
+
+    _sigterm["catching"] = True
+    if threading.current_thread() is threading.main_thread():
+        return signal.signal(signal.SIGTERM, _terminate)
+    return None
+
+
+def release_sigterm(previous: Any) -> None:
+    """Back to the SIGTERM handler before `catch_sigterm`; forget any SIGTERM received."""
+    import signal
+    import threading
+
+    _sigterm.update(catching=False, received=False)
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
+
+
+def keep_catching_sigterm() -> None:
+    """Put the handler of `catch_sigterm` back, if it was installed (after a library replaced it)."""
+    if _sigterm["catching"]:
+        catch_sigterm()
+
+
+def _terminate(signum, frame) -> None:
+    note_sigterm()
+    raise Terminated()
+
+
+def note_sigterm() -> None:
+    """Record that SIGTERM came (a handler that stops its command otherwise than by raising calls it)."""
+    _sigterm["received"] = True
+
+
+def sigterm_received() -> bool:
+    return _sigterm["received"]
 
 
 class GateFailed(DFlashError):

@@ -92,3 +92,45 @@ def test_status_and_scale_reach_a_generation_on_the_local_cluster(tmp_path):
     finally:
         run.communicate(timeout=60)
     assert not record.exists()
+
+
+STOPPED = """
+import sys, time
+from dflash_ray.cli import main
+from dflash_ray.cluster import connect
+from dflash_ray.config import RayConfig
+from dflash_ray.stages import plan
+
+def long_stage(*args, **kwargs):  # a long command on a cluster of its own: Ray installs its SIGTERM handler
+    connect(RayConfig(num_cpus=1, include_dashboard=False))
+    print("READY", file=sys.stderr, flush=True)
+    time.sleep(120)
+
+plan.run_plan = long_stage
+sys.exit(main(["plan", "--json"]))
+"""
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143():
+    """SIGTERM (Kubernetes, `ray job stop`) during a command that started its own cluster: the
+    command stops as on Ctrl-C, saying so, with the --json line and exit 143, not through Ray's
+    handler; Ctrl-C still exits 130."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    for sent, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STOPPED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.strip() == "READY":
+                break
+        start = time.monotonic()
+        proc.send_signal(sent)
+        out, err = proc.communicate(timeout=60)
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert proc.returncode == summary["exit_code"] == code, (proc.returncode, summary, err[-2000:])
+        assert "interrupted" in summary["error"] and ("SIGTERM: " in summary["error"]) == (code == 143)
+        assert "Traceback" not in err and time.monotonic() - start < 30

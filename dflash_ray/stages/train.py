@@ -16,7 +16,7 @@ from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
-from dflash_ray.errors import DFlashError, Interrupted
+from dflash_ray.errors import DFlashError, Interrupted, note_sigterm
 from dflash_ray.stages import PipelineRun, Stage
 from dflash_ray.train import drafters
 from dflash_ray.train.trackers import check_installed, driver_env
@@ -133,6 +133,12 @@ def run_train(
     interrupted = threading.Event()
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set()) if main else None
+
+    def terminated(*_) -> None:  # SIGTERM (Kubernetes, `ray job stop`) as Ctrl-C
+        note_sigterm()
+        interrupted.set()
+
+    before = signal.signal(signal.SIGTERM, terminated) if main else None
     printed = -1  # the last step given a line
 
     def show() -> None:
@@ -180,6 +186,7 @@ def run_train(
     finally:
         if main:
             signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, before)
         if bar is not None:
             bar.close()
         ray.kill(coordinator)
