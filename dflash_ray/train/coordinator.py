@@ -21,28 +21,21 @@ rank's error, an actor past a deadline) restarts every stream actor from the las
 
 from __future__ import annotations
 
-import collections
 import json
 import time
 from typing import Any
 
-from dflash_ray import manifest, storage
+from dflash_ray import storage
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint, evaluation, history
 from dflash_ray.train.deadlines import Stalled
 from dflash_ray.train.drafters import union_layers
+from dflash_ray.train.feeding import Feeder
 from dflash_ray.train.recovery import Checkpoints, Origin
-from dflash_ray.train.schedule import (
-    Schedule,
-    dataset_samples,
-    length_group,
-    sample_lengths,
-    sample_prompts,
-    split_heldout,
-)
-from dflash_ray.train.step_figures import Gauges, step_row
+from dflash_ray.train.schedule import RunSamples, Schedule, sample_lengths
+from dflash_ray.train.step_figures import Gauges, step_row, team_summary, times_taken
 from dflash_ray.train.streams import Streams, Team
 from dflash_ray.train.trackers import Trackers
 
@@ -137,44 +130,27 @@ class Coordinator:
         from dflash_ray.train.devices import planned_placement
 
         tcfg = self.cfg.train
-        samples = dataset_samples(self.data)
-        self.data_print = manifest.fingerprint(self.data)  # a resume continues on the same data, not the same path
-        prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
-        self.heldout, self.train_samples = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
-        self.lengths = sample_lengths(self.train_samples) if tcfg.length_group != 0 else None
-        # the balancing's run length, kept by resumes on another number of streams (the same order)
-        self.length_group = length_group(tcfg)
+        self.samples = RunSamples(self.data, tcfg)
+        self.data_print = self.samples.fingerprint
         self._schedule_from((0, 0, 0))
         # held-out batches by length (`evaluation`), and every graph shape the drafters will meet
         # when something compiles them (compiled attention on GPUs, or the GPU's clocks replayed)
-        held_lengths = sample_lengths(self.heldout) if self.heldout else []
-        self.heldout_batches = evaluation.batches_by_length(self.heldout, held_lengths, tcfg.batch_size)
+        heldout = self.samples.heldout
+        held_lengths = sample_lengths(heldout) if heldout else []
+        self.heldout_batches = evaluation.batches_by_length(heldout, held_lengths, tcfg.batch_size)
         self.shapes: list[tuple[int, int, bool]] = []
         if tcfg.clocks.scale > 0 or planned_placement(self.cfg).attention == "flex":
+            evaluated = self.heldout_batches if tcfg.eval_every else []
             self.shapes = evaluation.warm_shapes(
-                self.lengths if self.lengths is not None else sample_lengths(self.train_samples),
-                self.heldout_batches if tcfg.eval_every else [],
-                dict(zip(self.heldout, held_lengths)),
+                self.samples.train_lengths(),
+                evaluated,
+                dict(zip(heldout, held_lengths)),
                 tcfg.batch_size,
                 tcfg.length_bucket,
             )
 
     def _schedule_from(self, origin: tuple[int, int, int]) -> None:
-        """The schedule (and the run's length) from `origin` (`Schedule`): the start, or where a
-        checkpoint made on another number of streams stood."""
-        tcfg = self.cfg.train
-        self.schedule = Schedule(
-            self.train_samples,
-            self.streams.count,
-            tcfg.batch_size,
-            tcfg.seed,
-            origin,
-            tcfg.shard_window,
-            self.lengths,
-            self.length_group,
-        )
-        total = self.schedule.total_steps(tcfg.epochs)
-        self.total_steps = min(total, tcfg.max_steps) if tcfg.max_steps else total
+        self.schedule, self.total_steps = self.samples.schedule(self.streams.count, origin)
 
     def _start(self) -> None:
         """Place and start the streams, go on from the newest checkpoint, meet every graph shape."""
@@ -187,7 +163,7 @@ class Coordinator:
             self._schedule_from((0, 0, 0))
         else:  # the data goes on from where it stood, whatever the number of streams that took it there
             self.step, states = resumed
-            self.length_group = states[0].get("length_group", self.length_group)
+            self.samples.group = states[0].get("length_group", self.samples.group)
             self._schedule_from((self.step, *states[0]["position"]))
         self.taken = {k: v for k, v in self.taken.items() if k <= self.step}  # the steps past it are taken again
         ray.get([d.set_total_steps.remote(self.total_steps) for d in self.streams.drafters])
@@ -220,7 +196,9 @@ class Coordinator:
     def _train(self, stop_after_step: int | None) -> None:
         tcfg = self.cfg.train
         assert self.total_steps is not None  # `_plan` ran
-        self.ahead: list[dict[int, Any]] = [{} for _ in range(self.streams.count)]
+        assert self.schedule is not None
+        stall = self.cfg.train.stall_step if self.restarts == 0 else 0  # the drill's, in the first attempt only
+        self.feeder = Feeder(self.streams, self.schedule, self.total_steps, self._trace, stall)
         if tcfg.eval_every and self.step == 0 and self.teams[0].heldout_start is None:
             # the untrained start: what learning is measured against
             for team, tau in zip(self.teams, self._evaluate()):
@@ -261,9 +239,8 @@ class Coordinator:
         import ray
 
         n, streams = self.streams.count, self.streams
-        for k in range(self.cfg.train.max_in_flight + 1):
-            self._submit(self.step + k)
-        refs = [self.ahead[s].pop(self.step) for s in range(n)]
+        self.feeder.submit(self.step)
+        refs = self.feeder.take(self.step)
         ready_at = time.perf_counter()
         # a target stuck in its forward or its read is named here, past the deadline
         ready, _ = ray.wait(refs, num_returns=n, timeout=streams.deadlines.limit())
@@ -276,39 +253,13 @@ class Coordinator:
         # each drafter resolves its own stream's features (every drafter of a stream the same
         # reference): they never pass through here. The batches ahead are watched meanwhile: a
         # target that dies is known now, not when its drafter's receive times out
-        watch = [r for s in range(n) for r in self.ahead[s].values()] if streams.direct else None
+        watch = self.feeder.in_flight() if streams.direct else None
         refs = [
             d.train_step.remote(self.step, refs[s], self._fault(s), self._trace(self.step, "drafter", s, team))
             for team in self.teams
             for s, d in enumerate(team.drafters)
         ]
         return streams.wait(refs, streams.drafters, f"step {self.step + 1}", watch=watch), wait_s
-
-    def _submit(self, step: int) -> None:
-        """Post `step`'s batch to every target that has not got it, within the horizon."""
-        assert self.schedule is not None
-        n = self.streams.count
-        for s, target in enumerate(self.streams.targets):
-            if step < self._horizon() and step not in self.ahead[s]:
-                batch = self.schedule.batch_for(step, s)
-                trace = self._trace(step, "target", s)
-                stall = s == min(1, n - 1) and self.restarts == 0 and step + 1 == self.cfg.train.stall_step
-                if self.streams.direct:  # posted to every drafter of the stream; only the shapes come back
-                    dsts = [self.streams.layout.drafter(i, s) for i in range(len(self.teams))]
-                    self.ahead[s][step] = target.send_features.remote(batch, dsts, profile=trace, stall=stall)
-                else:
-                    self.ahead[s][step] = target.features.remote(batch, profile=trace, stall=stall)
-
-    def _horizon(self) -> int:
-        """The steps whose batches may be sent now. An evaluation's features travel the same pairs as
-        training's, and NCCL matches a pair's messages by order alone: a batch sent ahead past an
-        evaluation would meet the evaluation's receive. So batches past the next evaluation wait for
-        it (one target forward of idle drafters per evaluation)."""
-        every = self.cfg.train.eval_every
-        assert self.total_steps is not None  # `_plan` ran
-        if not (self.streams.direct and every):
-            return self.total_steps
-        return min(self.total_steps, (self.step // every + 1) * every)
 
     def _done(self, stats: list[dict[str, Any]], wait_s: float, step_s: float) -> None:
         """Step bookkeeping: the samples taken, the clocks, each drafter's metric row."""
@@ -331,31 +282,10 @@ class Coordinator:
         return evaluation.evaluate(self.streams, self.heldout_batches, self.cfg.train.max_in_flight + 1, self.step)
 
     def _checkpoint(self) -> None:
-        """A checkpoint of this step (`recovery`), with each drafter's run state."""
-        assert self.schedule is not None  # `_plan` ran
-        n, step = self.streams.count, self.step
-        position = list(self.schedule.position(step))  # where the data stands, for any stream count
-
-        def states(rngs: list[bytes]) -> list[dict[str, Any]]:
-            return [
-                {
-                    "step": step,
-                    "total_steps": self.total_steps,
-                    "drafter": team.name,
-                    "position": position,
-                    "length_group": self.length_group,
-                    "rng": [r.hex() for r in rngs[i * n : (i + 1) * n]],
-                    "streams": n,
-                    "heldout_start": team.heldout_start,  # what learning is measured against, after a resume too
-                    "config": self.cfg.to_dict(),
-                    "target": self.target,
-                    "data": self.data,
-                    "data_print": self.data_print,
-                }
-                for i, team in enumerate(self.teams)
-            ]
-
-        self.checkpoints.take(step, states)
+        """A checkpoint of this step (`recovery`): where the data stands, for any stream count."""
+        assert self.schedule is not None and self.total_steps is not None  # `_plan` ran
+        position = list(self.schedule.position(self.step))
+        self.checkpoints.take(self.step, self.total_steps, position, self.samples.group)
 
     def _log(self) -> None:
         if len(self.teams) == 1:
@@ -388,7 +318,6 @@ class Coordinator:
         import ray
 
         wanted = self.cfg.train.num_streams
-        counts = collections.Counter(x for samples in self.taken.values() for x in samples)
         run = {
             "stage": "train",
             "output": self.output,
@@ -405,42 +334,16 @@ class Coordinator:
             "steps_on_fewer_streams": sum(m.get("streams", wanted) < wanted for m in self.metrics),
             "deadlines_missed": self.streams.deadlines.missed,
             "warm_up": self.warm,
-            # how often each training sample was taken by the steps this coordinator ran (those a
-            # restart took again counted once): whole epochs take each `epochs` times
-            "samples": {
-                "steps": len(self.taken),
-                "taken": sum(counts.values()),
-                "distinct": len(counts),
-                "of": len(self.train_samples),
-                "min_times": min(counts.values(), default=0),
-                "max_times": max(counts.values(), default=0),
-            },
+            "samples": times_taken(self.taken, len(self.samples.train)),
             "coordinator_node": ray.util.get_node_ip_address(),
             "stream_nodes": sorted(self.streams.nodes),
             "seconds": round(seconds, 1),
             "trackers": tracked,
         }
-        summaries = [self._team_summary(team) for team in self.teams]
+        summaries = [team_summary(team, checkpoint.step_dir(team.output, self.step)) for team in self.teams]
         if self.cfg.train.drafters:  # each drafter's figures under its name
             return {**run, "drafters": {team.name: s for team, s in zip(self.teams, summaries)}}
         return {**run, **summaries[0]}
-
-    def _team_summary(self, team: Team) -> dict[str, Any]:
-        last = team.metrics[-1] if team.metrics else {}
-        heldout = [m for m in team.metrics if m.get("heldout_tau") is not None]
-        ratios = [m["straggler_ratio"] for m in team.metrics if "straggler_ratio" in m]
-        return {
-            "output": team.output,
-            "loss": last.get("loss"),
-            "tau": last.get("tau"),
-            "straggler_ratio": round(sum(ratios) / len(ratios), 3) if ratios else None,
-            "read_bytes": sum(m.get("read_bytes", 0) for m in team.metrics),
-            "rendezvous": f"{team.rendezvous[0]}:{team.rendezvous[1]}" if team.rendezvous else None,
-            "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
-            "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
-            "heldout_tau_start": team.heldout_start,
-            "checkpoint": checkpoint.step_dir(team.output, self.step),
-        }
 
     def stop(self) -> None:
         """Stop the stream actors and free their placement groups now (the driver was interrupted):

@@ -77,7 +77,7 @@ def evaluate(streams: Any, batches: list[list[Sample]], depth: int, step: int) -
     """Simulated tau of each drafter of `streams` (`Streams`) on the held-out `batches`, spread over
     every stream (a drafter's ranks hold the same weights, and each batch's anchors come from a fixed
     seed), in waves of `depth` batches a stream; each batch's features are computed once for all the
-    drafters. With send/recv features no training batch is in flight now (`Coordinator._horizon`)."""
+    drafters. With send/recv features no training batch is in flight now (`Feeder.horizon`)."""
     teams = streams.teams
     if not batches:
         return [None] * len(teams)

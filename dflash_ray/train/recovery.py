@@ -50,6 +50,7 @@ OPERATIONAL = {
     "clocks",
     "stall_step",
     "feature_cache_gb",
+    "max_steps",  # a longer (or shorter) run: the schedule of rates is recomputed over the new total on resume
 }  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
 
 
@@ -101,12 +102,12 @@ class Checkpoints:
         late = minutes > 0 and time.monotonic() - self.taken_at >= 60 * minutes
         return step % tcfg.checkpoint_every == 0 or last or late
 
-    def take(self, step: int, states: Callable[[list[bytes]], list[dict[str, Any]]]) -> None:
+    def take(self, step: int, total_steps: int, position: list[int], length_group: int) -> None:
         """Take a checkpoint of `step`: every drafter rank writes its files in the background; the
-        run state of each drafter (`states` of every rank's anchor RNG) is taken now, and committed
-        with the manifest once every rank's files are written (`commit`)."""
+        run state of each drafter (the step, where the data stands, every rank's anchor RNG) is taken
+        now, and committed with the manifest once every rank's files are written (`commit`)."""
         self.commit(wait=True)
-        teams = self.streams.teams
+        teams, origin = self.streams.teams, self.origin
         for team in teams:  # a manifest of an earlier run at this step no longer counts
             checkpoint.begin(team.output, step)
         self.taken_at, self.step = time.monotonic(), step
@@ -117,7 +118,25 @@ class Checkpoints:
             f"checkpoint {step}",
         )
         rngs = self.streams.wait([d.rng_state.remote() for d in drafters], drafters, "the anchor generators")
-        self.uploading = (step, states(rngs))
+        n = self.streams.count
+        states = [
+            {
+                "step": step,
+                "total_steps": total_steps,
+                "drafter": team.name,
+                "position": position,
+                "length_group": length_group,
+                "rng": [r.hex() for r in rngs[i * n : (i + 1) * n]],
+                "streams": n,
+                "heldout_start": team.heldout_start,  # what learning is measured against, after a resume too
+                "config": origin.cfg.to_dict(),
+                "target": origin.target,
+                "data": origin.data,
+                "data_print": origin.data_print,
+            }
+            for i, team in enumerate(teams)
+        ]
+        self.uploading = (step, states)
 
     def commit(self, wait: bool) -> None:
         """Commit the checkpoint in flight once every drafter rank has written its files (now, with

@@ -199,3 +199,33 @@ def split_heldout(samples: list, count: int, seed: int, prompts: list[str] | Non
         [s for s, p in zip(samples, prompts) if p in chosen],
         [s for s, p in zip(samples, prompts) if p not in chosen],
     )
+
+
+class RunSamples:
+    """A run's samples: the held-out split (whole prompts), the training samples' lengths (for
+    balanced steps) and their balancing's run length, and the schedule over any number of streams."""
+
+    def __init__(self, data: str, tcfg):
+        from dflash_ray import manifest
+
+        samples = dataset_samples(data)
+        self.fingerprint = manifest.fingerprint(data)  # a resume continues on the same data, not the same path
+        prompts = sample_prompts(samples) if tcfg.heldout > 0 else None
+        self.heldout, self.train = split_heldout(samples, tcfg.heldout, tcfg.seed, prompts)
+        self.lengths = sample_lengths(self.train) if tcfg.length_group != 0 else None
+        # the balancing's run length, kept by resumes on another number of streams (the same order)
+        self.group = length_group(tcfg)
+        self.tcfg = tcfg
+
+    def train_lengths(self) -> list[int]:
+        return self.lengths if self.lengths is not None else sample_lengths(self.train)
+
+    def schedule(self, streams: int, origin: tuple[int, int, int]) -> tuple[Schedule, int]:
+        """The schedule from `origin` (`Schedule`: the start, or where a checkpoint made on another
+        number of streams stood) and the step the run ends at."""
+        tcfg = self.tcfg
+        schedule = Schedule(
+            self.train, streams, tcfg.batch_size, tcfg.seed, origin, tcfg.shard_window, self.lengths, self.group
+        )
+        total = schedule.total_steps(tcfg.epochs)
+        return schedule, min(total, tcfg.max_steps) if tcfg.max_steps else total

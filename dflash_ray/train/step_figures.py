@@ -1,8 +1,10 @@
-"""One training step's figures: the metric row every stream's statistics make, and the live gauges
-the Ray dashboard shows (`ray.util.metrics`), per run and per drafter."""
+"""A training run's figures: each step's metric row from every stream's statistics, the live gauges
+the Ray dashboard shows (`ray.util.metrics`, per run and per drafter), and what a drafter's summary
+and the samples' count say at the end."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 
@@ -55,3 +57,37 @@ class Gauges:
         for k, v in row.items():
             if k != "step":
                 self.set(k, v)
+
+
+def team_summary(team: Any, checkpoint: str) -> dict[str, Any]:
+    """A drafter's figures at the end of a run (`streams.Team`), its newest checkpoint beside them."""
+    last = team.metrics[-1] if team.metrics else {}
+    heldout = [m for m in team.metrics if m.get("heldout_tau") is not None]
+    ratios = [m["straggler_ratio"] for m in team.metrics if "straggler_ratio" in m]
+    return {
+        "output": team.output,
+        "loss": last.get("loss"),
+        "tau": last.get("tau"),
+        "straggler_ratio": round(sum(ratios) / len(ratios), 3) if ratios else None,
+        "read_bytes": sum(m.get("read_bytes", 0) for m in team.metrics),
+        "rendezvous": f"{team.rendezvous[0]}:{team.rendezvous[1]}" if team.rendezvous else None,
+        "heldout_tau": heldout[-1]["heldout_tau"] if heldout else None,
+        "heldout_tau_first": heldout[0]["heldout_tau"] if heldout else None,
+        "heldout_tau_start": team.heldout_start,
+        "checkpoint": checkpoint,
+    }
+
+
+def times_taken(taken: dict[int, list], of: int) -> dict[str, int]:
+    """How often each training sample was taken by the steps run (`taken`: step -> its samples; those
+    a restart took again counted once): whole epochs take each of the `of` samples `epochs` times,
+    whatever number of streams each step ran on."""
+    counts = collections.Counter(x for samples in taken.values() for x in samples)
+    return {
+        "steps": len(taken),
+        "taken": sum(counts.values()),
+        "distinct": len(counts),
+        "of": of,
+        "min_times": min(counts.values(), default=0),
+        "max_times": max(counts.values(), default=0),
+    }
