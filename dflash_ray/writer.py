@@ -108,6 +108,20 @@ def _who(claim: dict[str, Any] | None) -> str:
     return f"a {claim.get('kind')} run, pid {claim.get('pid')} on {claim.get('host')}, heard from {age:.0f} s ago"
 
 
+def refuse_if_held(folder: str, doing: str = "writing") -> None:
+    """Refuse a folder another live run is writing (its claim fresh, its process not known gone)."""
+    held = _read(storage.join(folder, WRITER))
+    if held is None:
+        return
+    fresh = time.time() - float(held.get("heartbeat", 0)) < TIMEOUT_S
+    if fresh and _alive_here(held):
+        raise DFlashError(
+            f"another run is {doing} this output ({_who(held)}); wait for it to end or give "
+            f"another folder (a claim silent for {TIMEOUT_S:.0f} s is taken over)",
+            file=folder,
+        )
+
+
 def claim(
     folder: str,
     kind: str,
@@ -141,13 +155,7 @@ def claim(
     c.made_from = made_from
     held = _read(c.uri)
     if held is not None:
-        fresh = time.time() - float(held.get("heartbeat", 0)) < TIMEOUT_S
-        if fresh and _alive_here(held):
-            raise DFlashError(
-                f"another run is writing this output ({_who(held)}); wait for it to end or give "
-                f"another folder (a claim silent for {TIMEOUT_S:.0f} s is taken over)",
-                file=folder,
-            )
+        refuse_if_held(folder)
         log.warning("taking over %s from a run that is gone (%s)", folder, _who(held))
         c.took_over = held
     storage.write_text(c.uri, c._body())

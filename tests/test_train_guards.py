@@ -112,3 +112,48 @@ def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, tar
     with pytest.raises(DFlashError, match="the data's content"):
         run_train(target, folder, out, cfg, progress=False)
     assert checkpoint.complete_steps(out) == [3]
+
+
+class _RayStarted(Exception):
+    pass
+
+
+def test_train_refuses_on_storage_alone_before_ray_starts(target, data, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Another live run training into the output, checkpoints without --resume, and a checkpoint of
+    other settings are refused before Ray starts (no cluster, no target loaded), each naming what to
+    do; a raised train.max_steps goes on, the log saying what it does to the learning rate."""
+    import json
+
+    from dflash_ray import cluster, writer
+    from dflash_ray.cli import main
+
+    def no_ray(*args, **kwargs):
+        raise _RayStarted()
+
+    monkeypatch.setattr(cluster, "connect", no_ray)
+    out = tmp_path / "run"
+    args = ["train", "--data", data, "--target", target, "--output", str(out), "--json"]
+    args += [x for s in SETTINGS for x in ("--set", s)]
+
+    held = writer.claim(str(out), "training")  # a live run (this process) trains into it
+    try:
+        assert main(args) == 2
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert "another run is writing this output (a training run, pid" in error, error
+    finally:
+        held.release()
+
+    cfg = load_config(None, SETTINGS)
+    state = {"config": cfg.to_dict(), "data": data, "target": target, "data_print": "d", "step": 3}
+    checkpoint.save(str(out), 3, {"state.json": json.dumps(state).encode()})
+    assert main(args) == 2
+    assert "holds checkpoints of an earlier run: pass --resume" in json.loads(capsys.readouterr().out)["error"]
+    assert main(args + ["--resume", "--set", "train.lr=0.5"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert "step-00000003 was made with other settings (train.lr differ)" in error, error
+    assert not (out / writer.WRITER).exists()  # the claim went with the refusal
+
+    longer = load_config(None, SETTINGS + ["train.max_steps=50"])
+    with pytest.raises(_RayStarted):  # past every storage check
+        run_train(target, data, str(out), longer, progress=False, resume=True)
+    assert "train.max_steps unset -> 50: the run goes on from step 3" in capsys.readouterr().err

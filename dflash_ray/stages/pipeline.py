@@ -17,7 +17,7 @@ import hashlib
 import time
 from typing import Any
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest, storage, writer
 from dflash_ray.config import RunConfig
 from dflash_ray.preflight import preflight
 from dflash_ray.errors import DFlashError
@@ -55,7 +55,7 @@ def split_prompts(
     return len(rows) - len(held)
 
 
-TRAINING_FILES = {"metrics.jsonl", "metrics.png", "evaluation.png"}  # what a training run writes beside
+TRAINING_FILES = {"metrics.jsonl", "metrics.png", "evaluation.png", writer.WRITER}  # what a training run writes beside
 TRAINING_DIRS = {"checkpoints", "profile"}  # its checkpoints and traces
 
 
@@ -64,6 +64,7 @@ def clear_training(folder: str, cfg: RunConfig) -> None:
     is what training writes; anything else is named and nothing is deleted."""
     from dflash_ray.train import drafters
 
+    writer.refuse_if_held(folder, "training into")  # a live run's output is never cleared under it
     names = {name for name, _ in drafters.expand(cfg) if name}
     files = storage.list_files(folder) + storage.skipped_files(folder)
     unknown = [storage.basename(f) for f in files if storage.basename(f) not in TRAINING_FILES]

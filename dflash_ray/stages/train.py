@@ -64,20 +64,16 @@ def run_train(
     stop_after_step: int | None = None,
     progress: bool = True,
     run_name: str | None = None,
+    resume: bool | None = None,
 ) -> dict[str, Any]:
-    """Train, resuming from the newest complete checkpoint in `output` when there is one.
-    `stop_after_step` ends the run (with a checkpoint) after that step, to train in slices."""
-    import uuid
-
-    import ray
-    from tqdm import tqdm
-
-    from dflash_ray.cluster import connect
+    """Train, resuming from the newest complete checkpoint in `output` when there is one (`resume`
+    False: refuse an output holding checkpoints; True: warn when it holds none). `stop_after_step`
+    ends the run (with a checkpoint) after that step, to train in slices. Everything that reads only
+    settings and storage is checked before Ray starts: the output is claimed for this run (`writer`),
+    and a checkpoint to resume from is compared with this run's settings, data and target."""
+    from dflash_ray import writer
     from dflash_ray.preflight import preflight
     from dflash_ray.registry import pin
-    from dflash_ray.train.coordinator import Coordinator
-    from dflash_ray.train.devices import check_resources
-    from dflash_ray.train.profile import step_line
 
     storage.require_folder(output, "nothing was trained")
     if storage.overlaps(data, output):  # checkpoints and metrics would land among the data's shards
@@ -110,6 +106,85 @@ def run_train(
                 raise
             raise DFlashError(f"drafter {name!r}: {e}") from None
         teams.append((name, team_cfg, drafter_cfg, init))
+    local = None if storage.is_s3(output) else storage.local_path(output)
+    made = local is not None and not local.exists()
+    try:
+        with writer.claim(output, "training"):  # one run trains into an output; a second is refused at once
+            _check_checkpoints(target, data, output, cfg, resume)
+            return _train(target, data, output, cfg, teams, stop_after_step, progress, run_name)
+    except BaseException:
+        if made and local is not None and local.is_dir() and not any(local.iterdir()):
+            local.rmdir()  # the folder the claim made: a run refused before any step leaves nothing
+        raise
+
+
+def _check_checkpoints(target: str, data: str, output: str, cfg: RunConfig, resume: bool | None) -> None:
+    """On storage alone, before Ray: an output holding checkpoints without `resume` is refused, and the
+    newest checkpoint to resume from must be of this run (settings, data, target: `recovery.differences`,
+    as the coordinator checks it, less the data's fingerprint, which needs the data read). A raised or
+    lowered `train.max_steps` is a longer or shorter run: the learning-rate schedule is recomputed
+    over the new total from the checkpoint's step on, and the log says so."""
+    from dflash_ray.train import checkpoint
+    from dflash_ray.train.recovery import Origin, differences
+
+    outputs = drafters.outputs(output, cfg)
+    for folder in outputs:
+        steps = checkpoint.complete_steps(folder)
+        if resume is False and steps:
+            raise DFlashError(
+                "holds checkpoints of an earlier run: pass --resume to continue it, or choose another --output",
+                file=storage.join(folder, "checkpoints"),
+            )
+        if resume and not steps:
+            print(
+                f"dflash-ray train: warning: --resume, but {folder} holds no complete checkpoint: training "
+                "starts at step 0",
+                file=sys.stderr,
+            )
+    if cfg.train.drafters or not checkpoint.complete_steps(output):
+        return  # several drafters: each one's checkpoint is compared by the coordinator
+    step = checkpoint.complete_steps(output)[-1]
+    try:
+        state = json.loads(checkpoint.read_file(output, step, "state.json", checkpoint.verify(output, step)))
+    except checkpoint.CorruptCheckpoint:
+        return  # the coordinator resumes from an older one, or says none verifies
+    changed = differences(state, Origin(cfg, target, data, state.get("data_print", ""), output))
+    if changed:
+        raise DFlashError(
+            f"the checkpoint {checkpoint.step_dir(output, step)} was made with other settings ({', '.join(changed)} "
+            "differ): resuming would not continue the same run; set them as they were, or choose another --output",
+            file=output,
+        )
+    before = state.get("config", {}).get("train", {}).get("max_steps", 0)
+    if before != cfg.train.max_steps:
+        print(
+            f"dflash-ray train: warning: train.max_steps {before or 'unset'} -> {cfg.train.max_steps or 'unset'}: "
+            f"the run goes on from step {step}, its learning-rate schedule (warmup, cosine decay to zero) recomputed "
+            "over the new total: the rate rises again from where the old schedule had taken it",
+            file=sys.stderr,
+        )
+
+
+def _train(
+    target: str,
+    data: str,
+    output: str,
+    cfg: RunConfig,
+    teams: list,
+    stop_after_step: int | None,
+    progress: bool,
+    run_name: str | None,
+) -> dict[str, Any]:
+    import uuid
+
+    import ray
+    from tqdm import tqdm
+
+    from dflash_ray.cluster import connect
+    from dflash_ray.train.coordinator import Coordinator
+    from dflash_ray.train.devices import check_resources
+    from dflash_ray.train.profile import step_line
+
     connect(cfg.ray)
     check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     network = None
@@ -202,25 +277,17 @@ def run_train(
 
 
 def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
-    from dflash_ray.train import checkpoint
-
-    for output in drafters.outputs(args.output, cfg):
-        if not args.resume and checkpoint.complete_steps(output):
-            raise DFlashError(
-                "holds checkpoints of an earlier run: pass --resume to continue it, or choose another --output",
-                file=storage.join(output, "checkpoints"),
-            )
-        if args.resume and not checkpoint.complete_steps(output):
-            print(
-                f"dflash-ray train: warning: --resume, but {output} holds no complete checkpoint: training "
-                "starts at step 0",
-                file=sys.stderr,
-            )
     from dflash_ray.chaos import Injector
 
     with Injector(cfg.chaos) as chaos:  # `chaos.faults`: a drill, killing actors (or a node) while it trains
         summary = run_train(
-            args.target, args.data, args.output, cfg, stop_after_step=args.stop_after_step, progress=not args.json
+            args.target,
+            args.data,
+            args.output,
+            cfg,
+            stop_after_step=args.stop_after_step,
+            progress=not args.json,
+            resume=args.resume,
         )
     if cfg.chaos.faults:
         summary["chaos"] = chaos.summary()
