@@ -157,3 +157,21 @@ def test_train_refuses_on_storage_alone_before_ray_starts(target, data, tmp_path
     with pytest.raises(_RayStarted):  # past every storage check
         run_train(target, data, str(out), longer, progress=False, resume=True)
     assert "train.max_steps unset -> 50: the run goes on from step 3" in capsys.readouterr().err
+
+
+def test_a_full_disk_the_restarts_could_not_pass_is_named_and_its_temporaries_removed(tmp_path):
+    from dflash_ray.errors import DFlashError, DiskFull
+    from dflash_ray.stages.train import _disk_full
+
+    out = tmp_path / "run"
+    shards = out / "checkpoints" / "step-00000003" / "shards"
+    shards.mkdir(parents=True)
+    (shards / ".__0_0.distcp.tmp").write_bytes(b"x" * 100)  # half-copied, never listed
+    gave_up = DFlashError(
+        "a stream failed 4 times, over the budget of 3 restarts; last: OSError: [Errno 28] No space left on "
+        f"device: '/tmp/dflash-shard-1/__0_0.distcp' -> '{shards}/.__0_0.distcp.tmp'",
+        field="train.max_restarts",
+    )
+    full = _disk_full(gave_up, str(out), load_config(None, SETTINGS))
+    assert isinstance(full, DiskFull) and str(full).startswith(f"{shards}/__0_0.distcp: no space left on the device")
+    assert "1 temporary files of an unfinished checkpoint removed" in str(full) and not list(shards.iterdir())

@@ -16,7 +16,7 @@ from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
-from dflash_ray.errors import DFlashError, Interrupted, note_sigterm
+from dflash_ray.errors import DFlashError, DiskFull, Interrupted, note_sigterm
 from dflash_ray.stages import PipelineRun, Stage
 from dflash_ray.train import drafters
 from dflash_ray.train.trackers import check_installed, driver_env
@@ -111,11 +111,45 @@ def run_train(
     try:
         with writer.claim(output, "training"):  # one run trains into an output; a second is refused at once
             _check_checkpoints(target, data, output, cfg, resume)
-            return _train(target, data, output, cfg, teams, stop_after_step, progress, run_name)
+            try:
+                return _train(target, data, output, cfg, teams, stop_after_step, progress, run_name)
+            except DFlashError as e:
+                if isinstance(e, (DiskFull, Interrupted)) or not storage.no_space(e):
+                    raise
+                raise _disk_full(e, output, cfg) from None
     except BaseException:
         if made and local is not None and local.is_dir() and not any(local.iterdir()):
             local.rmdir()  # the folder the claim made: a run refused before any step leaves nothing
         raise
+
+
+def _disk_full(e: DFlashError, output: str, cfg: RunConfig) -> DiskFull:
+    """A run the actors' restarts could not carry past a full disk (a checkpoint's files): the path
+    and the space, and the temporary files of the checkpoints it left unfinished removed."""
+    import re
+
+    from dflash_ray.train import checkpoint
+
+    removed = 0
+    for folder in drafters.outputs(output, cfg):
+        complete = set(checkpoint.complete_steps(folder))
+        for step_dir in storage.list_dirs(storage.join(folder, "checkpoints")):
+            if storage.is_s3(step_dir) or checkpoint.step_of(step_dir) in complete:
+                continue
+            for tmp in storage.local_path(step_dir).rglob(".*.tmp"):  # half-copied shards, never listed
+                tmp.unlink(missing_ok=True)
+                removed += 1
+    found = re.findall(r"No space left on device: '[^']*'(?: -> '([^']+)')?|No space left on device: '([^']+)'", str(e))
+    path = next((a or b for a, b in reversed(found) if a or b), output)
+    name = storage.basename(path)
+    if name.startswith(".") and name.endswith(".tmp"):  # the temporary a copy was writing: the file it was for
+        path = storage.join(storage.parent(path), name[1:-4])
+    full = storage.disk_full(path)
+    return DiskFull(
+        f"{full.message} (while training; the restarts could not get past it: {removed} temporary files of an "
+        "unfinished checkpoint removed); the same command with --resume goes on from the last checkpoint",
+        file=path,
+    )
 
 
 def _check_checkpoints(target: str, data: str, output: str, cfg: RunConfig, resume: bool | None) -> None:
