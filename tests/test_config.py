@@ -379,6 +379,10 @@ def test_settings_a_command_would_ignore_are_refused(tmp_path, capsys):
 
     from dflash_ray.cli import main
 
+    tokenize = ["tokenize", "--input", str(tmp_path / "c"), "--output", str(tmp_path / "o"), "--json"]
+    assert main(tokenize + ["--set", "chaos.faults=[target]"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert "chaos.faults" in error and "pipeline" in error and "train" in error
     train = [
         "train",
         "--data",
@@ -389,9 +393,6 @@ def test_settings_a_command_would_ignore_are_refused(tmp_path, capsys):
         str(tmp_path / "o"),
         "--json",
     ]
-    assert main(train + ["--set", "chaos.faults=[target]"]) == 2
-    error = json.loads(capsys.readouterr().out)["error"]
-    assert "chaos.faults" in error and "pipeline" in error
     assert main(train + ["--stop-after-step", "-1"]) == 2
     assert "--stop-after-step" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
