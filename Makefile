@@ -49,6 +49,7 @@ bench: setup
 	$(BIN)/python -m bench.balance --json
 	$(BIN)/python -m bench.onesample --json
 	$(BIN)/python -m bench.stream --json
+	$(BIN)/python -m bench.generation_model --json
 	$(BIN)/python -m bench.handoff --json
 	$(BIN)/python -m bench.checkpoint --json
 	$(BIN)/python -m bench.drafters --json

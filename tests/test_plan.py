@@ -152,6 +152,31 @@ def test_generation_is_simulated_from_the_engines_settings_and_the_lengths(capsy
     assert split["engines"] == 16 and split["gpus"] == 32
 
 
+def test_a_generation_engine_on_a_measured_device_and_its_dtype():
+    """The engine model takes any device's peaks (a CPU's measured ones, bench/generation_model.py)
+    and the engine's value width: an fp32 engine moves twice the bytes for the same FLOPs."""
+    from types import SimpleNamespace
+
+    from dflash_ray.config import GenerateConfig
+    from dflash_ray.simulate_generation import engine_of
+
+    text = SimpleNamespace(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64
+    )
+    cpu = SimpleNamespace(memory_gb=24.0, bandwidth_tbs=0.04, bf16_tflops=0.2)
+    g = GenerateConfig(batch_size=16)
+    parameters = 134_515_008
+    bf16 = engine_of(text, parameters * 2, cpu, g, 0.5)
+    fp32 = engine_of(text, parameters * 4, cpu, g, 0.5, value_bytes=4)
+    assert bf16.flops_per_token == fp32.flops_per_token == 2 * parameters
+    assert bf16.kv_bytes_per_token == 30 * 2 * 3 * 64 * 2 and fp32.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token
+    # batch 1 reads the weights (bandwidth-bound); batch 16 on a CPU's low FLOP/byte is compute-bound
+    step_1, bound_1 = bf16.step_seconds(1, 100)
+    assert bound_1 == "memory bandwidth" and step_1 == pytest.approx((parameters * 2 + 100 * 23040) / 0.02e12)
+    assert bf16.step_seconds(16, 1600)[1] == "compute"
+    assert fp32.step_seconds(1, 100)[0] == pytest.approx(2 * step_1)
+
+
 def test_the_job_prices_the_bus_restarts_and_dollars(capsys, small_target):
     """FSDP2's traffic is in the step at the bus bandwidth (plan.bus_bandwidth, else
     train.min_bus_bandwidth): a slower bus, a longer training; a price gives dollars per stage."""
