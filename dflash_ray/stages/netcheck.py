@@ -44,7 +44,7 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
                     num_cpus=tcfg.actor_cpus,
                     num_gpus=bundles[index].get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        groups[-1], placement_group_bundle_index=index
+                        groups[s], placement_group_bundle_index=index
                     ),
                 )
                 .remote(tcfg, s, n)
