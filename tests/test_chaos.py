@@ -90,6 +90,15 @@ def three_nodes():
         yield cluster
 
 
+def _cli(args: list[str], settings: list[str], env: dict, timeout: int) -> dict:
+    """Run `dflash-ray ARGS --json --set S ...` as a user would (its own driver, the cluster's
+    environment) and return its summary; a failure shows the end of its stderr."""
+    command = [sys.executable, "-m", "dflash_ray.cli", *args, "--json", *[x for s in settings for x in ("--set", s)]]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _rows(folder, columns):
     return sorted(manifest.read_rows(str(folder), columns, 10**6), key=lambda r: r["id"])
 
@@ -143,35 +152,15 @@ def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(t
     address, env = three_nodes
     out = str(tmp_path / "two-nodes")
     workers = {"127.0.0.2", "127.0.0.3"}
-    args = [
-        "train",
-        "--data",
-        data,
-        "--target",
-        target,
-        "--output",
-        out,
-        "--json",
-        "--stop-after-step",
-        "3",
-        *[
-            x
-            for s in SETTINGS
-            + [
-                f"ray.address={address}",
-                "train.node_resource=train_node",
-                "ray.head_resource=head_node",
-                "train.actor_cpus=1",  # a node per stream
-                "train.min_bus_bandwidth=0.001",
-            ]
-            for x in ("--set", s)
-        ],
+    settings = SETTINGS + [
+        f"ray.address={address}",
+        "train.node_resource=train_node",
+        "ray.head_resource=head_node",
+        "train.actor_cpus=1",  # a node per stream
+        "train.min_bus_bandwidth=0.001",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_ray.cli", *args], env=env, capture_output=True, text=True, timeout=800
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    args = ["train", "--data", data, "--target", target, "--output", out, "--stop-after-step", "3"]
+    summary = _cli(args, settings, env, timeout=800)
     assert summary["step"] == 3 and set(summary["stream_nodes"]) == workers, summary
     pair = summary["network"]["slowest_pair"]  # the one pair: a rank on each node
     assert set(pair["nodes"]) == workers and not pair["within_node"] and pair["bus_gbs"] >= 0.001, summary
@@ -205,16 +194,7 @@ def test_elastic_streams_a_lost_node_costs_a_stream_not_the_run(three_nodes, tar
         "chaos.faults=[node@24]",
         "chaos.seed=6",  # 19 s after the stream actors first show up
     ]
-    args = ["train", "--data", data, "--target", target, "--output", out, "--json"]
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_ray.cli", *args, *[x for s in settings for x in ("--set", s)]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = _cli(["train", "--data", data, "--target", target, "--output", out], settings, env, timeout=800)
     (tmp_path / "summary.json").write_text(json.dumps(summary, indent=1))  # what the drill did, to read after
     drill = summary["chaos"]
     assert drill["injected"] == 1 and drill["faults"][0]["kind"] == "node", drill
@@ -241,15 +221,7 @@ def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(thre
         "chaos.faults=[node@45]",
         "chaos.seed=1",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_ray.cli", "pipeline", "--json", *[x for s in settings for x in ("--set", s)]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = _cli(["pipeline"], settings, env, timeout=1100)
     drill = summary["chaos"]
     assert drill["injected"] == drill["recovered"] == 1 and drill["faults"][0]["kind"] == "node", drill
     assert drill["faults"][0]["victim"] in ("node 127.0.0.2", "node 127.0.0.3", "node 127.0.0.4"), drill
