@@ -91,6 +91,7 @@ def test_deadline_names_a_target_blocked_in_its_reader_and_the_run_restarts_and_
     assert summary["step"] == summary["total_steps"] == 8 and summary["restarts"] == 1, summary
     missed = summary["deadlines_missed"]
     assert [m["late"] for m in missed] == [["target 1"]] and "step 3" in missed[0]["what"], missed
+    assert missed[0]["limit_s"] >= 8, missed  # the floor, and 4 x the steps' median on top
     assert "did not answer within" in summary["failures"][0], summary["failures"]
     rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "run" / "metrics.jsonl")).splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))

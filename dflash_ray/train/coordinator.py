@@ -243,12 +243,11 @@ class Coordinator:
         refs = self.feeder.take(self.step)
         ready_at = time.perf_counter()
         # a target stuck in its forward or its read is named here, past the deadline
-        ready, _ = ray.wait(refs, num_returns=n, timeout=streams.deadlines.limit())
+        limit = streams.deadlines.limit()
+        ready, _ = ray.wait(refs, num_returns=n, timeout=limit)
         late = [s for s in range(n) if refs[s] not in ready]
         if late:
-            streams.wait(
-                [refs[s] for s in late], [streams.targets[s] for s in late], f"step {self.step + 1}'s features", 0.0
-            )
+            streams.missed(f"step {self.step + 1}'s features", [streams.targets[s] for s in late], limit)
         wait_s = time.perf_counter() - ready_at
         # each drafter resolves its own stream's features (every drafter of a stream the same
         # reference): they never pass through here. The batches ahead are watched meanwhile: a

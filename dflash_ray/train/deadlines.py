@@ -47,6 +47,12 @@ class Deadlines:
         expected = statistics.median(self.recent) if self.recent else 0.0
         return self.floor_s + self.factor * expected * steps
 
+    def miss(self, what: str, late: list[str], limit_s: float) -> None:
+        """`late` missed the deadline of `what`: recorded, logged and raised (`Stalled`)."""
+        self.missed.append({"what": what, "late": late, "limit_s": round(limit_s, 1), "at": time.time()})
+        log.error("%s: %s missed the deadline of %.0f s", what, ", ".join(late), limit_s)
+        raise Stalled(what, late, limit_s)
+
     def wait(
         self,
         refs: list,
@@ -69,10 +75,7 @@ class Deadlines:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                late = sorted({names[i] for i, r in enumerate(refs) if r in pending})
-                self.missed.append({"what": what, "late": late, "limit_s": round(limit_s, 1), "at": time.time()})
-                log.error("%s: %s missed the deadline of %.0f s", what, ", ".join(late), limit_s)
-                raise Stalled(what, late, limit_s)
+                self.miss(what, sorted({names[i] for i, r in enumerate(refs) if r in pending}), limit_s)
             ready, _ = ray.wait(pending + watched, num_returns=1, timeout=left)
             for ref in ready:
                 if ref in watched:

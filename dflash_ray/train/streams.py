@@ -132,11 +132,22 @@ class Streams:
         try:
             return self.deadlines.wait(refs, self.names(actors), what, limit_s, watch)
         except Stalled as e:
-            from ray.util.metrics import Counter
-
-            counter = Counter("dflash_train_stalls", description="actors that missed a deadline", tag_keys=("run",))
-            counter.inc(len(e.late), tags={"run": self.run_name})
+            self._count(e)
             raise
+
+    def missed(self, what: str, actors: list, limit_s: float) -> None:
+        """`actors` missed the deadline `limit_s` of `what`, waited for elsewhere: named and raised."""
+        try:
+            self.deadlines.miss(what, self.names(actors), limit_s)
+        except Stalled as e:
+            self._count(e)
+            raise
+
+    def _count(self, e: Stalled) -> None:
+        from ray.util.metrics import Counter
+
+        counter = Counter("dflash_train_stalls", description="actors that missed a deadline", tag_keys=("run",))
+        counter.inc(len(e.late), tags={"run": self.run_name})
 
     def start(self, step: int) -> int:
         """Place the streams, start their actors and join them into their process groups; returns
