@@ -64,7 +64,9 @@ CLOCKED = [
 
 
 @pytest.mark.timeout(600)
-def test_clock_the_first_evaluation_posts_no_send_that_ages_past_the_watchdog(ray_cluster, target, many_lengths, tmp_path):  # noqa: F811
+def test_clock_the_first_evaluation_posts_no_send_that_ages_past_the_watchdog(
+    ray_cluster, target, many_lengths, tmp_path
+):  # noqa: F811
     """Under the GPU's clocks an evaluation that posted every held-out batch's features at once had
     its later sends wait behind the drafters' compiles past NCCL's watchdog, which ended the target
     (and with no restart left, the run). Every shape is now met before step 0, and an evaluation goes

@@ -43,9 +43,7 @@ def measure(tcfg: TrainConfig, megabytes: float = MEGABYTES, iters: int = 5) -> 
                 .options(
                     num_cpus=tcfg.actor_cpus,
                     num_gpus=bundles[index].get("GPU", 0),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        groups[s], placement_group_bundle_index=index
-                    ),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(groups[s], placement_group_bundle_index=index),
                 )
                 .remote(tcfg, s, n)
             )
