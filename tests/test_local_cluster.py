@@ -104,7 +104,7 @@ from dflash_ray.stages import plan
 def long_stage(*args, **kwargs):  # a long command on a cluster of its own: Ray installs its SIGTERM handler
     connect(RayConfig(num_cpus=1, include_dashboard=False))
     print("READY", file=sys.stderr, flush=True)
-    time.sleep(120)
+    time.sleep(900)
 
 plan.run_plan = long_stage
 sys.exit(main(["plan", "--json"]))
@@ -129,8 +129,8 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143():
                 break
         start = time.monotonic()
         proc.send_signal(sent)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=300)  # a loaded 2-core machine stops a local cluster slowly
         summary = json.loads(out.strip().splitlines()[-1])
         assert proc.returncode == summary["exit_code"] == code, (proc.returncode, summary, err[-2000:])
         assert "interrupted" in summary["error"] and ("SIGTERM: " in summary["error"]) == (code == 143)
-        assert "Traceback" not in err and time.monotonic() - start < 30
+        assert "Traceback" not in err and time.monotonic() - start < 240  # well before the stage's own end
