@@ -44,6 +44,9 @@ def test_the_demo_never_deletes_a_users_files_in_its_workdir(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000002").mkdir(parents=True)
     (run / "metrics.jsonl").write_text("{}\n")
+    (run / "metrics").mkdir()  # the metric history, appended per checkpoint
+    (run / "metrics" / "000000002.jsonl").write_text("{}\n")
+    (run / "compile-cache.bin").write_bytes(b"")  # torch's compiled artifacts
     clear_training(str(run), cfg)
     assert not run.exists()
 

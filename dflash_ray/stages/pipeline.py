@@ -55,8 +55,9 @@ def split_prompts(
     return len(rows) - len(held)
 
 
-TRAINING_FILES = {"metrics.jsonl", "metrics.png", "evaluation.png", writer.WRITER}  # what a training run writes beside
-TRAINING_DIRS = {"checkpoints", "profile"}  # its checkpoints and traces
+# what a training run writes beside its checkpoints (its compiled artifacts among them)
+TRAINING_FILES = {"metrics.jsonl", "metrics.png", "evaluation.png", "compile-cache.bin", writer.WRITER}
+TRAINING_DIRS = {"checkpoints", "profile", "metrics"}  # its checkpoints, traces and metric history
 
 
 def clear_training(folder: str, cfg: RunConfig) -> None:
