@@ -29,7 +29,6 @@ class Clock:
 
     cfg: ClocksConfig
     compiled: set = field(default_factory=set)
-    waited_s: float = 0.0
 
     @property
     def on(self) -> bool:
@@ -38,22 +37,17 @@ class Clock:
     def _wait(self, seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)
-            self.waited_s += seconds
 
     def watchdog_s(self, timeout_s: float) -> float:
         """NCCL's watchdog runs on the GPU's clock: `timeout_s` scaled with the rest. The CPU's own
         collectives (gloo) keep the unscaled timeout, since the CPU's real work is not scaled."""
         return timeout_s * self.cfg.scale if self.on else timeout_s
 
-    def compile(self, shape: tuple) -> bool:
-        """A graph of `shape` is met: the first time in this process it costs a compile. True when it
-        was compiled now."""
-        if shape in self.compiled:
-            return False
-        self.compiled.add(shape)
-        if self.on:
+    def compile(self, shape: tuple) -> None:
+        """A graph of `shape` is met: the first time in this process it costs a compile."""
+        if self.on and shape not in self.compiled:
+            self.compiled.add(shape)
             self._wait(self.cfg.compile_s * self.cfg.scale)
-        return True
 
     def forward(self, tokens: int) -> None:
         self._wait(self.cfg.target_forward_s * self.cfg.scale * tokens / REFERENCE_TOKENS)
