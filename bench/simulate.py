@@ -2,7 +2,7 @@
 step on an H200 (bench/RESULTS.md, 2026-11-30: Qwen3.6-27B's width with six target layers, the
 reference drafter, 512 anchors, block 16, 3,072-token sequences; 0.369 s a step, and 54.5 GB of
 `torch.cuda.max_memory_allocated` over six steps, the target's weights included), simulated at
-those exact shapes by `dflash-ray plan`'s own code (`stages.plan.simulate_roles`).
+those exact shapes by `dflash-ray plan`'s own code (`planning.simulate_roles`).
 
     .venv/bin/python -m bench.simulate [--json]
 
@@ -94,7 +94,7 @@ def check_config(
 def simulate_check(zero_grad_first: bool = True, **shape) -> dict:
     """The simulated steady-state peak (GB) and step seconds of the GPU check's colocated step at
     `shape`; `zero_grad_first=False`: the worker's code as it was measured."""
-    from dflash_ray.stages.plan import samples, simulate_roles, target_config
+    from dflash_ray.planning import samples, simulate_roles, target_config
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = check_config(Path(tmp), **shape)

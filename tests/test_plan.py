@@ -70,7 +70,7 @@ def test_every_preset_plans_its_own_target_and_a_fallback_says_so():
     a config naming none plans the seed's target with a warning."""
     from dflash_ray.config import load_config
     from dflash_ray.drafter.shape import drafter_config_of
-    from dflash_ray.stages.plan import fallback_warning, target_config, target_summary
+    from dflash_ray.planning import fallback_warning, target_config, target_summary
 
     for preset, layers, width in (("qwen3-8b", 36, 4096), ("mix-example", 36, 4096), ("qwen3.6-27b", 64, 5120)):
         cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"), [])

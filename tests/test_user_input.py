@@ -205,7 +205,7 @@ def test_the_pipeline_tokenizes_with_its_targets_tokenizer_unless_told():
 
 
 def test_keeping_every_prompt_aside_is_refused_naming_the_setting(tmp_path):
-    from dflash_ray.stages.pipeline import split_prompts
+    from dflash_ray.stages.prompts import split_prompts
     from dflash_ray.stages.prompts import run_prompts
 
     raw = tmp_path / "raw.jsonl"
@@ -324,7 +324,7 @@ def test_an_unexpected_failure_says_it_is_a_bug(monkeypatch, capsys):
 
 
 def test_unseen_prompts_that_the_run_trains_on_are_refused(tmp_path):
-    from dflash_ray.stages.pipeline import unseen_prompts
+    from dflash_ray.stages.prompts import unseen_prompts
     from dflash_ray.stages.prompts import run_prompts
 
     cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}"])
@@ -340,8 +340,10 @@ def test_unseen_prompts_that_the_run_trains_on_are_refused(tmp_path):
 
 
 def test_dspark_with_no_loss_term_teaching_the_drafts_is_refused():
+    from dflash_ray.preflight import check_settings
+
     with pytest.raises(DFlashError) as e:
-        load_config(None, ["train.drafter=dspark", "train.family={ce_weight: 0, tv_weight: 0}"])
+        load_config(None, ["train.drafter=dspark", "train.family={ce_weight: 0, tv_weight: 0}"], check=check_settings)
     assert e.value.field == "train.family.ce_weight"
 
 

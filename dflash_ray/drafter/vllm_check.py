@@ -19,6 +19,55 @@ if TYPE_CHECKING:
     from vllm import TokensPrompt
 
 
+def run_vllm(
+    target_dir: str,
+    drafter_dir: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    *,
+    plain: bool = False,
+) -> dict:
+    """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance, and
+    with `temperature` > 0 that of a sampled run too; `plain`: also those without the drafter, as
+    `plain_outputs`), in vLLM's own process: it spawns workers and wants a `__main__` guard."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from dflash_ray.errors import DFlashError
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_ray.drafter.vllm_check",
+        "--target",
+        target_dir,
+        "--prompts-json",
+        f.name,
+        "--max-tokens",
+        str(max_tokens),
+        "--temperature",
+        str(temperature),
+        "--top-p",
+        str(top_p),
+    ]
+    if drafter_dir:
+        cmd += ["--drafter", str(drafter_dir)] + (["--plain"] if plain else [])
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise DFlashError(f"vLLM run failed: {done.stderr[-2000:]}", file=str(drafter_dir or target_dir))
+    return json.loads(line[len("VLLM_RESULT ") :])
+
+
 def _metric(metrics, name: str) -> float:
     total = 0.0
     for m in metrics:

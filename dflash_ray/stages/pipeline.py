@@ -13,46 +13,14 @@ raised the held-out simulated acceptance length by that much over its step 0.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import time
 from typing import Any
 
-from dflash_ray import manifest, storage, writer
+from dflash_ray import storage, writer
 from dflash_ray.config import RunConfig
 from dflash_ray.preflight import preflight
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import Stage
-
-
-def split_prompts(
-    prompts: str, train_out: str, eval_out: str, eval_count: int, seed: int, answered: bool = False
-) -> int:
-    """Keep `eval_count` prompts (a seeded choice by id) out of generation and training. `answered`:
-    the rows are completions (existing responses); the kept-aside part keeps their prompt fields."""
-    from dflash_ray.data import schema
-    from dflash_ray.stages.prompts import shard_bytes
-
-    train_schema = schema.COMPLETIONS if answered else schema.PROMPTS
-    rows = manifest.read_rows(prompts, list(train_schema.names), 10**9)
-    if eval_count >= len(rows):
-        raise DFlashError(
-            f"{eval_count} prompts kept aside for evaluation out of {len(rows)}: none would be left "
-            "to train on; allowed: fewer than the prompts",
-            field="pipeline.eval_prompts",
-        )
-    order = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).hexdigest())
-    held = {r["id"] for r in order[:eval_count]}
-    for out, part, table_schema in (
-        (eval_out, [r for r in rows if r["id"] in held], schema.PROMPTS),
-        (train_out, [r for r in rows if r["id"] not in held], train_schema),
-    ):
-        kind = "completions" if table_schema is schema.COMPLETIONS else "prompts"
-        rows_part = [{k: r.get(k) for k in table_schema.names} for r in part]
-        storage.write_bytes(storage.join(out, f"{kind}-00000.parquet"), shard_bytes(rows_part, table_schema))
-        manifest.write_manifest(
-            out, kind=kind, files=[{"name": f"{kind}-00000.parquet", "rows": len(part)}], summary={kind: len(part)}
-        )
-    return len(rows) - len(held)
 
 
 # what a training run writes beside its checkpoints (its compiled artifacts among them)
@@ -79,23 +47,6 @@ def clear_training(folder: str, cfg: RunConfig) -> None:
             file=folder,
         )
     storage.delete_tree(folder)
-
-
-def unseen_prompts(inputs: list, trained: str, output: str, cfg: RunConfig) -> int:
-    """The `pipeline.unseen_prompts` files as a prompts dataset at `output`; one that is also among the
-    run's own prompts (`trained`: the same conversation, by its content id) is refused, naming it."""
-    from dflash_ray.stages.prompts import run_prompts
-
-    summary = run_prompts(list(inputs), output, cfg, progress=False)
-    own = {r["id"] for r in manifest.read_rows(trained, ["id"], 10**9)}
-    shared = [r["id"] for r in manifest.read_rows(output, ["id"], 10**9) if r["id"] in own]
-    if shared:
-        raise DFlashError(
-            f"{len(shared)} of its prompts are among the run's own inputs (first id {shared[0]}): "
-            "they would not be unseen",
-            field="pipeline.unseen_prompts",
-        )
-    return int(summary["prompts"])
 
 
 def with_target_tokenizer(cfg: RunConfig) -> RunConfig:

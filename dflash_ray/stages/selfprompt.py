@@ -46,7 +46,7 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     from tqdm import tqdm
 
     from dflash_ray.generation.selfprompt import select
-    from dflash_ray.stages.generate import check_model, engine_options
+    from dflash_ray.generation.options import check_model, engine_options
 
     scfg = cfg.selfprompt
     if scfg.count < 1:

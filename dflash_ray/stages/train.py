@@ -93,7 +93,7 @@ def run_train(
     preflight(cfg, generating=False)
     target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
     if cfg.train.actor_gpus > 0:  # every GPU role's simulated peak against the GPU's memory (`plan`)
-        from dflash_ray.stages.plan import check_memory
+        from dflash_ray.planning import check_memory
 
         check_memory(cfg, target)
     teams = []
@@ -223,7 +223,7 @@ def _train(
     check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     network = None
     if cfg.train.min_bus_bandwidth > 0 and cfg.train.num_streams > 1:  # the network first, not a slow run
-        from dflash_ray.stages.netcheck import check_floor, measure
+        from dflash_ray.train.network import check_floor, measure
 
         network = measure(cfg.train)
         check_floor(network, cfg.train.min_bus_bandwidth)
