@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dflash_ray.config import ChaosConfig
 
+from dflash_ray.config import FAULT_KINDS, parse_faults
+
 # a fault's kind -> what the actor class names of its victims contain
 VICTIMS = {
     "generator": ("Generator",),
@@ -30,7 +32,8 @@ VICTIMS = {
     "target": ("TargetWorker",),
     "drafter": ("DrafterWorker", "ColocatedWorker"),
 }
-KINDS = (*VICTIMS, "node")
+KINDS = FAULT_KINDS
+assert set(KINDS) == {*VICTIMS, "node"}  # config names every kind a victim list here has
 POLL_S = 0.2
 
 
@@ -41,25 +44,6 @@ class Fault:
     seen_at: float | None = None
     fired_at: float | None = None
     victim: str = ""
-
-
-def parse(cfg: ChaosConfig) -> list[tuple[str, float]]:
-    """(kind, window in seconds) of each `chaos.faults` entry; a bad one names the field."""
-    from dflash_ray.errors import DFlashError
-
-    faults = []
-    for i, entry in enumerate(cfg.faults):
-        kind, _, window = str(entry).partition("@")
-        try:
-            seconds = float(window) if window else cfg.within_s
-        except ValueError:
-            seconds = -1.0
-        if kind not in KINDS or not 0 <= seconds < float("inf"):  # nan and inf too: a fault that never fires
-            raise DFlashError(
-                f"{entry!r}: allowed: KIND or KIND@SECONDS, KIND one of {list(KINDS)}", field=f"chaos.faults[{i}]"
-            )
-        faults.append((kind, seconds))
-    return faults
 
 
 def _signal(pid: int | None) -> None:
@@ -75,7 +59,7 @@ class Injector:
 
     def __init__(self, cfg: ChaosConfig):
         self.rng = random.Random(cfg.seed)
-        self.faults = [Fault(kind, round(self.rng.uniform(0, window), 2)) for kind, window in parse(cfg)]
+        self.faults = [Fault(kind, round(self.rng.uniform(0, window), 2)) for kind, window in parse_faults(cfg)]
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)

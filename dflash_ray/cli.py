@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from dflash_ray import stages
 from dflash_ray.config import RunConfig, load_config
+from dflash_ray.preflight import check_settings
 from dflash_ray.errors import (
     DFlashError,
     DiskFull,
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     joined = _ray_initialized()
     try:
         try:
-            cfg = load_config(args.config, args.overrides)
+            cfg = load_config(args.config, args.overrides, check=check_settings)
             if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
                 raise DFlashError(
                     f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` "

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
@@ -350,15 +352,11 @@ class TrainConfig:
     drafters: list = field(default_factory=list)
 
     def check(self) -> None:
-        """The family and its settings, the layers, the placement, the lists; the drafters of
-        `drafters` each as a whole run config (`check`)."""
-        from dflash_ray.drafter import families
-        from dflash_ray.train import drafters
-
-        if self.drafter not in families.names():
-            raise DFlashError(f"{self.drafter!r} is not one of {list(families.names())}", field="train.drafter")
-        if self.family:  # imports the family's module (torch): a run without settings of its own never does
-            families.settings(self.drafter, self.family, "train.family")
+        """The family, the layers, the placement, the lists; the drafters of `drafters` each as a
+        whole run config (`check`). The family's own settings are its module's to read
+        (`preflight.check_settings`: it imports torch)."""
+        if self.drafter not in family_names():
+            raise DFlashError(f"{self.drafter!r} is not one of {list(family_names())}", field="train.drafter")
         ids = self.target_layer_ids
         if ids is not None and (
             not ids
@@ -399,7 +397,7 @@ class TrainConfig:
             )
         if not isinstance(self.drafters, list):
             raise DFlashError(f"{self.drafters!r}: allowed: a list of drafters", field="train.drafters")
-        drafters.check(self.drafters)
+        check_drafters(self.drafters)
         if self.drafters and self.colocate:
             raise DFlashError(
                 "one colocated actor holds one drafter; allowed with train.drafters: train.colocate=false",
@@ -452,9 +450,7 @@ class ChaosConfig:
     within_s: float = at_least(0, default=10.0)  # each fault fires within this many seconds after its victims show up
 
     def check(self) -> None:
-        from dflash_ray import chaos
-
-        chaos.parse(self)
+        parse_faults(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -575,9 +571,7 @@ def check(cfg: RunConfig) -> None:
     field's range and each section's own rules (its `check`), then the rules across sections."""
     _check_section(cfg, "")
     if cfg.train.drafters:
-        from dflash_ray.train import drafters
-
-        drafters.expand(cfg)  # each drafter's values in range, as a run config of its own
+        expand_drafters(cfg)  # each drafter's values in range, as a run config of its own
     if cfg.train.block_size > cfg.tokenize.max_seq_len:
         raise DFlashError(
             f"{cfg.train.block_size} is longer than the longest sample training keeps (tokenize.max_seq_len="
@@ -814,15 +808,24 @@ def read_settings(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     return merge_settings(read_settings(base, seen + (path,)), loaded)
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Build the run config from an optional YAML file (path or URI) and dotted overrides."""
+def load_config(
+    path: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    check: Callable[[RunConfig], None] | None = None,
+) -> RunConfig:
+    """Build the run config from an optional YAML file (path or URI) and dotted overrides. `check`:
+    more rules, from a floor above this one (`preflight.check_settings`: what only the code that owns
+    a setting can read), whose errors are named as the config's own are (the --set, or the file)."""
     if path is not None and not str(path).strip():
         raise DFlashError("is empty (an unset variable?): give a config file, or leave --config out", field="--config")
     data = read_settings(path) if path else {}
     for assignment in overrides:
         apply_override(data, assignment)
     try:
-        return _build(RunConfig, data)
+        cfg = _build(RunConfig, data)
+        if check is not None:
+            check(cfg)
+        return cfg
     except DFlashError as e:
         if e.file is not None:
             raise
@@ -841,3 +844,110 @@ def _touches(key: str, field: str) -> bool:
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, data)
+
+
+# -- the chaos drill's faults (chaos.py fires them)
+FAULT_KINDS = ("generator", "tokenize", "target", "drafter", "node")
+
+
+def parse_faults(cfg: ChaosConfig) -> list[tuple[str, float]]:
+    """(kind, window in seconds) of each `chaos.faults` entry; a bad one names the field."""
+    faults = []
+    for i, entry in enumerate(cfg.faults):
+        kind, _, window = str(entry).partition("@")
+        try:
+            seconds = float(window) if window else cfg.within_s
+        except ValueError:
+            seconds = -1.0
+        if kind not in FAULT_KINDS or not 0 <= seconds < float("inf"):  # nan and inf too: a fault that never fires
+            raise DFlashError(
+                f"{entry!r}: allowed: KIND or KIND@SECONDS, KIND one of {list(FAULT_KINDS)}", field=f"chaos.faults[{i}]"
+            )
+        faults.append((kind, seconds))
+    return faults
+
+
+# -- drafter families and several drafters from one target pass (train/drafters.py)
+def family_names() -> tuple[str, ...]:
+    """Every family: the modules of `dflash_ray/drafter` that define `FAMILY` (read, not imported)."""
+    folder = Path(__file__).parent / "drafter"
+    return tuple(
+        sorted(
+            p.stem for p in folder.glob("*.py") if re.search(r"^FAMILY = ", p.read_text(encoding="utf-8"), re.MULTILINE)
+        )
+    )
+
+
+# what may differ between the drafters of one run: their shape, family and optimizer; the data,
+# the schedule and the placement are the run's
+PER_DRAFTER = (
+    "drafter",
+    "family",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "init",
+    "block_size",
+    "layer_types",
+    "sliding_window",
+    "loss_decay",
+    "distill",
+    "num_target_features",
+    "target_layer_ids",
+    "mask_token_id",
+    "lr",
+    "weight_decay",
+    "warmup_ratio",
+    "clip",
+    "num_anchors",
+)
+NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+def check_drafters(entries: list) -> None:
+    """Refuse an entry that is no {name, settings} mapping, a bad or repeated name, or a setting
+    that is not a drafter's, naming the entry."""
+    names = set()
+    for i, entry in enumerate(entries):
+        where = f"train.drafters[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not NAME.match(entry["name"]):
+            raise DFlashError(
+                f"{entry!r}: allowed: a mapping with a `name` (lowercase letters, digits, '.', '_', "
+                "'-'; it names the drafter's folder) and drafter settings",
+                field=where,
+            )
+        if entry["name"] in names:
+            raise DFlashError(f"the name {entry['name']!r} is given twice; allowed: distinct names", field=where)
+        names.add(entry["name"])
+        moved = sorted(set(entry) & set(MOVED_TO_FAMILY))
+        if moved:
+            raise DFlashError(f"{where}.{moved[0]} moved to {where}.family.{moved[0]}", field=f"{where}.{moved[0]}")
+        other = sorted(set(entry) - {"name"} - set(PER_DRAFTER))
+        if other:
+            raise DFlashError(
+                f"{other} are the run's settings, not one drafter's; allowed here: {', '.join(PER_DRAFTER)}",
+                field=f"{where}.{other[0]}",
+            )
+
+
+def expand_drafters(cfg: Any) -> list[tuple[str, Any]]:
+    """(name, RunConfig) for every drafter of the run; a drafter's own config lists no drafters."""
+    entries = cfg.train.drafters
+    if not entries:
+        return [("", cfg)]
+    runs = []
+    for i, entry in enumerate(entries):
+        settings = {
+            k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}") for k, v in entry.items() if k != "name"
+        }
+        same = settings.get("drafter", cfg.train.drafter) == cfg.train.drafter
+        settings["family"] = {**(cfg.train.family if same else {}), **settings.get("family", {})}
+        try:
+            train = dataclasses.replace(cfg.train, drafters=[], **settings)
+            runs.append((entry["name"], dataclasses.replace(cfg, train=train)))
+        except DFlashError as e:  # a value out of range: name the entry it came from
+            field = f"train.drafters[{i}].{e.field.split('.', 1)[1]}" if e.field else f"train.drafters[{i}]"
+            raise DFlashError(str(e).split(": ", 1)[-1] if e.field else str(e), field=field) from None
+    return runs

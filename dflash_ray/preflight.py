@@ -45,12 +45,27 @@ def check_compiled_shapes(cfg: RunConfig) -> None:
             )
 
 
+def check_settings(cfg: RunConfig) -> None:
+    """The settings only their owners can read, refused naming the field: each drafter family's own
+    (`train.family`, and each `train.drafters` entry's, on top of the run's when it keeps its family),
+    read by the family module's `Settings` (it imports torch, which the config alone never does)."""
+    from dflash_ray.config import expand_drafters
+    from dflash_ray.drafter import families
+
+    if cfg.train.family:
+        families.settings(cfg.train.drafter, cfg.train.family, "train.family")
+    for i, (_, team) in enumerate(expand_drafters(cfg) if cfg.train.drafters else []):
+        if team.train.family:
+            families.settings(team.train.drafter, team.train.family, f"train.drafters[{i}].family")
+
+
 def preflight(cfg: RunConfig, *, generating: bool = True) -> list[str]:
     """Every settings check a run makes before it starts; returns the warnings (refusals raise).
     `generating`: the run generates its responses (the length rule of generation against tokenization)."""
     from dflash_ray.train import drafters
     from dflash_ray.train.devices import planned_placement
 
+    check_settings(cfg)
     warnings = []
     if generating:
         warning = check_lengths(cfg)

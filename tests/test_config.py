@@ -276,11 +276,13 @@ def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs()
 
 
 def test_family_settings_are_one_section_read_by_the_family():
-    """`train.family` holds the chosen family's own settings, read by its module's `Settings`: an
-    unknown key or a value out of range names `train.family.KEY`; the keys that were `train`'s own
-    say where they moved, in a drafter entry too. An entry keeping the run's family inherits its
-    settings, one naming another family starts from that family's defaults."""
+    """`train.family` holds the chosen family's own settings, read by its module's `Settings` (the
+    check a command runs on its config, `preflight.check_settings`): an unknown key or a value out of
+    range names `train.family.KEY`; the keys that were `train`'s own say where they moved, in a
+    drafter entry too. An entry keeping the run's family inherits its settings, one naming another
+    family starts from that family's defaults."""
     from dflash_ray.drafter import families
+    from dflash_ray.preflight import check_settings
     from dflash_ray.train.drafters import expand
 
     cfg = load_config(None, ["train.drafter=dspark", "train.family.markov_rank=64", "train.family.ce_weight=0.2"])
@@ -304,8 +306,10 @@ def test_family_settings_are_one_section_read_by_the_family():
         ),
     ):
         with pytest.raises(DFlashError, match=re.escape(says)) as e:
-            load_config(None, override)
+            load_config(None, override, check=check_settings)
         assert e.value.field == field, (override, e.value)
+        if override[-1].startswith("train.family."):  # the command line's, named as such
+            assert f"(given by --set {override[-1]})" in str(e.value)
     runs = expand(
         load_config(
             None,

@@ -29,8 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from dflash_ray.errors import DFlashError
@@ -123,13 +121,10 @@ class Family(Protocol):
 
 @functools.cache
 def names() -> tuple[str, ...]:
-    """Every family: the modules beside this one that define `FAMILY` (read, not imported)."""
-    folder = Path(__file__).parent
-    return tuple(
-        sorted(
-            p.stem for p in folder.glob("*.py") if re.search(r"^FAMILY = ", p.read_text(encoding="utf-8"), re.MULTILINE)
-        )
-    )
+    """Every family (`config.family_names`: the modules beside this one that define `FAMILY`)."""
+    from dflash_ray.config import family_names
+
+    return family_names()
 
 
 def get(name: str) -> Family:

@@ -11,89 +11,14 @@ it is). With the list empty the run has one drafter, named "", writing to `OUTPU
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import Any
 
-from dflash_ray.errors import DFlashError
-
-# what may differ between the drafters of one run: their shape, family and optimizer; the data,
-# the schedule and the placement are the run's
-PER_DRAFTER = (
-    "drafter",
-    "family",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "intermediate_size",
-    "init",
-    "block_size",
-    "layer_types",
-    "sliding_window",
-    "loss_decay",
-    "distill",
-    "num_target_features",
-    "target_layer_ids",
-    "mask_token_id",
-    "lr",
-    "weight_decay",
-    "warmup_ratio",
-    "clip",
-    "num_anchors",
-)
-NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-
-
-def check(entries: list) -> None:
-    """Refuse an entry that is no {name, settings} mapping, a bad or repeated name, or a setting
-    that is not a drafter's, naming the entry."""
-    from dflash_ray.config import MOVED_TO_FAMILY
-
-    names = set()
-    for i, entry in enumerate(entries):
-        where = f"train.drafters[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not NAME.match(entry["name"]):
-            raise DFlashError(
-                f"{entry!r}: allowed: a mapping with a `name` (lowercase letters, digits, '.', '_', "
-                "'-'; it names the drafter's folder) and drafter settings",
-                field=where,
-            )
-        if entry["name"] in names:
-            raise DFlashError(f"the name {entry['name']!r} is given twice; allowed: distinct names", field=where)
-        names.add(entry["name"])
-        moved = sorted(set(entry) & set(MOVED_TO_FAMILY))
-        if moved:
-            raise DFlashError(f"{where}.{moved[0]} moved to {where}.family.{moved[0]}", field=f"{where}.{moved[0]}")
-        other = sorted(set(entry) - {"name"} - set(PER_DRAFTER))
-        if other:
-            raise DFlashError(
-                f"{other} are the run's settings, not one drafter's; allowed here: {', '.join(PER_DRAFTER)}",
-                field=f"{where}.{other[0]}",
-            )
+from dflash_ray.config import expand_drafters
 
 
 def expand(cfg: Any) -> list[tuple[str, Any]]:
-    """(name, RunConfig) for every drafter of the run; a drafter's own config lists no drafters."""
-    from dflash_ray.config import TrainConfig, coerce_field
-
-    entries = cfg.train.drafters
-    if not entries:
-        return [("", cfg)]
-    runs = []
-    for i, entry in enumerate(entries):
-        settings = {
-            k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}") for k, v in entry.items() if k != "name"
-        }
-        same = settings.get("drafter", cfg.train.drafter) == cfg.train.drafter
-        settings["family"] = {**(cfg.train.family if same else {}), **settings.get("family", {})}
-        try:
-            train = dataclasses.replace(cfg.train, drafters=[], **settings)
-            runs.append((entry["name"], dataclasses.replace(cfg, train=train)))
-        except DFlashError as e:  # a value out of range: name the entry it came from
-            field = f"train.drafters[{i}].{e.field.split('.', 1)[1]}" if e.field else f"train.drafters[{i}]"
-            raise DFlashError(str(e).split(": ", 1)[-1] if e.field else str(e), field=field) from None
-    return runs
+    """(name, RunConfig) for every drafter of the run (`config.expand_drafters`)."""
+    return expand_drafters(cfg)
 
 
 def outputs(output: str, cfg: Any) -> list[str]:

@@ -1,0 +1,127 @@
+"""The package's floors hold: its import graph (module-top and function-level imports alike; those
+under `if TYPE_CHECKING:` run nothing and are left out) has no circle, no stage imports another
+stage (the demo, which is the pipeline on its defaults, may call the pipeline), and the config
+imports none of the code whose settings it holds."""
+
+import ast
+import collections
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dflash_ray"
+ALLOWED_STAGE_IMPORTS = {("dflash_ray.stages.demo", "dflash_ray.stages.pipeline")}
+
+
+def _modules() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a name inside a module counts as the module)."""
+    modules = _modules()
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+            for statement in node.body
+            for inner in ast.walk(statement)
+        }
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                found = owner(target) if target.startswith("dflash_ray") else None
+                if found and found != name:
+                    graph[name].add(found)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in list(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    assert circles(import_graph()) == []
+
+
+def test_the_finder_sees_a_circle_where_there_is_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_stage_imports_another_stage():
+    graph = import_graph()
+    stage = "dflash_ray.stages."
+    crossing = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if a.startswith(stage) and b.startswith(stage) and (a, b) not in ALLOWED_STAGE_IMPORTS
+    )
+    assert crossing == []
+
+
+def test_the_config_imports_none_of_the_code_whose_settings_it_holds():
+    owners = ("dflash_ray.drafter", "dflash_ray.train", "dflash_ray.generation", "dflash_ray.chaos")
+    assert sorted(m for m in import_graph()["dflash_ray.config"] if m.startswith(owners)) == []
