@@ -38,6 +38,18 @@ def above(low: float, *, default: Any) -> Any:
     return _ranged(default, lambda v: v > low, f"> {low}")
 
 
+def operational(spec: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A setting of how a run executes, not of what it trains: free to differ on resume (a plain
+    default, a default factory, or a ranged field from the helpers above)."""
+    if isinstance(spec, dataclasses.Field):
+        return field(
+            default=spec.default, default_factory=spec.default_factory, metadata={**spec.metadata, "operational": True}
+        )
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata={"operational": True})
+    return field(default=spec, metadata={"operational": True})
+
+
 def within(low: float, high: float, *, default: Any, low_open: bool = False, high_open: bool = False) -> Any:
     def ok(v: Any) -> bool:
         return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
@@ -248,7 +260,7 @@ class ClocksConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    num_streams: int = at_least(1, default=2)  # data-parallel target+drafter pairs
+    num_streams: int = operational(at_least(1, default=2))  # data-parallel target+drafter pairs
     batch_size: int = at_least(1, default=1)  # sequences per stream per step
     # tokenized files whose samples shuffle together: a target reads each once an epoch
     shard_window: int = at_least(1, default=4)
@@ -256,7 +268,7 @@ class TrainConfig:
     length_group: int | None = at_least(0, default=None)
     # num_streams x batch_size (kept on a resume with other streams); 0: no balancing
     epochs: int = at_least(1, default=1)
-    max_steps: int = at_least(0, default=0)  # 0: until the epochs are done
+    max_steps: int = operational(at_least(0, default=0))  # 0: until the epochs are done
     num_anchors: int = at_least(1, default=64)
     lr: float = above(0, default=6e-4)
     weight_decay: float = at_least(0, default=0.0)
@@ -292,61 +304,69 @@ class TrainConfig:
     target_layer_ids: list | None = None
     mask_token_id: int | None = at_least(0, default=None)  # None: the last vocabulary row that is not a special token
     # placement and recovery
-    colocate: bool = False  # target and drafter of a stream in one actor on one device: no feature transfer
+    colocate: bool = operational(
+        False
+    )  # target and drafter of a stream in one actor on one device: no feature transfer
     # how a paired stream's features reach its drafters: torch.distributed send/recv (NCCL on GPUs, gloo on
     # the CPU), or Ray's object store (serialized and copied: the slower path, kept to compare with)
-    feature_transport: Literal["direct", "object_store"] = "direct"
-    actor_cpus: float = above(0, default=1.0)  # per actor; each target+drafter pair is packed on one node
+    feature_transport: Literal["direct", "object_store"] = operational("direct")
+    actor_cpus: float = operational(above(0, default=1.0))  # per actor; each target+drafter pair is packed on one node
     # per actor; > 0 places the target (bf16) and the drafter on the GPU Ray gives it
-    actor_gpus: float = at_least(0, default=0.0)
+    actor_gpus: float = operational(at_least(0, default=0.0))
     # per target actor; None: actor_gpus. Over 1 spreads a target too big for
     target_gpus: float | None = at_least(0, default=None)
     # one GPU over that many (its captured layers are gathered onto the first); the drafter keeps actor_gpus
     # the stream actors' resources not granted by then: an error naming them
-    placement_timeout_s: float = above(0, default=600.0)
+    placement_timeout_s: float = operational(above(0, default=600.0))
     # elastic streams: streams still not placed after placement_timeout_s (a node lost and not yet
     # replaced) are left out and the run goes on with those placed, down to this many; the next
     # restart asks for train.num_streams again. None: num_streams (every stream or none)
-    min_streams: int | None = at_least(1, default=None)
-    node_resource: str = ""  # a custom resource of the training nodes that every stream actor asks for
-    torch_threads: int = at_least(1, default=1)
-    max_in_flight: int = at_least(0, default=1)  # target batches computed ahead of their drafter, per stream
+    min_streams: int | None = operational(at_least(1, default=None))
+    node_resource: str = operational("")  # a custom resource of the training nodes that every stream actor asks for
+    torch_threads: int = operational(at_least(1, default=1))
+    max_in_flight: int = operational(
+        at_least(0, default=1)
+    )  # target batches computed ahead of their drafter, per stream
     # host memory (GiB) per target actor for the outputs of batches it computed, served again to later
     # epochs (with batch_size 1) and to every held-out evaluation instead of a forward (train/feature_cache.py)
-    feature_cache_gb: float = at_least(0, default=0.0)
+    feature_cache_gb: float = operational(at_least(0, default=0.0))
     heldout: int = at_least(0, default=0)  # samples kept out of training (a seeded choice) for the held-out tau
-    eval_every: int = at_least(0, default=0)  # steps between held-out evaluations (and one at the end); 0: never
-    checkpoint_every: int = at_least(1, default=50)
+    eval_every: int = operational(
+        at_least(0, default=0)
+    )  # steps between held-out evaluations (and one at the end); 0: never
+    checkpoint_every: int = operational(at_least(1, default=50))
     # also a checkpoint once this many minutes passed since the last one (0: by steps only): a restart
     # redoes at most that much of the run's time
-    checkpoint_every_minutes: float = at_least(0, default=0.0)
-    keep_checkpoints: int = at_least(1, default=3)
+    checkpoint_every_minutes: float = operational(at_least(0, default=0.0))
+    keep_checkpoints: int = operational(at_least(1, default=3))
     # actor deaths or step errors (an OOM on one rank) survived, each by a restart of
-    max_restarts: int = at_least(0, default=3)
+    max_restarts: int = operational(at_least(0, default=3))
     # every stream actor from the last checkpoint, before failing
     # a collective waiting longer for a rank raises instead of hanging
-    collective_timeout_s: float = above(0, default=300.0)
+    collective_timeout_s: float = operational(above(0, default=300.0))
     # every wait of the coordinator (a step, an evaluation, start-up, a checkpoint) ends after
     # deadline_floor_s + deadline_factor x the median of the last steps' seconds; an actor that misses
     # it is named and the run restarts from its checkpoint (a rank stuck outside any collective)
-    deadline_floor_s: float = above(0, default=600.0)
-    deadline_factor: float = at_least(1, default=10.0)
+    deadline_floor_s: float = operational(above(0, default=600.0))
+    deadline_factor: float = operational(at_least(1, default=10.0))
     # the GPU run's durations on the CPU (train/clocks.py): compiles, forwards, steps, transfers
-    clocks: ClocksConfig = field(default_factory=ClocksConfig)
+    clocks: ClocksConfig = operational(default_factory=ClocksConfig)
     # a hybrid target on CUDA whose Gated-DeltaNet kernels (flash-linear-attention, causal-conv1d) do not
     # import is refused at the start; true: train on transformers' torch fallback anyway (said in the summary)
-    allow_slow_target: bool = False
+    allow_slow_target: bool = operational(False)
     # GB/s of all-reduce bus bandwidth every node pair of the drafters must carry, measured before
     # training starts (`dflash-ray netcheck`); 0: not measured
-    min_bus_bandwidth: float = at_least(0, default=0.0)
+    min_bus_bandwidth: float = operational(at_least(0, default=0.0))
     # chaos testing: drafter rank 1 raises at this step (0: never), in a run's first attempt
-    fault_step: int = at_least(0, default=0)
+    fault_step: int = operational(at_least(0, default=0))
     # chaos testing: target 1 blocks forever in its reader at this step (a stalled read), in a run's first attempt
-    stall_step: int = at_least(0, default=0)
-    trackers: list = field(default_factory=list)  # any of TRACKERS: the coordinator logs each step's metrics there
+    stall_step: int = operational(at_least(0, default=0))
+    trackers: list = operational(
+        default_factory=list
+    )  # any of TRACKERS: the coordinator logs each step's metrics there
     # steps (1-based) traced with torch.profiler: Chrome traces of each drafter rank's step and its target's
     # forward under OUTPUT/profile/ (train/profile.py); open them in Perfetto
-    profile_steps: list[int] = field(default_factory=list)
+    profile_steps: list[int] = operational(default_factory=list)
     # several drafters from one target pass (train/drafters.py): [{name: dspark, drafter: dspark, ...}, ...],
     # each trained on every batch's features, written under OUTPUT/NAME; empty: the one drafter above
     drafters: list = field(default_factory=list)

@@ -471,3 +471,18 @@ def test_every_fields_range_is_declared_with_the_field_and_refused_naming_it():
         assert e.value.field == dotted
         checked += 1
     assert checked > 100, checked
+
+
+def test_what_may_change_on_resume_is_marked_beside_each_field():
+    """`recovery.OPERATIONAL` is read off the fields' own marks (`config.operational`), ranges kept."""
+    import dataclasses
+
+    from dflash_ray.config import TrainConfig
+    from dflash_ray.train.recovery import OPERATIONAL
+
+    assert {"num_streams", "max_steps", "clocks", "trackers", "collective_timeout_s"} <= OPERATIONAL
+    assert not {"lr", "seed", "batch_size", "drafter", "num_anchors"} & OPERATIONAL
+    ranged = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+    assert "range" in ranged["num_streams"] and ranged["num_streams"]["operational"]
+    with pytest.raises(DFlashError, match="train.num_streams"):
+        load_config(None, ["train.num_streams=0"])

@@ -22,36 +22,10 @@ from dflash_ray.errors import DFlashError
 from dflash_ray.train import checkpoint, history
 from dflash_ray.train.streams import CHECKPOINT_THREAD, Streams
 
-# settings that change how a run executes, not what it trains: free to differ on resume
-OPERATIONAL = {
-    "actor_cpus",
-    "actor_gpus",
-    "torch_threads",
-    "max_in_flight",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "max_restarts",
-    "eval_every",
-    "colocate",
-    "node_resource",
-    "trackers",
-    "collective_timeout_s",
-    "fault_step",
-    "min_bus_bandwidth",
-    "feature_transport",
-    "allow_slow_target",
-    "profile_steps",
-    "num_streams",
-    "min_streams",
-    "placement_timeout_s",
-    "checkpoint_every_minutes",
-    "deadline_floor_s",
-    "deadline_factor",
-    "clocks",
-    "stall_step",
-    "feature_cache_gb",
-    "max_steps",  # a longer (or shorter) run: the schedule of rates is recomputed over the new total on resume
-}  # num_streams: checkpoints reshard, the data goes on (`Schedule`)
+# settings that change how a run executes, not what it trains: free to differ on resume (each marked
+# so beside its field, `config.operational`): num_streams, for one, since checkpoints reshard and the
+# data goes on from its position (`Schedule`); max_steps recomputes the rates' schedule over the new total
+OPERATIONAL = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("operational")}
 
 
 @dataclasses.dataclass(frozen=True)
