@@ -21,22 +21,19 @@ rank's error, an actor past a deadline) restarts every stream actor from the las
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
-from dflash_ray import storage
 from dflash_ray.config import RunConfig
-from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import checkpoint, evaluation, history
 from dflash_ray.train.deadlines import Stalled
-from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.feeding import Feeder
+from dflash_ray.train.profile import step_trace
 from dflash_ray.train.recovery import Checkpoints, Origin
 from dflash_ray.train.schedule import RunSamples, Schedule, sample_lengths
 from dflash_ray.train.step_figures import Gauges, step_row, team_summary, times_taken
-from dflash_ray.train.streams import Streams, Team
+from dflash_ray.train.streams import Streams, Team, make_teams
 from dflash_ray.train.trackers import Trackers
 
 
@@ -56,20 +53,7 @@ class Coordinator:
         self.stopping = False
         self.target, self.data, self.output, self.cfg = target, data, output, cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
-        self.teams = [
-            Team(
-                name,
-                team_cfg,
-                json.dumps(drafter_cfg),
-                init,
-                storage.join(output, name) if name else output,
-                mask_and_layer_ids(drafter_cfg)[1],
-            )
-            for name, team_cfg, drafter_cfg, init in drafters
-        ]
-        self.layer_ids, picks = union_layers([t.layer_ids for t in self.teams])  # what the targets capture
-        for team, pick in zip(self.teams, picks):
-            team.pick = pick
+        self.teams, self.layer_ids = make_teams(drafters, output)  # layer_ids: what the targets capture
         self.streams = Streams(cfg, target, run_name, self.teams, self.layer_ids)
         self.gauges = [Gauges(run_name, team.name) for team in self.teams]
         self.schedule: Schedule | None = None  # `_plan`, in `run`
@@ -212,7 +196,7 @@ class Coordinator:
                     team.metrics[-1]["heldout_tau"] = tau
                     if tau is not None:
                         gauges.set("heldout_tau", tau)
-            self._log()
+            self.trackers.log_rows(self.step, {team.name: team.metrics[-1] for team in self.teams})
             stopping = stop_after_step is not None and self.step >= stop_after_step
             if self.checkpoints.due(self.step, self.step == self.total_steps or stopping):
                 self._checkpoint()
@@ -286,14 +270,6 @@ class Coordinator:
         position = list(self.schedule.position(self.step))
         self.checkpoints.take(self.step, self.total_steps, position, self.samples.group)
 
-    def _log(self) -> None:
-        if len(self.teams) == 1:
-            self.trackers.log(self.step, self.metrics[-1])
-        else:  # one run in the tracker, each drafter's figures under its name
-            self.trackers.log(
-                self.step, {f"{t.name}/{k}": v for t in self.teams for k, v in t.metrics[-1].items() if k != "step"}
-            )
-
     def _regained(self) -> None:
         if self.lost_since is not None and self.step >= self.lost_since[0]:
             self.seconds_lost += time.perf_counter() - self.lost_since[1]
@@ -304,13 +280,7 @@ class Coordinator:
         return stream == 1 and self.restarts == 0 and self.step + 1 == self.cfg.train.fault_step
 
     def _trace(self, step: int, role: str, rank: int, team: Team | None = None) -> str | None:
-        """Where the trace of `role` rank `rank` at `step` (0-based) goes, when `train.profile_steps`
-        lists it: under its drafter's output (a target's and a stream's: the first drafter's)."""
-        from dflash_ray.train.profile import trace_uri
-
-        if step + 1 not in self.cfg.train.profile_steps:
-            return None
-        return trace_uri((team or self.teams[0]).output, step + 1, role, rank)
+        return step_trace(self.cfg.train.profile_steps, (team or self.teams[0]).output, step, role, rank)
 
     # -- what the driver sees ---------------------------------------------------------------
     def _summary(self, tracked: Any, seconds: float) -> dict[str, Any]:

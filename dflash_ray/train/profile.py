@@ -32,6 +32,12 @@ def traced(uri: str | None) -> Iterator[None]:
             storage.write_bytes(uri, f.read())
 
 
+def step_trace(profile_steps: list[int], output: str, step: int, role: str, rank: int) -> str | None:
+    """Where the trace of `role` rank `rank` at `step` (0-based) goes when `train.profile_steps` lists
+    it (under `output`: its drafter's; a target's and a stream's, the first drafter's), else None."""
+    return trace_uri(output, step + 1, role, rank) if step + 1 in profile_steps else None
+
+
 def trace_uri(output: str, step: int, role: str, rank: int) -> str:
     """The trace of `role` rank `rank` at `step` (1-based, as the metrics count): OUTPUT/profile/."""
     from dflash_ray import storage

@@ -12,15 +12,19 @@ does). Every wait on them has a deadline (`deadlines`) and names the actors that
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
+from dflash_ray.drafter.families import mask_and_layer_ids
 from dflash_ray.train import elastic
 from dflash_ray.train.deadlines import Deadlines, Stalled
 from dflash_ray.train.devices import stream_bundles
+from dflash_ray.train.drafters import union_layers
 from dflash_ray.train.handoff import Layout
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
@@ -86,6 +90,27 @@ class Team:
     appended: int = 0  # the last step whose metric row is in the run's history (`history`)
     heldout_start: float | None = None  # held-out tau before the first step (a fresh run)
     gauges: dict[str, Any] = field(default_factory=dict)
+
+
+def make_teams(drafters: list[tuple[str, RunConfig, dict, str]], output: str) -> tuple[list[Team], list[int]]:
+    """A `Team` for each drafter of the run ((name, its settings, `drafter_config`, `drafter_init`),
+    computed on the driver), writing to `output` or `output/NAME`; and the target layers to capture
+    for them all (each team's `pick` among them)."""
+    teams = [
+        Team(
+            name,
+            team_cfg,
+            json.dumps(drafter_cfg),
+            init,
+            storage.join(output, name) if name else output,
+            mask_and_layer_ids(drafter_cfg)[1],
+        )
+        for name, team_cfg, drafter_cfg, init in drafters
+    ]
+    layer_ids, picks = union_layers([t.layer_ids for t in teams])
+    for team, pick in zip(teams, picks):
+        team.pick = pick
+    return teams, layer_ids
 
 
 class Streams:

@@ -275,6 +275,14 @@ class Trackers:
         for name, tracker in list(self.active.items()):
             self._guard(name, "log", lambda: tracker.log(step, values))
 
+    def log_rows(self, step: int, rows: dict[str, dict[str, Any]]) -> None:
+        """Each drafter's row of `step` (by name; "" for a run's only drafter): one drafter's as it is,
+        several in one run of the tracker, each figure under its drafter's name."""
+        if len(rows) == 1:
+            self.log(step, next(iter(rows.values())))
+        else:
+            self.log(step, {f"{name}/{k}": v for name, row in rows.items() for k, v in row.items() if k != "step"})
+
     def sync(self) -> None:
         """At a checkpoint: flush, and copy the local folder to an `s3://` output."""
         for name, tracker in list(self.active.items()):
