@@ -148,3 +148,21 @@ def nbytes(meta: dict[str, Any]) -> int:
             count *= n
         total += count * _dtype(dtype).itemsize
     return total
+
+
+def taken(batch: dict[str, Any], source: int | None, device: str) -> dict[str, Any]:
+    """What a drafter trains on: the batch itself (its features came as an object), or the tensors
+    its target (global rank `source`) sent, received now (`receive`), with the time that took."""
+    import time
+
+    if "meta" not in batch:
+        return batch
+    assert source is not None  # set by the drafter's `join_run`, which every send/recv run calls first
+    start = time.perf_counter()
+    received = receive(batch["meta"], source, device)
+    return {
+        **received,
+        "seconds": batch["seconds"],
+        "read_bytes": batch["read_bytes"],
+        "handoff_seconds": time.perf_counter() - start,
+    }

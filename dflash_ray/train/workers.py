@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ray.config import TrainConfig
+from dflash_ray.train import handoff
 from dflash_ray.train.clocks import Clock
 from dflash_ray.train.devices import actor_placement, wait_compute
 from dflash_ray.train.schedule import Sample
@@ -77,8 +78,6 @@ class TargetWorker:
     def join_run(self, address: str, port: int, stream: int, layout) -> None:
         """Join the run's process group (`handoff`) as stream `stream`'s target, to send features to
         the stream's drafters."""
-        from dflash_ray.train import handoff
-
         handoff.join(
             self.place.backend,
             address,
@@ -96,8 +95,6 @@ class TargetWorker:
         """The batch's features posted to the drafters at ranks `dsts` (`handoff.send`); returns what
         they allocate to receive them, the target's seconds and the bytes each receives. The sends of
         earlier batches that every receiver has are let go here (their buffers with them)."""
-        from dflash_ray.train import handoff
-
         self._sent = [s for s in self._sent if not s.done()]
         batch = self.features(samples, to_host=False, profile=profile, stall=stall)
         seconds, read = batch.pop("seconds"), batch.pop("read_bytes")
@@ -292,8 +289,6 @@ class DrafterWorker:
     def join_run(self, address: str, port: int, team: int, layout) -> None:
         """Join the run's process group (`handoff`: features come from this stream's target by
         send/recv) and shard the drafter over this team's subgroup of it."""
-        from dflash_ray.train import handoff
-
         groups, ckpt_groups = handoff.join(
             self.place.backend,
             address,
@@ -321,22 +316,6 @@ class DrafterWorker:
         self.total_steps = total
 
     # -- training ---------------------------------------------------------------------------
-    def _received(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The batch itself, or (`handoff`) the tensors its target sent, received now."""
-        if "meta" not in batch:
-            return batch
-        from dflash_ray.train import handoff
-
-        assert self.source is not None  # set by `join_run`, which every handoff run calls first
-        start = time.perf_counter()
-        received = handoff.receive(batch["meta"], self.source, self.place.device)
-        return {
-            **received,
-            "seconds": batch["seconds"],
-            "read_bytes": batch["read_bytes"],
-            "handoff_seconds": time.perf_counter() - start,
-        }
-
     def _features(self, batch: dict[str, Any]) -> torch.Tensor:
         """This drafter's target layers [B, S, L·H], on its device in its compute dtype: all the
         captured ones, or its own among those of several drafters (`pick`)."""
@@ -378,7 +357,7 @@ class DrafterWorker:
         evaluations at different steps score the same blocks. The batch comes as training's do (by
         `handoff` when the run sends its features) and runs the training attention at its padded
         lengths, so an evaluation never needs more memory than a step, nor a new compiled shape."""
-        batch = self._received(batch)
+        batch = handoff.taken(batch, self.source, self.place.device)
         return self._forward(batch, torch.Generator().manual_seed(self.cfg.seed), False).tau.tolist()
 
     def _forward(self, batch: dict[str, Any], generator: torch.Generator, grad: bool, **extra: Any):
@@ -408,44 +387,10 @@ class DrafterWorker:
             )
 
     def warm_up(self, shapes: list[tuple[int, int, bool]], cache: str | None = None) -> dict[str, Any]:
-        """Meet every graph shape the run will (`shapes`: batch, padded length, grad mode) before
-        step 0, on zero inputs: on GPUs each is compiled now, while the run is still starting, not
-        mid-run where every rank would stall together for it and the sends posted meanwhile age
-        towards NCCL's watchdog. The weights, optimizer and anchor RNG are untouched. `cache`: torch's
-        compiled artifacts of the run (`compile_cache`), loaded first when they exist and saved
-        after (rank 0), so a restart or a resumed run compiles nothing again. Every rank of a drafter
-        calls it with the same shapes (sharded weights are gathered collectively)."""
-        from dflash_ray.train import compile_cache
+        """Meet every graph shape the run will before step 0 (`warmup.warm_up`)."""
+        from dflash_ray.train.warmup import warm_up
 
-        start = time.perf_counter()
-        loaded = compile_cache.load(cache) if cache else {}
-        compiles = self.place.attention == "flex" or self.clock.on
-        met = 0
-        generator = torch.Generator().manual_seed(0)
-        for B, S, grad in shapes if compiles else []:
-            hidden = self.drafter.cfg.hidden_size
-            layers = max(self.pick) + 1 if self.pick else len(self.drafter.cfg.target_layer_ids)  # as captured
-            batch = {
-                "input_ids": torch.zeros(B, S, dtype=torch.long),
-                "loss_mask": torch.ones(B, S, dtype=torch.long),
-                "features": torch.zeros(B, S, layers * hidden),
-            }
-            extra: dict[str, Any] = {"gamma": self.cfg.loss_decay}
-            if self.family.wants_target_distribution:
-                extra["teacher"] = torch.zeros(B, S, hidden, device=self.place.device, dtype=self.dtype)
-            with torch.set_grad_enabled(grad):
-                out = self._forward(batch, generator, grad, **extra)
-                if grad:
-                    out.loss.loss.backward()
-            met += 1
-        self.drafter.zero_grad(set_to_none=True)
-        saved = compile_cache.save(cache) if cache and self.rank == 0 and met else {}
-        return {
-            "shapes": met,
-            "seconds": time.perf_counter() - start,
-            "loaded_bytes": loaded.get("loaded_bytes", 0),
-            "saved_bytes": saved.get("saved_bytes", 0),
-        }
+        return warm_up(self, shapes, cache)
 
     def train_step(
         self, step: int, batch: dict[str, Any], fault: bool = False, profile: str | None = None
@@ -464,7 +409,7 @@ class DrafterWorker:
 
         if fault:
             raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")
-        batch = self._received(batch)
+        batch = handoff.taken(batch, self.source, self.place.device)
         start = time.perf_counter()
         out, loss, _ = self.averaged_gradients(batch)  # reads figures back: the device is idle after
         stepping = time.perf_counter()
