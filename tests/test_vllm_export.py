@@ -8,7 +8,7 @@ from dflash_ray.drafter.export import save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import speculative_decode, target_decode
 from dflash_ray.drafter.step import forward_loss
-from dflash_ray.drafter.vllm_check import run_vllm
+from dflash_ray.drafter.vllm_check import vllm_decode
 from dflash_ray.registry import load_tokenizer, resolve
 from dflash_ray.target.capture import load_embed_and_head, target_features
 
@@ -61,7 +61,7 @@ def test_exported_drafter_runs_in_vllm_losslessly_with_acceptance(tmp_path):
     assert our_tau > 1.2
 
     out_dir = save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
-    spec = run_vllm(target_dir, str(out_dir), prompts, 40, plain=True)
+    spec = vllm_decode(target_dir, str(out_dir), prompts, 40, plain=True)
     assert spec["outputs"] == spec["plain_outputs"]  # greedy output with the drafter equals the output without
     assert spec["drafts"] > 0
     # vLLM reads our layer ids, RoPE and weights as we mean them: acceptance does not collapse

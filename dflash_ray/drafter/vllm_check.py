@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from vllm import TokensPrompt
 
 
-def run_vllm(
+def vllm_decode(
     target_dir: str,
     drafter_dir: str | None,
     prompts: list[list[int]],

@@ -21,7 +21,7 @@ from typing import Any
 from dflash_ray import manifest
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
-from dflash_ray.drafter.vllm_check import run_vllm
+from dflash_ray.drafter.vllm_check import vllm_decode
 from dflash_ray.stages import PipelineRun, Stage
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ def run_evaluate(
     if heldout_uri:
         summary["tau_simulated_heldout"] = _heldout_tau(target, drafter, embed, head, heldout_uri, cfg)
     if engine == "vllm":
-        result = run_vllm(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_p)
+        result = vllm_decode(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_p)
         summary["tau_vllm"] = result["acceptance_length"]
         summary["tau_vllm_sampled"] = result.get("sampled", {}).get("acceptance_length")
         summary["vllm_outputs_equal"] = result["outputs"] == references

@@ -173,13 +173,13 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
         drift = float((spec.context - trained).abs().max() / trained.abs().max().clamp_min(1e-12))
         summary["feature_drift"] = round(drift, 6)
         if engine == "vllm":
-            from dflash_ray.drafter.vllm_check import run_vllm
+            from dflash_ray.drafter.vllm_check import vllm_decode
 
             if not family.vllm_on_cpu and not torch.cuda.is_available():
                 raise DFlashError(
                     f"vLLM serves {family.name} on a GPU only: run it there, or without --engine vllm", field="--engine"
                 )
-            result = run_vllm(target_dir, folder, [prompt], len(answer))
+            result = vllm_decode(target_dir, folder, [prompt], len(answer))
             summary["tau_vllm"] = result["acceptance_length"]
             summary["vllm_outputs_equal"] = result["outputs"] == [answer]
     summary["seconds"] = round(time.perf_counter() - started, 1)
