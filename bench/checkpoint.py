@@ -1,5 +1,5 @@
 """How long a checkpoint holds up the training step: each rank's shard copied to host memory and
-written in the background (`train/shards.py`) against gathering the whole fp32 weights and both
+written in the background (`train/checkpoint_files.py`) against gathering the whole fp32 weights and both
 AdamW moments onto rank 0 and serializing them there before any upload (what a whole-file checkpoint
 needs), side by side in one run, alternating.
 
@@ -62,7 +62,7 @@ def _gather_whole(drafter, opt, rank: int) -> bytes:
 
 
 def _rank(rank: int, port: int, args, results) -> None:
-    from dflash_ray.train import shards
+    from dflash_ray.train import checkpoint_files
     from dflash_ray.train.sharding import optimizer_bytes, shard
 
     dist.init_process_group(
@@ -87,7 +87,7 @@ def _rank(rank: int, port: int, args, results) -> None:
                 held = time.perf_counter() - start
             else:
                 folder = tempfile.mkdtemp(prefix="bench-ckpt-")
-                upload = shards.save(drafter, opt, folder, group, {})
+                upload = checkpoint_files.save(drafter, opt, folder, group, {})
                 held = time.perf_counter() - start
                 entries = upload.result()  # the background write, outside the timing
                 file_bytes = max(e["bytes"] for e in entries.values())

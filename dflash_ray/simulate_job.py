@@ -108,7 +108,7 @@ def plan_training(
     if tr.checkpoint_every_minutes:
         checkpoints = max(checkpoints, int(compute_s / 60 / tr.checkpoint_every_minutes))
         interval_s = min(interval_s, tr.checkpoint_every_minutes * 60)
-    # the step waits for its shard's copy to host memory; a thread writes it (train/shards.py), and the
+    # the step waits for its shard's copy to host memory; a thread writes it (train/checkpoint_files.py), and the
     # next checkpoint waits for that write when it outlasts the interval
     shard = drafter_parameters * CHECKPOINT_BYTES_PER_PARAMETER / tr.num_streams / 1e9
     checkpoint_s = shard / TRANSFER_GB_PER_S + max(0.0, shard / p.checkpoint_gb_per_s - interval_s)

@@ -330,8 +330,8 @@ def checkpoint_weights(output: str) -> tuple[int, bytes]:
     from every rank's shard (safetensors bytes: equal bytes, equal weights bit for bit)."""
     from safetensors.torch import save
 
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     step = checkpoint.complete_steps(output)[-1]
-    drafter, _ = shards.assemble(checkpoint.step_dir(output, step))
+    drafter, _ = checkpoint_files.assemble(checkpoint.step_dir(output, step))
     return step, save({k: v.contiguous() for k, v in drafter.state_dict().items()})

@@ -472,7 +472,7 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
     """`train.drafter=dspark` end to end on a local Ray cluster (two streams); its checkpoint's drafter
     (the serving format) loads as DSpark and decodes losslessly."""
     from dflash_ray.config import load_config
-    from dflash_ray.train import shards
+    from dflash_ray.train import checkpoint_files
     from dflash_ray.train import checkpoint
     from dflash_ray.stages.train import run_train
 
@@ -496,7 +496,7 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
     out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)
     assert out["step"] == out["total_steps"] == 4
     assert checkpoint.complete_steps(str(tmp_path / "run"))[-1] == 4
-    drafter = shards.assemble(checkpoint.step_dir(str(tmp_path / "run"), 4))[0].eval()
+    drafter = checkpoint_files.assemble(checkpoint.step_dir(str(tmp_path / "run"), 4))[0].eval()
     assert isinstance(drafter, DSparkDrafter) and drafter.cfg.block_size == 6
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     embed, head = load_embed_and_head(target)

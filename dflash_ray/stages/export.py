@@ -45,20 +45,22 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
 def _export(checkpoint: str, out_dir: str, dtype: str) -> dict[str, Any]:
     from dflash_ray.drafter.export import export_checkpoint, export_drafter
     from dflash_ray.train import checkpoint as ckpt
-    from dflash_ray.train import shards
+    from dflash_ray.train import checkpoint_files
 
     steps = ckpt.complete_steps(checkpoint)  # a training run's output given whole: name its newest checkpoint
-    if steps and not shards.is_sharded(checkpoint):
+    if steps and not checkpoint_files.is_sharded(checkpoint):
         raise DFlashError(
             f"a training run's output, not one checkpoint: export one of its {len(steps)} complete checkpoints, "
             f"the newest being {ckpt.step_dir(checkpoint, steps[-1])}",
             file=checkpoint,
         )
     try:
-        if not shards.is_sharded(checkpoint):  # a drafter folder, or a whole-file checkpoint of an earlier version
+        if not checkpoint_files.is_sharded(
+            checkpoint
+        ):  # a drafter folder, or a whole-file checkpoint of an earlier version
             verified = _verify_whole_files(checkpoint)
             return {**export_checkpoint(checkpoint, out_dir, dtype=dtype), "verified_files": verified}
-        drafter, verified = shards.assemble(checkpoint)
+        drafter, verified = checkpoint_files.assemble(checkpoint)
     except ckpt.CorruptCheckpoint as e:
         folder = checkpoint.rstrip("/")
         step, output = ckpt.step_of(folder), folder.rsplit("/", 2)[0]  # OUTPUT/checkpoints/step-N

@@ -1,7 +1,7 @@
 """Training checkpoints on `file://` or `s3://`: complete only once their manifest is written.
 
 Layout: `OUTPUT/checkpoints/step-00000042/` holding named files (each drafter rank's shard of the
-weights and optimizer state under `shards/`, see `shards`; the serving config under `drafter/`; the
+weights and optimizer state under `shards/`, see `checkpoint_files`; the serving config under `drafter/`; the
 run state with data position and every RNG in `state.json`) and `MANIFEST.json`, written last, with
 each file's size and sha256. A resume takes the newest checkpoint whose manifest exists and whose
 files all match it; anything else is never used.
@@ -12,7 +12,7 @@ what it reads, so whoever loads a file (each drafter its weights and optimizer s
 Rotation deletes only checkpoints older than the newest one that verifies.
 
 Writing a checkpoint of tens of GB to S3 takes minutes; its files are written from a thread on
-every rank while training goes on (`Upload`, `shards.save`), and the
+every rank while training goes on (`Upload`, `checkpoint_files.save`), and the
 manifest is committed once they are all written. A run that fails before then resumes from the
 checkpoint before: an unfinished upload has no manifest.
 """

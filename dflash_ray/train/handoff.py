@@ -49,7 +49,7 @@ def join(
 ) -> tuple[list[Any], list[Any]]:
     """Join the run's process group as `rank`, then make every team's subgroups (collective: every
     rank makes all of them, in order): one on the run's backend for training, one over gloo for
-    checkpoints (`shards`). Returns both lists, one group per team each. `watchdog_s`: the ledger's
+    checkpoints (`checkpoint_files`). Returns both lists, one group per team each. `watchdog_s`: the ledger's
     NCCL watchdog (`p2p`) when it runs on another clock than the CPU's collectives (`train.clocks`)."""
     import torch.distributed as dist
 

@@ -1,7 +1,7 @@
 """A run's checkpoints as the coordinator takes, commits, salvages and resumes from them.
 
 Each drafter rank copies its shard of the weights and optimizer state to host memory and writes
-it in the background while training goes on (`shards`); the run state (step, data position, every
+it in the background while training goes on (`checkpoint_files`); the run state (step, data position, every
 anchor RNG) is taken at once, and the manifest committed once every rank's files are written, one
 checkpoint in flight at a time. After a failure the checkpoint in flight is still committed if every
 rank finishes writing it. A resume takes the newest checkpoint that verifies for every drafter of

@@ -459,12 +459,12 @@ class DrafterWorker:
         self.generator.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
 
     def write_checkpoint_files(self, output: str, step: int) -> None:
-        """This rank's shard of the weights and optimizer state (`shards.save`): copied to host memory
+        """This rank's shard of the weights and optimizer state (`checkpoint_files.save`): copied to host memory
         now, written to the checkpoint in the background, so the step waits for no storage and no
         other rank's data; rank 0 adds the serving config. Every rank calls it (DCP plans the save
         with the others, over a gloo group of their own)."""
         from dflash_ray.drafter.export import CONFIG, to_hf_config
-        from dflash_ray.train import checkpoint, shards
+        from dflash_ray.train import checkpoint, checkpoint_files
 
         self.upload_entries(wait=True)  # one upload at a time (the coordinator commits each first)
         extra = (
@@ -472,7 +472,9 @@ class DrafterWorker:
             if self.rank == 0
             else {}
         )
-        self.upload = shards.save(self.drafter, self.opt, checkpoint.step_dir(output, step), self.ckpt_group, extra)
+        self.upload = checkpoint_files.save(
+            self.drafter, self.opt, checkpoint.step_dir(output, step), self.ckpt_group, extra
+        )
 
     def upload_entries(self, wait: bool) -> dict[str, dict] | None:
         """The manifest entries of this rank's newest checkpoint files once they are all written; None
@@ -487,13 +489,13 @@ class DrafterWorker:
 
     def load_checkpoint(self, output: str, step: int) -> None:
         """This rank's shards of the weights and optimizer state, whatever the number of ranks that
-        wrote them (`shards.load` reads only the files its pieces lie in, each checked against the
+        wrote them (`checkpoint_files.load` reads only the files its pieces lie in, each checked against the
         manifest), and this rank's anchor RNG: `checkpoint.CorruptCheckpoint` when a file differs."""
-        from dflash_ray.train import checkpoint, shards
+        from dflash_ray.train import checkpoint, checkpoint_files
 
         manifest = checkpoint.read_manifest(output, step)
         rngs = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"]
-        shards.load(self.drafter, self.opt, checkpoint.step_dir(output, step), manifest, self.ckpt_group)
+        checkpoint_files.load(self.drafter, self.opt, checkpoint.step_dir(output, step), manifest, self.ckpt_group)
         if self.rank < len(rngs):  # a rank a resharded resume adds keeps its seeded generator
             self.set_rng_state(bytes.fromhex(rngs[self.rank]))
 

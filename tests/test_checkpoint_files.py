@@ -1,4 +1,4 @@
-"""Sharded checkpoints (`train.shards`): two gloo ranks of an FSDP2 drafter each write one shard file
+"""Sharded checkpoints (`train.checkpoint_files`): two gloo ranks of an FSDP2 drafter each write one shard file
 (no file holds the whole optimizer state); the checkpoint loads on one process (resharded) with
 the same weights and AdamW moments bit for bit, assembles offline for export, and a file that
 differs from the manifest is refused."""
@@ -58,7 +58,7 @@ def _whole(t):
 
 def _write(rank: int, port: int, folder: str, results: dict) -> None:
     from dflash_ray.drafter.export import CONFIG, to_hf_config
-    from dflash_ray.train import shards
+    from dflash_ray.train import checkpoint_files
     from dflash_ray.train.sharding import shard
 
     dist.init_process_group(
@@ -73,7 +73,7 @@ def _write(rank: int, port: int, folder: str, results: dict) -> None:
         if rank == 0
         else {}
     )
-    upload = shards.save(drafter, opt, folder, dist.new_group(backend="gloo"), extra)
+    upload = checkpoint_files.save(drafter, opt, folder, dist.new_group(backend="gloo"), extra)
     entries = upload.result()
     names = [n for n, p in drafter.named_parameters()]
     results[rank] = {
@@ -98,7 +98,7 @@ def _checkpoint(tmp_path) -> tuple[str, dict]:
 
 
 def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp_path):
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     folder, held = _checkpoint(tmp_path)
     names = sorted(checkpoint.read_folder_manifest(folder)["files"])
@@ -111,13 +111,13 @@ def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp
 
     drafter = _drafter(seed=1)  # other weights: everything must come from the checkpoint
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)  # one process, no group
+    checkpoint_files.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)  # one process, no group
     for name, p in drafter.named_parameters():
         assert torch.equal(p.detach(), held["weights"][name]), name
         for k, v in opt.state[p].items():
             assert torch.equal(v, held["moments"][name][k]), (name, k)
 
-    assembled, checked = shards.assemble(folder)
+    assembled, checked = checkpoint_files.assemble(folder)
     assert checked == 4
     for name, p in assembled.named_parameters():
         assert torch.equal(p.detach(), held["weights"][name]), name
@@ -126,7 +126,7 @@ def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp
 def test_a_shard_that_differs_from_the_manifest_is_refused_naming_it(tmp_path):
     import pytest
 
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     folder, _ = _checkpoint(tmp_path)
     path = os.path.join(folder, "shards", "__1_0.distcp")
@@ -136,13 +136,13 @@ def test_a_shard_that_differs_from_the_manifest_is_refused_naming_it(tmp_path):
     drafter = _drafter()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     with pytest.raises(checkpoint.CorruptCheckpoint) as e:
-        shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
+        checkpoint_files.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
     assert "__1_0.distcp" in str(e.value) and "sha256" in str(e.value)
     with pytest.raises(checkpoint.CorruptCheckpoint):
-        shards.assemble(folder)
+        checkpoint_files.assemble(folder)
     os.remove(os.path.join(folder, checkpoint.MANIFEST))  # a checkpoint without its manifest
     with pytest.raises(checkpoint.CorruptCheckpoint) as e:
-        shards.assemble(folder)
+        checkpoint_files.assemble(folder)
     assert "no manifest" in str(e.value)
 
 
@@ -153,7 +153,7 @@ def _one_process_checkpoint(tmp_path, config: dict | None = None) -> str:
     import warnings
 
     from dflash_ray.drafter.export import CONFIG, to_hf_config
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     drafter = _drafter()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
@@ -162,7 +162,9 @@ def _one_process_checkpoint(tmp_path, config: dict | None = None) -> str:
     folder = checkpoint.step_dir(str(tmp_path / "run"), 1)
     with warnings.catch_warnings():  # DCP's "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        entries = shards.save(drafter, opt, folder, None, {f"drafter/{CONFIG}": json.dumps(hf).encode()}).result()
+        entries = checkpoint_files.save(
+            drafter, opt, folder, None, {f"drafter/{CONFIG}": json.dumps(hf).encode()}
+        ).result()
     checkpoint.commit(str(tmp_path / "run"), 1, entries)
     return folder
 
@@ -200,7 +202,7 @@ def test_a_metadata_pickle_that_would_run_code_is_refused_by_export_and_resume_n
 
     from dflash_ray.errors import DFlashError
     from dflash_ray.stages.export import run_export
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     folder = _one_process_checkpoint(tmp_path)
     marker = tmp_path / "ran"
@@ -211,7 +213,7 @@ def test_a_metadata_pickle_that_would_run_code_is_refused_by_export_and_resume_n
     drafter = _drafter()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     with pytest.raises(checkpoint.CorruptCheckpoint) as e:  # what each drafter does on `train --resume`
-        shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
+        checkpoint_files.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
     assert ".metadata" in str(e.value)
     assert not marker.exists()
     assert not (tmp_path / "out" / "model.safetensors").exists()
@@ -224,7 +226,7 @@ def test_a_shard_value_that_would_run_code_is_refused_on_resume(tmp_path):
 
     import pytest
 
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     folder = _one_process_checkpoint(tmp_path)
     marker = tmp_path / "ran"
@@ -241,7 +243,7 @@ def test_a_shard_value_that_would_run_code_is_refused_on_resume(tmp_path):
     drafter = _drafter()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     with pytest.raises(checkpoint.CorruptCheckpoint) as e:
-        shards.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
+        checkpoint_files.load(drafter, opt, folder, checkpoint.read_folder_manifest(folder), None)
     assert "__0_0.distcp" in str(e.value) and "optim.param_groups.0.lr" in str(e.value)
     assert not marker.exists()
 
@@ -263,7 +265,7 @@ def test_metadata_naming_a_shard_file_outside_the_checkpoint_is_refused(tmp_path
 
     import pytest
 
-    from dflash_ray.train import checkpoint, shards
+    from dflash_ray.train import checkpoint, checkpoint_files
 
     folder = _one_process_checkpoint(tmp_path)
     metadata = pickle.loads(open(os.path.join(folder, "shards", ".metadata"), "rb").read())  # our own: trusted here
@@ -271,4 +273,4 @@ def test_metadata_naming_a_shard_file_outside_the_checkpoint_is_refused(tmp_path
         info.relative_path = "../../../../../../etc/passwd"
     _replace(folder, "shards/.metadata", pickle.dumps(metadata))
     with pytest.raises(checkpoint.CorruptCheckpoint, match=r"\.metadata: names '../../.*which climbs out"):
-        shards.assemble(folder)
+        checkpoint_files.assemble(folder)
