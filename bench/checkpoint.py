@@ -49,7 +49,7 @@ def _drafter(hidden: int, layers: int):
 
 def _gather_whole(drafter, opt, rank: int) -> bytes:
     """Every tensor gathered whole onto rank 0's host and serialized there (the former path)."""
-    from dflash_ray.train.sharding import full
+    from dflash_ray.train.fsdp import full
 
     keep = lambda t: full(t.detach()).cpu() if rank == 0 else (full(t.detach()), None)[1]
     weights = {n: keep(t) for n, t in drafter.state_dict().items()}
@@ -63,14 +63,14 @@ def _gather_whole(drafter, opt, rank: int) -> bytes:
 
 def _rank(rank: int, port: int, args, results) -> None:
     from dflash_ray.train import checkpoint_files
-    from dflash_ray.train.sharding import optimizer_bytes, shard
+    from dflash_ray.train.fsdp import apply_fsdp, optimizer_bytes
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600)
     )
     torch.set_num_threads(1)
     drafter = _drafter(args.hidden, args.layers)
-    shard(drafter, "cpu", dist.group.WORLD, torch.float32)
+    apply_fsdp(drafter, "cpu", dist.group.WORLD, torch.float32)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     for p in drafter.parameters():
         p.grad = torch.ones_like(p)

@@ -311,9 +311,9 @@ def drafter_step(
                 (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) if teacher_k else None
             )
         if group is not None:
-            from dflash_ray.train.sharding import shard
+            from dflash_ray.train.fsdp import apply_fsdp
 
-            shard(drafter, "cpu", group, torch.bfloat16)
+            apply_fsdp(drafter, "cpu", group, torch.bfloat16)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, foreach=group is None)  # see the module's note
         for p in drafter.parameters():  # the first step's state: AdamW's moments, made at its first step()
             p.grad = torch.zeros_like(p)

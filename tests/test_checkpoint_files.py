@@ -51,7 +51,7 @@ def _like(whole: torch.Tensor, p):
 
 
 def _whole(t):
-    from dflash_ray.train.sharding import full
+    from dflash_ray.train.fsdp import full
 
     return full(t.detach()).clone()
 
@@ -59,13 +59,13 @@ def _whole(t):
 def _write(rank: int, port: int, folder: str, results: dict) -> None:
     from dflash_ray.drafter.export import CONFIG, to_hf_config
     from dflash_ray.train import checkpoint_files
-    from dflash_ray.train.sharding import shard
+    from dflash_ray.train.fsdp import apply_fsdp
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
     drafter = _drafter()
-    shard(drafter, "cpu", dist.group.WORLD, torch.float32)
+    apply_fsdp(drafter, "cpu", dist.group.WORLD, torch.float32)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     _stepped(drafter, opt)
     extra = (

@@ -6,7 +6,7 @@ t (`max_in_flight` batches ahead, so memory stays flat). Features go from a targ
 by torch.distributed send/recv (`handoff`; NCCL between GPUs, gloo on the CPU), or with
 `train.feature_transport=object_store` as an object reference each drafter resolves itself; with
 `train.colocate` a stream is one actor and its features never leave the device. The drafters shard
-their weights, gradients and optimizer state over their own ranks (`sharding`: FSDP2). The
+their weights, gradients and optimizer state over their own ranks (`fsdp`: FSDP2). The
 coordinator only handles sample ids, shapes, references and figures.
 
 What it leans on, each behind a narrow interface: `streams` (placing and starting the stream

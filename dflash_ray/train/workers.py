@@ -4,7 +4,7 @@
 context features for them. `DrafterWorker` owns the drafter, the frozen embedding and LM head, the
 optimizer and schedule and the anchor RNG; it computes the loss and gradients on the features it is
 given and steps. With several streams the drafters shard the weights, gradients and optimizer state
-among themselves (`sharding`, FSDP2 over torch.distributed: NCCL between GPUs, gloo on the CPU).
+among themselves (`fsdp`, FSDP2 over torch.distributed: NCCL between GPUs, gloo on the CPU).
 `ColocatedWorker` is both in one process, on one device: the features never leave it. Each places
 itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU). None imports Ray.
 """
@@ -305,10 +305,10 @@ class DrafterWorker:
             self._shard(groups[team])
 
     def _shard(self, group) -> None:
-        from dflash_ray.train.sharding import shard
+        from dflash_ray.train.fsdp import apply_fsdp
 
         self.group = group
-        shard(self.drafter, self.place.device.split(":")[0], group, self.dtype)
+        apply_fsdp(self.drafter, self.place.device.split(":")[0], group, self.dtype)
         # the optimizer over the shards this rank now holds (its state was still empty)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
@@ -405,7 +405,7 @@ class DrafterWorker:
 
     def _train_step(self, step: int, batch: dict[str, Any], fault: bool) -> dict[str, Any]:
         from dflash_ray.drafter.loss import per_position_accuracy
-        from dflash_ray.train.sharding import full
+        from dflash_ray.train.fsdp import full
 
         if fault:
             raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 
-def shard(drafter: nn.Module, device_type: str, group, dtype: torch.dtype) -> None:
+def apply_fsdp(drafter: nn.Module, device_type: str, group, dtype: torch.dtype) -> None:
     """Shard `drafter` in place over the ranks of process `group` (the drafter's own ranks, which may
     be a subgroup of the run's), or over a `DeviceMesh` made beforehand. Gradients are summed, not
     averaged: the caller scales each rank's loss by its share of the union's weight."""
