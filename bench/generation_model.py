@@ -123,7 +123,7 @@ def main() -> None:
 
     from dflash_ray.config import GenerateConfig, load_config
     from dflash_ray.generation.engines import VLLMEngine
-    from dflash_ray.generation.shard import ShardGenerator
+    from dflash_ray.generation.completions import ShardGenerator
     from dflash_ray.registry import SMOLLM2, load_tokenizer, resolve
     from dflash_ray.simulate import Gpu
     from dflash_ray.simulate_generation import Lengths, engine_of, simulate

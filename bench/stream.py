@@ -56,7 +56,7 @@ def _rows(n: int, long_every: int) -> list[dict]:
 def _lock_step(gen, shards: list[list[dict]]) -> list:
     """Every shard, a blocking call of `batch_size` prompts at a time (one-turn prompts)."""
     from dflash_ray.generation.engines import generate
-    from dflash_ray.generation.shard import Conversation
+    from dflash_ray.generation.completions import Conversation
 
     outs = []
     size = gen.cfg.batch_size
@@ -70,7 +70,7 @@ def _lock_step(gen, shards: list[list[dict]]) -> list:
 
 def _kept_full(gen, shards: list[list[dict]]) -> list:
     """The generator's loop without Ray: a new shard joins whenever the engine has room."""
-    from dflash_ray.generation.shard import Stream
+    from dflash_ray.generation.completions import Stream
 
     stream, todo, lengths = Stream(gen), list(enumerate(shards)), []
     while todo or len(stream):
@@ -100,7 +100,7 @@ def main() -> None:
 
     from dflash_ray.config import GenerateConfig
     from dflash_ray.generation.engines import VLLMEngine
-    from dflash_ray.generation.shard import ShardGenerator
+    from dflash_ray.generation.completions import ShardGenerator
     from dflash_ray.registry import SMOLLM2, load_tokenizer, resolve
 
     cfg = GenerateConfig(

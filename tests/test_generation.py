@@ -13,7 +13,7 @@ from dflash_ray.config import AutoscaleConfig, GenerateConfig
 from dflash_ray.generation.book import PAUSED, ShardBook, wanted_generators
 from dflash_ray.generation.degenerate import classify, tail_cycle
 from dflash_ray.generation.engines import Output
-from dflash_ray.generation.shard import ShardGenerator, prompt_seed, split_reasoning
+from dflash_ray.generation.completions import ShardGenerator, prompt_seed, split_reasoning
 
 CFG = GenerateConfig()
 ESSAY = (
@@ -212,7 +212,7 @@ def test_truncation_policy_keeps_or_rejects(qwen3_tokenizer):
 @pytest.mark.slow
 def test_several_samples_per_prompt_get_their_own_ids_and_seeds(tiny_qwen3_dir, qwen3_tokenizer):
     from dflash_ray.generation.engines import HFEngine
-    from dflash_ray.generation.shard import prompt_of
+    from dflash_ray.generation.completions import prompt_of
     from dflash_ray.registry import stop_token_ids
 
     cfg = GenerateConfig(
@@ -242,7 +242,7 @@ def _rows(texts):
 
 def test_a_stream_lets_the_next_shard_in_while_one_finishes_and_each_shard_ends_whole(tiny_qwen3_dir, qwen3_tokenizer):
     from dflash_ray.generation.engines import HFEngine
-    from dflash_ray.generation.shard import Stream
+    from dflash_ray.generation.completions import Stream
     from dflash_ray.registry import stop_token_ids
 
     cfg = GenerateConfig(backend="transformers", max_tokens=6, max_model_len=64, temperature=1.0, truncated="keep")

@@ -9,7 +9,7 @@ import pytest
 from dflash_ray.config import GenerateConfig, TokenizeConfig
 from dflash_ray.data.formats import normalize
 from dflash_ray.data.masking import render, tokenize_record
-from dflash_ray.generation.shard import ShardGenerator
+from dflash_ray.generation.completions import ShardGenerator
 
 CONVERSATION = {
     "conversations": [

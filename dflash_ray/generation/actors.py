@@ -162,7 +162,7 @@ class Generator:
         from ray.util import metrics
 
         from dflash_ray.generation.engines import make_engine
-        from dflash_ray.generation.shard import ShardGenerator
+        from dflash_ray.generation.completions import ShardGenerator
         from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
 
         if cfg.backend == "transformers":
@@ -184,7 +184,7 @@ class Generator:
         shards; each shard is written and committed as its last answer comes. A pending `lease` is
         polled between engine steps (a paused pool holds it) and waited on only when the engine is
         idle. `None` from the pool (drain, or no work left) stops leasing; the shards held finish."""
-        from dflash_ray.generation.shard import Stream
+        from dflash_ray.generation.completions import Stream
 
         stream, units = Stream(self.gen), {}
         asked, stopping = None, False
@@ -219,7 +219,7 @@ class Generator:
                 beat = time.monotonic()
 
     def _commit(self, unit: dict[str, Any], result, counts: dict[str, int]) -> None:
-        from dflash_ray.generation.shard import write_result
+        from dflash_ray.generation.completions import write_result
 
         names, written = write_result(self.output, f"{int(unit['index']):05d}-{self.gid}-{unit['lease']}", result)
         entry = {

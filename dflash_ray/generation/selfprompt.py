@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from dflash_ray.config import SelfPromptConfig
 from dflash_ray.generation.engines import Engine, generate
-from dflash_ray.generation.shard import prompt_seed
+from dflash_ray.generation.completions import prompt_seed
 
 _SENTINEL = "\x1fUSER-MESSAGE\x1f"
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def _prompt_rows(uri: str, limit: int) -> list[dict[str, Any]]:
     """The prompts to measure on. A conversation that generation answers turn by turn is measured on
     its first turn: its later turns need the target's own earlier answers in the history."""
-    from dflash_ray.generation.shard import Conversation
+    from dflash_ray.generation.completions import Conversation
 
     rows = manifest.read_rows(uri, None, limit)  # all columns: `regenerate` is absent from older shards
     if not rows:

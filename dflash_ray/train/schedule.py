@@ -165,7 +165,7 @@ def sample_prompts(samples: list[tuple[str, int]]) -> list[str]:
     """The prompt each sample answers (several completions of one prompt share it)."""
     import pyarrow.parquet as pq
 
-    from dflash_ray.generation.shard import prompt_of
+    from dflash_ray.generation.completions import prompt_of
 
     ids: dict[str, list] = {}
     for uri in dict.fromkeys(uri for uri, _ in samples):

@@ -1,4 +1,4 @@
-"""One work unit of generation, without Ray: prompt rows → engine → completion and rejected records.
+"""Completions of a generation shard, without Ray: its prompt rows → engine → completion and rejected records.
 
 The prompt is rendered here with the target's chat template (thinking flag, tools, extra template
 kwargs from config) and the engine receives token ids, so `prompt_token_ids` is exactly what the
