@@ -93,7 +93,7 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
         if family_name == "dflash2":
             with torch.no_grad():  # how often the walk's label was among the candidates at all
                 blk = out.blocks
-                from dflash_ray.drafter.step import attention_masks
+                from dflash_ray.drafter.forward import attention_masks
                 import torch.nn.functional as F
 
                 h = drafter(

@@ -608,7 +608,7 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     from dflash_ray.drafter.config import from_target
     from dflash_ray.drafter.model import DFlashDrafter
     from dflash_ray.drafter.speculative import speculative_decode, target_decode
-    from dflash_ray.drafter.step import forward_loss
+    from dflash_ray.drafter.forward import forward_loss
     from dflash_ray.target.capture import load_embed_and_head, target_features
     from dflash_ray.tiny_models import tiny_qwen3
 

@@ -8,7 +8,7 @@ from dflash_ray.drafter.blocks import FULL, SLIDING, dense_mask, flex_block_mask
 from dflash_ray.drafter.config import default_layer_ids, from_target
 from dflash_ray.drafter.loss import acceptance_lengths, naive_loss
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.step import attention_masks, forward_loss
+from dflash_ray.drafter.forward import attention_masks, forward_loss
 from dflash_ray.kernels.fused_ce import fused_linear_weighted_ce
 from dflash_ray.target.capture import load_embed_and_head, target_features
 from dflash_ray.tiny_models import tiny_qwen3

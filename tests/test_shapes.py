@@ -14,7 +14,7 @@ from dflash_ray.drafter import model as drafter_model
 from dflash_ray.drafter.blocks import FULL, SLIDING, bucket_length, dense_mask, flex_block_mask, sample_anchors
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.model import DFlashDrafter, compile_static, compiled_flex_attention
-from dflash_ray.drafter.step import forward_loss
+from dflash_ray.drafter.forward import forward_loss
 from dflash_ray.tiny_models import tiny_qwen3
 
 # 24 distinct lengths over three buckets of 32 (32, 64, 96)

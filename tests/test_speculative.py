@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import acceptance_by_position, speculative_decode, target_decode
-from dflash_ray.drafter.step import forward_loss
+from dflash_ray.drafter.forward import forward_loss
 from dflash_ray.target.capture import load_embed_and_head, target_features
 from dflash_ray.tiny_models import tiny_qwen3, tiny_qwen35
 
@@ -139,7 +139,7 @@ def test_speculative_sampling_reproduces_the_targets_distribution(tmp_path, gree
     # the drafter's own proposals for the same two positions are a different distribution
     with torch.no_grad():
         feats = target_features(target, torch.tensor([prompt]), cfg.target_layer_ids)
-        from dflash_ray.drafter.step import attention_masks
+        from dflash_ray.drafter.forward import attention_masks
 
         block = torch.full((1, 16), 23)
         block[0, 0] = prompt[-1]

@@ -7,7 +7,7 @@ from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.export import save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import speculative_decode, target_decode
-from dflash_ray.drafter.step import forward_loss
+from dflash_ray.drafter.forward import forward_loss
 from dflash_ray.drafter.vllm_check import vllm_decode
 from dflash_ray.registry import load_tokenizer, resolve
 from dflash_ray.target.capture import load_embed_and_head, target_features

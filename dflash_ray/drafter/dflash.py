@@ -1,4 +1,4 @@
-"""The DFlash family: the drafter of `model.py`, the loss of `step.py`, one parallel draft per block.
+"""The DFlash family: the drafter of `model.py`, the loss of `forward.py`, one parallel draft per block.
 
 Block `[x_a, MASK x K-1]` at positions a..a+K-1; position k predicts x[a+k] and k = 0 (the anchor)
 is no prediction, so a block drafts K - 1 tokens, all chosen at once from the block's logits.
@@ -13,7 +13,7 @@ from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.model import DFlashDrafter, head_logits
 from dflash_ray.drafter.speculative import Sampling, warp
-from dflash_ray.drafter.step import attention_masks, forward_loss
+from dflash_ray.drafter.forward import attention_masks, forward_loss
 
 
 class DFlash:

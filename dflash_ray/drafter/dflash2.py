@@ -51,7 +51,7 @@ from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput, acceptance_lengths, dflash_loss
 from dflash_ray.drafter.model import DecoderLayer, DFlashDrafter, head_logits
 from dflash_ray.drafter.speculative import Sampling, warp
-from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
+from dflash_ray.drafter.forward import ForwardOutput, attention_masks, draft_blocks
 
 MISSING_TRUE_TOKEN = "drop"  # or "swap" (see the module docstring)
 DETACH_SELECTOR_INPUTS = True
@@ -250,7 +250,7 @@ def forward_loss(
     length_bucket: int = 1,
     rule: str = MISSING_TRUE_TOKEN,
     detach_selector: bool = DETACH_SELECTOR_INPUTS,
-) -> StepOutput:
+) -> ForwardOutput:
     """DFlash's training forward (its blocks, weights, distillation and padding) plus the selector's
     CE; hits and the simulated tau are the selector walk's with true predecessors, which is the
     greedy walk up to its first miss."""
@@ -292,7 +292,7 @@ def forward_loss(
         detach_selector,
     )
     out = LossOutput(backbone.loss + cfg.settings.selector_weight * sel, correct.view(B, -1), backbone.weight_sum)
-    return StepOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, cfg.block_size))
+    return ForwardOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, cfg.block_size))
 
 
 def walk(
@@ -327,7 +327,7 @@ class DFlash2:
     def build(self, cfg: DrafterConfig) -> DFlash2Drafter:
         return DFlash2Drafter(cfg)
 
-    def forward_loss(self, drafter, *args, **kwargs) -> StepOutput:
+    def forward_loss(self, drafter, *args, **kwargs) -> ForwardOutput:
         return forward_loss(drafter, *args, **kwargs)
 
     @torch.no_grad()

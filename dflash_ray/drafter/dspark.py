@@ -37,7 +37,7 @@ from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.loss import LossOutput
 from dflash_ray.drafter.model import DFlashDrafter, head_logits
 from dflash_ray.drafter.speculative import Sampling, warp
-from dflash_ray.drafter.step import StepOutput, attention_masks, draft_blocks
+from dflash_ray.drafter.forward import ForwardOutput, attention_masks, draft_blocks
 from dflash_ray.errors import DFlashError
 
 GAMMA = 4.0  # the position weights' gamma unless `train.loss_decay` sets it
@@ -215,7 +215,7 @@ def forward_loss(
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
     length_bucket: int = 1,
-) -> StepOutput:
+) -> ForwardOutput:
     """`teacher`: the target's final-normed last hidden states [B, S, H] (position p: the distribution
     of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on
     hits. `fused` and `distill` are DFlash's (the TV term already learns the target's distribution).
@@ -245,7 +245,7 @@ def forward_loss(
     if teacher is not None:  # the target's distribution at a + k, where the label's own is
         t_hidden = torch.gather(teacher, 1, at[..., None].expand(-1, -1, teacher.shape[-1]))
     out = dspark_loss(drafter, drafted.hidden_BQH, head_VH, prev, blocks.labels, blocks.weights, t_hidden)
-    return StepOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, K))
+    return ForwardOutput(out, blocks, acceptance_lengths(out.correct, blocks.weights, blocks.keep, K))
 
 
 class DSpark:
@@ -271,7 +271,7 @@ class DSpark:
     def build(self, cfg: DrafterConfig) -> DSparkDrafter:
         return DSparkDrafter(cfg)
 
-    def forward_loss(self, drafter, *args, **kwargs) -> StepOutput:
+    def forward_loss(self, drafter, *args, **kwargs) -> ForwardOutput:
         return forward_loss(drafter, *args, **kwargs)
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ Adding a family (`drafter/toy.py` and `tests/test_toy.py`, nothing else):
    weights with their defaults (set under `train.family`), lower bounds in `minimum`, and rules
    against the drafter's shape in `check`;
 3. a class with the members of `Family` and `FAMILY = ThatClass()`; `forward_loss` starts from
-   `step.draft_blocks` (padding, anchors, blocks, the drafter's pass), `propose` drafts at decoding;
+   `forward.draft_blocks` (padding, anchors, blocks, the drafter's pass), `propose` drafts at decoding;
 4. a test: build, one `forward_loss` and its backward, `propose`, `export.save_drafter` and
    `load_drafter` round trip, and `dflash-ray plan --set train.drafter=<name>`.
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from dflash_ray.drafter.config import DrafterConfig
     from dflash_ray.drafter.model import DFlashDrafter
     from dflash_ray.drafter.speculative import Sampling
-    from dflash_ray.drafter.step import StepOutput
+    from dflash_ray.drafter.forward import ForwardOutput
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,7 +92,7 @@ class Family(Protocol):
         teacher: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
         distill: float = 0.0,
         length_bucket: int = 1,
-    ) -> StepOutput:
+    ) -> ForwardOutput:
         """One training forward: anchors, blocks, the drafter, the loss and the simulated tau.
         `gamma`: `train.loss_decay` (None: the family's default; `blocks.position_weights`);
         `teacher`: the target's last hidden states [B, S, H] for a family that `wants_target_distribution`,

@@ -20,7 +20,7 @@ from dflash_ray.train.schedule import Sample
 
 
 def bucket(length: int, length_bucket: int) -> int:
-    """A context's padded length (`drafter.step.bucket_length`, without importing torch here)."""
+    """A context's padded length (`drafter.forward.bucket_length`, without importing torch here)."""
     return -(-length // length_bucket) * length_bucket
 
 

@@ -364,7 +364,7 @@ class DrafterWorker:
         """The family's forward and loss on a batch. Compiled attention (GPU) builds one graph per
         (batch, padded length, grad mode) on its first use in this process: `warm_up` meets them
         all before step 0; under `train.clocks` the first use costs the GPU's compile time."""
-        from dflash_ray.drafter.step import bucket_length
+        from dflash_ray.drafter.forward import bucket_length
 
         device = self.place.device
         ids = batch["input_ids"]

@@ -14,7 +14,7 @@ from dflash_ray.drafter.model import DFlashDrafter
 
 
 @dataclass
-class StepOutput:
+class ForwardOutput:
     loss: LossOutput
     blocks: Blocks
     tau: torch.Tensor  # [num_kept] simulated acceptance lengths
@@ -120,7 +120,7 @@ def forward_loss(
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
     distill: float = 0.0,
     length_bucket: int = 1,
-) -> StepOutput:
+) -> ForwardOutput:
     """`teacher`: the target's top-k next-token ids and probabilities [B, S, k] (`target_outputs`);
     `distill`: the share of each position's target they carry (the label carries the rest);
     `length_bucket`: the context is padded to a multiple of it (loss_mask 0 there, so the loss and
@@ -150,4 +150,4 @@ def forward_loss(
         soft_probs_BQm=blocks.soft_probs,
     )
     tau = acceptance_lengths(out.correct, blocks.weights, blocks.keep, drafter.cfg.block_size)
-    return StepOutput(out, blocks, tau)
+    return ForwardOutput(out, blocks, tau)
