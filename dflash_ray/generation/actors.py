@@ -1,4 +1,4 @@
-"""The generation actors: thin shells over `ShardBook` (the pool) and `ShardGenerator` (a generator).
+"""The generation actors: thin shells over `ShardLeases` (the pool) and `ShardGenerator` (a generator).
 
 The pool is a named actor in the `dflash-ray` namespace, so `dflash-ray scale` and `dflash-ray
 status` (or `jobs/run.py scale` from a laptop) find it from any process on the cluster. It records each
@@ -7,7 +7,7 @@ and publishes the run's figures as Ray dashboard metrics.
 
 The pool is an async actor so that a paused pool can hold a generator's `lease` call open until it
 resumes (or the generator is asked to drain) without blocking the pool's other calls; every
-method still runs on its one event loop, so the book is never touched by two calls at once.
+method still runs on its one event loop, so the leases are never touched by two calls at once.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import ray
 
 from dflash_ray import storage
 from dflash_ray.config import GenerateConfig
-from dflash_ray.generation.book import PAUSED, PROGRESS, ShardBook
+from dflash_ray.generation.leases import PAUSED, PROGRESS, ShardLeases
 
 NAMESPACE = "dflash-ray"
 HEARTBEAT_S = 5.0  # a generator renews its leases this often while its engine runs
@@ -40,7 +40,7 @@ class ShardPool:
     ):
         from ray.util import metrics
 
-        self.book = ShardBook(
+        self.leases = ShardLeases(
             units, done, cfg.generators, cfg.lease_timeout_s, paused=cfg.start_paused, autoscale=cfg.autoscale
         )
         self._changed = asyncio.Event()  # set (and replaced) when a held `lease` call should look again
@@ -64,7 +64,7 @@ class ShardPool:
         self._publish()
 
     def _publish(self) -> dict[str, Any]:
-        status = self.book.status()
+        status = self.leases.status()
         status["generators_starting"] = [g for g in status["generators"] if g not in self.asked]
         self.m_queue.set(status["queue_depth"])
         self.m_alive.set(status["generators_alive"])
@@ -76,18 +76,18 @@ class ShardPool:
     def _save(self) -> None:
         body = {
             "plan": self.plan,
-            "done": {str(k): v for k, v in sorted(self.book.done.items())},
+            "done": {str(k): v for k, v in sorted(self.leases.done.items())},
             "updated": time.time(),
         }
         storage.write_text(storage.join(self.output, PROGRESS), json.dumps(body, indent=1))
 
     def register(self, gid: str) -> None:
-        self.book.register(gid)
+        self.leases.register(gid)
         self._publish()
 
     def exited(self, gid: str) -> tuple[list[int], bool]:
         """(its shards, back in the queue; whether it had started: asked for work)."""
-        back = self.book.exited(gid)
+        back = self.leases.exited(gid)
         self._publish()
         return back, gid in self.asked
 
@@ -98,26 +98,26 @@ class ShardPool:
     async def lease(self, gid: str) -> dict[str, Any] | None:
         """A shard, or None (stop); while the pool is paused the call waits, the engine kept loaded."""
         self.asked.add(gid)
-        while (unit := self.book.lease(gid)) == PAUSED:
+        while (unit := self.leases.lease(gid)) == PAUSED:
             self._publish()
             await self._changed.wait()
         self._publish()
-        assert not isinstance(unit, str)  # PAUSED is the book's only string
+        assert not isinstance(unit, str)  # PAUSED is the only string `lease` returns
         return unit
 
     async def pause(self, paused: bool) -> dict[str, Any]:
         """Pause (no new shard; those leased finish) or resume the run. On resume the held `lease`
         calls take their shards before this returns, so the status it returns shows them."""
-        self.book.paused = paused
+        self.leases.paused = paused
         self._wake()
         await asyncio.sleep(0)  # the woken calls were scheduled first: they run now
         return self._publish()
 
     def heartbeat(self, gid: str) -> None:
-        self.book.heartbeat(gid)
+        self.leases.heartbeat(gid)
 
     def complete(self, gid: str, index: int, entry: dict[str, Any]) -> bool:
-        accepted = self.book.complete(gid, index, entry)
+        accepted = self.leases.complete(gid, index, entry)
         if accepted:
             self._save()
             self.m_prompts.inc(entry["prompts"])
@@ -127,13 +127,13 @@ class ShardPool:
         return accepted
 
     def set_target(self, n: int) -> dict[str, Any]:
-        self.book.set_target(n)
+        self.leases.set_target(n)
         return self._publish()
 
     def reconcile(self) -> tuple[int, list[str], list[str]]:
         """(generators to start, generators to drain, generators whose lease timed out)."""
-        late = self.book.expire()
-        start, drain = self.book.reconcile()
+        late = self.leases.expire()
+        start, drain = self.leases.reconcile()
         if drain:  # a draining generator held in `lease` stops now
             self._wake()
         self._publish()
@@ -143,7 +143,7 @@ class ShardPool:
         return self._publish()
 
     def done(self) -> dict[int, dict[str, Any]]:
-        return dict(self.book.done)
+        return dict(self.leases.done)
 
 
 def read_unit(unit: dict[str, Any]) -> list[dict[str, Any]]:

@@ -39,7 +39,7 @@ from dflash_ray import manifest, storage, writer
 from dflash_ray.cluster import connect, on_node
 from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
 from dflash_ray.errors import DFlashError, DiskFull, failure_cause
-from dflash_ray.generation.book import PROGRESS
+from dflash_ray.generation.leases import PROGRESS
 from dflash_ray.registry import pin
 from dflash_ray.generation.options import check_model, engine_options
 from dflash_ray.stages import PipelineRun, Stage

@@ -1,12 +1,12 @@
 """Where every generation shard is: pending, leased (to which generator, until when) or done.
 
-No Ray here: the pool actor wraps one `ShardBook`. The rules that make output exactly-once:
+No Ray here: the pool actor wraps one `ShardLeases`. The rules that make output exactly-once:
 - a shard is leased to one generator at a time; a lease that dies with its generator, or sees no
   heartbeat for `lease_timeout_s`, goes back to the front of the queue;
 - the first `complete` of a shard wins and is recorded; a later one (a timed-out generator that
   finished after all) is refused, and its files are never listed in the dataset manifest;
 - a generator asked to drain gets no new shard; the one it holds finishes normally;
-- a paused book hands out no shard: a generator that asks is told to wait (`PAUSED`), its engine
+- while paused, no shard is leased: a generator that asks is told to wait (`PAUSED`), its engine
   kept loaded; the shards already leased finish normally.
 
 With `generate.autoscale` on, `reconcile` also revises the target count (`wanted_generators`) from
@@ -25,7 +25,7 @@ from typing import Any, Callable
 from dflash_ray.config import AutoscaleConfig
 
 PROGRESS = "_progress.json"  # finished shards of a generation, on storage next to its output
-PAUSED = "paused"  # `lease`: work is left but the book is paused; ask again once it resumes
+PAUSED = "paused"  # `lease`: work is left but leasing is paused; ask again once it resumes
 
 
 @dataclass(slots=True)
@@ -64,7 +64,7 @@ def _generator_order(gid: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, gid)
 
 
-class ShardBook:
+class ShardLeases:
     def __init__(
         self,
         units: list[dict[str, Any]],
@@ -78,7 +78,7 @@ class ShardBook:
         self.units = {int(u["index"]): u for u in units}
         self.done = {int(k): v for k, v in done.items()}
         self.pending = collections.deque(i for i in sorted(self.units) if i not in self.done)
-        self.leases: dict[int, Lease] = {}
+        self.leased: dict[int, Lease] = {}
         self.target = target
         self.alive: set[str] = set()
         self.draining: set[str] = set()
@@ -110,10 +110,10 @@ class ShardBook:
         """A generator is gone (drained, out of work or dead): its shards go back to the queue."""
         self.alive.discard(gid)
         self.draining.discard(gid)
-        back = sorted(i for i, lease in self.leases.items() if lease.generator == gid)
+        back = sorted(i for i, lease in self.leased.items() if lease.generator == gid)
         now = self.clock()
         for i in reversed(back):
-            self.lost_s += now - self.leases.pop(i).started
+            self.lost_s += now - self.leased.pop(i).started
             self.pending.appendleft(i)
         return back
 
@@ -133,7 +133,7 @@ class ShardBook:
         shard_s = sum(self.shard_s) / len(self.shard_s) if self.shard_s else None
         start_s = max(self.start_s) if self.start_s else None
         want = wanted_generators(
-            len(self.pending), len(self.leases), len(self.alive - self.draining), shard_s, start_s, self.auto
+            len(self.pending), len(self.leased), len(self.alive - self.draining), shard_s, start_s, self.auto
         )
         if want is not None:
             self.target = want
@@ -161,23 +161,23 @@ class ShardBook:
         index = self.pending.popleft()
         self.lease_count += 1
         now = self.clock()
-        self.leases[index] = Lease(gid, self.lease_count, now + self.timeout, now)
+        self.leased[index] = Lease(gid, self.lease_count, now + self.timeout, now)
         self.first_lease = self.first_lease or now
         return {**self.units[index], "lease": self.lease_count}
 
     def heartbeat(self, gid: str) -> None:
         deadline = self.clock() + self.timeout
-        for lease in self.leases.values():
+        for lease in self.leased.values():
             if lease.generator == gid:
                 lease.deadline = deadline
 
     def expire(self) -> list[str]:
         """Leases past their deadline go back to the queue; returns their generators (to replace)."""
         now = self.clock()
-        late = sorted((i for i, lease in self.leases.items() if lease.deadline < now), reverse=True)
-        gens = [self.leases[i].generator for i in late]
+        late = sorted((i for i, lease in self.leased.items() if lease.deadline < now), reverse=True)
+        gens = [self.leased[i].generator for i in late]
         for i in late:
-            self.lost_s += now - self.leases.pop(i).started
+            self.lost_s += now - self.leased.pop(i).started
             self.pending.appendleft(i)
         return sorted(set(gens))
 
@@ -186,9 +186,9 @@ class ShardBook:
         if index in self.done:
             return False
         self.done[index] = entry
-        lease = self.leases.get(index)
+        lease = self.leased.get(index)
         if lease is not None:
-            del self.leases[index]
+            del self.leased[index]
             if lease.generator == gid:
                 self.shard_s.append(self.clock() - lease.started)
         if index in self.pending:  # expired and queued again, then finished by its first holder
@@ -200,7 +200,7 @@ class ShardBook:
 
     @property
     def finished(self) -> bool:
-        return not self.pending and not self.leases
+        return not self.pending and not self.leased
 
     def status(self) -> dict[str, Any]:
         total = sum(int(u["count"]) for u in self.units.values())
@@ -210,7 +210,7 @@ class ShardBook:
         return {
             "shards_total": len(self.units),
             "shards_done": len(self.done),
-            "shards_leased": len(self.leases),
+            "shards_leased": len(self.leased),
             "queue_depth": len(self.pending),
             "prompts_total": total,
             "prompts_done": done,
@@ -221,8 +221,8 @@ class ShardBook:
             "generators_peak": self.peak,
             "autoscale": self.auto is not None,
             "leased_by": {
-                g: sorted(i for i, lease in self.leases.items() if lease.generator == g)
-                for g in sorted({lease.generator for lease in self.leases.values()})
+                g: sorted(i for i, lease in self.leased.items() if lease.generator == g)
+                for g in sorted({lease.generator for lease in self.leased.values()})
             },
             "done_by": dict(collections.Counter(str(e.get("generator")) for e in self.done.values())),
             "paused": self.paused,
