@@ -96,7 +96,7 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
 
     # every motif sample has one length, so length balancing would only draw another order of the same
     # samples; 24 steps on this seed learn the motif in the windowed order, less in some others (the
-    # test is of the Ray path, not of one order's luck: the order itself is tested in test_reads.py)
+    # test is of the Ray path, not of one order's luck: the order itself is tested in test_file_cache.py)
     cfg = load_config(
         None,
         SETTINGS

@@ -4,7 +4,7 @@ and the seed alone, so a resume replays exactly what an uninterrupted run does.
 
 The order shuffles within windows of files (`train.shard_window`): the files in a seeded order, taken
 `window` at a time, each window's samples permuted together. A target actor keeps the files of the
-window it is in (`reads.ShardReader`), so it reads each file once per epoch, where a permutation
+window it is in (`file_cache.FileCache`), so it reads each file once per epoch, where a permutation
 of the whole dataset would have it read a whole file for almost every sample.
 
 Steps are balanced by length (`group`): each window's shuffled samples, cut into chunks of

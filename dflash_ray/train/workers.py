@@ -57,10 +57,10 @@ class TargetWorker:
         self.model = AutoModelForCausalLM.from_pretrained(resolve(target), dtype=self.place.dtype, **spread).eval()
         if not spread:
             self.model.to(self.place.device)
-        from dflash_ray.train.reads import ShardReader
+        from dflash_ray.train.file_cache import FileCache
 
         # the files of the schedule's window, and of the next while a step straddles the two
-        self.reader = ShardReader(2 * cfg.shard_window)
+        self.reader = FileCache(2 * cfg.shard_window)
         self._staging: dict[str, torch.Tensor] = {}
         from dflash_ray.train.feature_cache import FeatureCache
 

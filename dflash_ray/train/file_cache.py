@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-class ShardReader:
+class FileCache:
     """Rows of tokenized files, the `keep` most recently used files held (their `input_ids` and
     `loss_mask` columns); counts the files read and their bytes."""
 

@@ -1,5 +1,5 @@
 """Reads that scale: over a dataset of 8 tokenized files, a target actor's reader (the worker's own,
-`reads.ShardReader`, fed the run's own `Schedule`) reads each file at most once per epoch per
+`file_cache.FileCache`, fed the run's own `Schedule`) reads each file at most once per epoch per
 stream; the order stays a seeded function of the step (an exact resume), every sample once an epoch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import collections
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_ray.train import reads
+from dflash_ray.train import file_cache
 from dflash_ray.train.schedule import Schedule, dataset_samples, sample_lengths
 
 FILES, ROWS, STREAMS, EPOCHS = 8, 24, 2, 2
@@ -28,7 +28,7 @@ def _reads_per_stream(samples, window: int) -> list[collections.Counter]:
     schedule = Schedule(samples, STREAMS, 1, seed=3, window=window, lengths=sample_lengths(samples), group=STREAMS)
     counts = []
     for stream in range(STREAMS):
-        reader = reads.ShardReader(2 * max(window, 1))
+        reader = file_cache.FileCache(2 * max(window, 1))
         read = collections.Counter()
         real = reader.row
 
