@@ -33,7 +33,7 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
 
     from dflash_ray.drafter import dflash2, families
     from dflash_ray.drafter.config import from_target
-    from dflash_ray.target.capture import load_embed_and_head, target_outputs
+    from dflash_ray.target_model.capture import load_embed_and_head, target_outputs
     from dflash_ray.tiny_models import tiny_qwen3
 
     torch.set_num_threads(2)

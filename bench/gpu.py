@@ -564,7 +564,7 @@ def check_hybrid_target(sz: Sizes, device: str, tmp: Path) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from dflash_ray.target.capture import target_features
+    from dflash_ray.target_model.capture import target_features
     from dflash_ray.tiny_models import tiny_qwen35
 
     cuda = device.startswith("cuda")
@@ -609,7 +609,7 @@ def check_speculative(sz: Sizes, device: str, tmp: Path) -> dict:
     from dflash_ray.drafter.model import DFlashDrafter
     from dflash_ray.drafter.speculative import speculative_decode, target_decode
     from dflash_ray.drafter.forward import forward_loss
-    from dflash_ray.target.capture import load_embed_and_head, target_features
+    from dflash_ray.target_model.capture import load_embed_and_head, target_features
     from dflash_ray.tiny_models import tiny_qwen3
 
     path = tiny_qwen3(

@@ -23,7 +23,7 @@ from dflash_ray.registry import SMOLLM2
 def broken(kind: str) -> Iterator[None]:
     """One convention changed on the training side (or in the export) for the block's duration."""
     from dflash_ray.drafter import export
-    from dflash_ray.target import capture
+    from dflash_ray.target_model import capture
 
     captured, saved = capture.target_outputs, export.save_drafter
 

@@ -397,7 +397,7 @@ def target_forward(
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from dflash_ray.target.capture import target_outputs
+    from dflash_ray.target_model.capture import target_outputs
 
     started = time.perf_counter()
     with fake_run() as mode:

@@ -10,7 +10,7 @@ from dflash_ray.drafter.loss import acceptance_lengths, naive_loss
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.forward import attention_masks, forward_loss
 from dflash_ray.kernels.fused_ce import fused_linear_weighted_ce
-from dflash_ray.target.capture import load_embed_and_head, target_features
+from dflash_ray.target_model.capture import load_embed_and_head, target_features
 from dflash_ray.tiny_models import tiny_qwen3
 
 
@@ -250,7 +250,7 @@ def test_drafter_from_a_hybrid_qwen35_target(tiny_qwen35_dir):
 def test_target_outputs_give_the_targets_own_next_token_distribution(tmp_path):
     """Position p holds the target's top-k for token p + 1, at the wanted positions only, computed
     in chunks of the head; the features are the same as without it."""
-    from dflash_ray.target.capture import target_outputs
+    from dflash_ray.target_model.capture import target_outputs
 
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512)
     model = AutoModelForCausalLM.from_pretrained(path).eval()

@@ -8,7 +8,7 @@ from dflash_ray.config import load_config
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.init import init_from_target, init_mode, initial_drafter
 from dflash_ray.errors import DFlashError
-from dflash_ray.target.capture import target_features
+from dflash_ray.target_model.capture import target_features
 
 
 def _drafter(path, layer_ids, num_layers, mode="target"):

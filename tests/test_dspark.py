@@ -12,7 +12,7 @@ from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.dspark import DSparkDrafter, forward_loss
 from dflash_ray.drafter.speculative import Sampling, speculative_decode, target_decode, warp
 from dflash_ray.drafter.forward import attention_masks
-from dflash_ray.target.capture import load_embed_and_head, target_outputs
+from dflash_ray.target_model.capture import load_embed_and_head, target_outputs
 from dflash_ray.tiny_models import tiny_qwen3
 
 V, H = 96, 32

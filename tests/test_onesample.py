@@ -49,7 +49,7 @@ def test_dflash_is_accepted_whole_here_and_by_vllm_alike(capsys):
 def test_a_convention_broken_on_one_side_fails_the_gate(monkeypatch):
     """Training concatenates the captured layers in another order than serving reads them: the loss
     still falls to a memorized sample, and the served drafter is not accepted whole."""
-    from dflash_ray.target import capture
+    from dflash_ray.target_model import capture
 
     captured = capture.target_outputs
     monkeypatch.setattr(
@@ -67,7 +67,7 @@ def test_a_captured_layer_shifted_by_one_in_training_fails_each_familys_gate(mon
     """Training captures the layer after each one serving reads: on one sample the drafter can still
     be accepted on a neighbouring layer's features (bench/RESULTS.md), so the gate holds the features
     themselves against each other. One step of training is enough to see them differ."""
-    from dflash_ray.target import capture
+    from dflash_ray.target_model import capture
 
     captured = capture.target_outputs
     monkeypatch.setattr(

@@ -32,7 +32,7 @@ def test_no_core_module_loads_ray_vllm_or_boto3_on_import():
     modules = sorted(found - RAY_SHELLS)
     assert {
         "dflash_ray.drafter.model",
-        "dflash_ray.target.capture",
+        "dflash_ray.target_model.capture",
         "dflash_ray.train.workers",
         "dflash_ray.kernels.fused_ce",
         "dflash_ray.stages.generate",

@@ -388,7 +388,7 @@ def test_a_hybrid_target_on_cuda_without_its_fast_kernels_is_refused(tmp_path, m
     from transformers import AutoModelForCausalLM
 
     from dflash_ray.errors import DFlashError
-    from dflash_ray.target import fastpath
+    from dflash_ray.target_model import fastpath
     from dflash_ray.tiny_models import tiny_qwen3, tiny_qwen35
 
     hybrid = AutoModelForCausalLM.from_pretrained(tiny_qwen35(tmp_path / "h", vocab_size=512))

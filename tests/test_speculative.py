@@ -6,7 +6,7 @@ from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.model import DFlashDrafter
 from dflash_ray.drafter.speculative import acceptance_by_position, speculative_decode, target_decode
 from dflash_ray.drafter.forward import forward_loss
-from dflash_ray.target.capture import load_embed_and_head, target_features
+from dflash_ray.target_model.capture import load_embed_and_head, target_features
 from dflash_ray.tiny_models import tiny_qwen3, tiny_qwen35
 
 

@@ -10,7 +10,7 @@ from dflash_ray.drafter.speculative import speculative_decode, target_decode
 from dflash_ray.drafter.forward import forward_loss
 from dflash_ray.drafter.vllm_check import vllm_decode
 from dflash_ray.registry import load_tokenizer, resolve
-from dflash_ray.target.capture import load_embed_and_head, target_features
+from dflash_ray.target_model.capture import load_embed_and_head, target_features
 
 QUESTIONS = ("What is 2+2?", "Name three colors.", "Say hello in French.", "Count from one to five.")
 

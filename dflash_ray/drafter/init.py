@@ -17,7 +17,7 @@ import torch
 
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.target.capture import read_tensors
+from dflash_ray.target_model.capture import read_tensors
 
 # model types whose decoder layers have the drafter's parameters and semantics
 COPYABLE = ("llama", "mistral", "qwen3")

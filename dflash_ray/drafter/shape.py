@@ -78,7 +78,7 @@ def check_mask_row(target: str, drafter_cfg: dict) -> None:
     import torch
 
     from dflash_ray.registry import resolve
-    from dflash_ray.target.capture import embedding_rows
+    from dflash_ray.target_model.capture import embedding_rows
 
     mask_id = mask_and_layer_ids(drafter_cfg)[0]
     vocab = drafter_cfg["vocab_size"]

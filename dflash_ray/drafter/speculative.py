@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_ray.drafter import families
-from dflash_ray.target.capture import capture
+from dflash_ray.target_model.capture import capture
 
 if TYPE_CHECKING:
     from dflash_ray.drafter.model import DFlashDrafter

@@ -42,7 +42,7 @@ def _heldout_tau(target, drafter, embed, head, uri: str, cfg: RunConfig) -> floa
     import torch
 
     from dflash_ray.drafter import families
-    from dflash_ray.target.capture import target_features
+    from dflash_ray.target_model.capture import target_features
 
     ecfg = cfg.evaluate
     forward_loss = families.get(drafter.cfg.family).forward_loss
@@ -129,7 +129,7 @@ def run_evaluate(
     from dflash_ray.drafter.export import load_drafter
     from dflash_ray.drafter.speculative import Sampling, acceptance_by_position, speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
-    from dflash_ray.target.capture import load_embed_and_head
+    from dflash_ray.target_model.capture import load_embed_and_head
 
     manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")  # before any model loads
     if report_dir is not None:

@@ -101,7 +101,7 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     from dflash_ray.drafter.shape import drafter_config, drafter_init
     from dflash_ray.drafter.speculative import speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
-    from dflash_ray.target.capture import load_embed_and_head, target_outputs
+    from dflash_ray.target_model.capture import load_embed_and_head, target_outputs
 
     ocfg = cfg.onesample
     started = time.perf_counter()

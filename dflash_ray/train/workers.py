@@ -71,7 +71,7 @@ class TargetWorker:
     def kernels(self) -> list[str]:
         """The fast kernels a hybrid target goes without on its GPU (`fastpath.check`: refused
         unless `train.allow_slow_target`)."""
-        from dflash_ray.target import fastpath
+        from dflash_ray.target_model import fastpath
 
         return fastpath.check(self.model, self.place.device, self.cfg.allow_slow_target)
 
@@ -121,7 +121,7 @@ class TargetWorker:
 
     def _features_of(self, samples: list[Sample], to_host: bool) -> dict[str, Any]:
         from dflash_ray.drafter import families
-        from dflash_ray.target.capture import target_outputs
+        from dflash_ray.target_model.capture import target_outputs
 
         start = time.perf_counter()
         device = self.place.device
@@ -231,7 +231,7 @@ class DrafterWorker:
         from dflash_ray.drafter.export import from_hf_config
         from dflash_ray.drafter.init import initial_drafter
         from dflash_ray.registry import resolve
-        from dflash_ray.target.capture import load_embed_and_head
+        from dflash_ray.target_model.capture import load_embed_and_head
 
         torch.set_num_threads(cfg.torch_threads)
         self.cfg, self.rank, self.world, self.pick = cfg, rank, world, pick
