@@ -111,6 +111,13 @@ class SelfPromptConfig:
     top_p: float = within(0, 1, low_open=True, default=0.95)
     max_tokens: int = at_least(1, default=96)  # a message cut here is dropped
     min_chars: int = at_least(0, default=16)
+    # the first `openers` candidates are sampled freely; every later one continues one of their distinct
+    # openings (first `opener_tokens` tokens), each used equally (generation/selfprompt.py); 0: all free
+    openers: int = at_least(0, default=256)
+    opener_tokens: int = at_least(1, default=3)
+    # a message whose word trigrams overlap an earlier one's by more than this (Jaccard) is a near copy
+    max_similarity: float = within(0, 1, default=0.6)
+    min_letter_share: float = within(0, 1, default=0.6)  # of a message's non-space characters; under it: degenerate
     seed: int = 0
 
 
