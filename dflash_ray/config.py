@@ -111,6 +111,13 @@ class SelfPromptConfig:
     top_p: float = within(0, 1, low_open=True, default=0.95)
     max_tokens: int = at_least(1, default=96)  # a message cut here is dropped
     min_chars: int = at_least(0, default=16)
+    # the first `openers` candidates are sampled freely; every later one continues one of their distinct
+    # openings (first `opener_tokens` tokens), each used equally (generation/selfprompt.py); 0: all free
+    openers: int = at_least(0, default=256)
+    opener_tokens: int = at_least(1, default=3)
+    # a message whose word trigrams overlap an earlier one's by more than this (Jaccard) is a near copy
+    max_similarity: float = within(0, 1, default=0.6)
+    min_letter_share: float = within(0, 1, default=0.6)  # of a message's non-space characters; under it: degenerate
     seed: int = 0
 
 
@@ -442,7 +449,9 @@ class PipelineConfig:
     target: str = ""  # target model: path, s3:// folder or short name
     eval_prompts: int = at_least(0, default=12)  # prompts kept out of generation and training, to measure tau on
     min_tau_gain: float = 0.0  # fail unless training raised the held-out simulated tau over step 0's by this
-    beat_ngram: bool = False  # fail unless the trained drafter's tau beats the n-gram baseline's
+    # fail unless the trained drafter's tau beats the n-gram baseline's, on the kept-aside prompts and on
+    # the unseen ones (`unseen_prompts`)
+    beat_ngram: bool = False
     vllm_evaluate: bool = True  # also measure the exported drafter's acceptance in vLLM (when installed)
     # the inputs end with the target's own answers (existing responses): no generation, they are
     # tokenized as they are (`dflash-ray responses`); the kept-aside prompts are their contexts

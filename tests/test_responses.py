@@ -5,6 +5,7 @@ on; bad records are quarantined and counted; answers unlike a thinking target's 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,6 +158,11 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(
         assert result["unseen"]["prompts"] == 2 and result["unseen"]["lossless"]
         assert result["unseen"]["tau_trained"] >= 1 and result["unseen"]["tau_ngram"] >= 1
         assert set(result["unseen"]["tau_per_source"]) == {"unseen"}
+        # where acceptance is lost there: by position, the first as its own figure, prompt lookup beside
+        positions = result["unseen"]["acceptance_by_position"]
+        assert result["unseen"]["first_position"] == positions[0] and result["first_position"] is not None
+        assert result["unseen"]["ngram_acceptance_by_position"] is not None
+        assert Path(result["unseen"]["evaluation_png"]).read_bytes()[:4] == b"\x89PNG"
     assert summary["unseen"] == summary["drafters"]["flash"]["unseen"]
     for name, family, arch, drafts in (
         ("flash", "dflash", "DFlashDraftModel", 15),
@@ -240,3 +246,9 @@ def test_the_learning_gates_name_the_drafter_that_fails():
     with pytest.raises(DFlashError, match="does not beat n-gram prompt lookup's 1.6") as e:
         _gate({**held, "heldout_tau_end": 1.2, "tau_gain": 0.2, "tau_trained": 1.5, "tau_ngram": 1.6}, "", pcfg)
     assert e.value.field == "pipeline.beat_ngram" and "drafter" not in str(e.value).split(":")[0]
+    # the prompts of kinds training never saw hold it too
+    won = {**held, "heldout_tau_end": 1.2, "tau_gain": 0.2, "tau_trained": 1.5, "tau_ngram": 1.2}
+    _gate({**won, "unseen": {"tau_trained": 1.3, "tau_ngram": 1.25}}, "", pcfg)
+    with pytest.raises(DFlashError, match="tau 1.2 does not beat n-gram prompt lookup's 1.25 on the same unseen") as e:
+        _gate({**won, "unseen": {"tau_trained": 1.2, "tau_ngram": 1.25}}, "", pcfg)
+    assert e.value.field == "pipeline.beat_ngram"

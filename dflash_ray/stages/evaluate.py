@@ -311,6 +311,11 @@ def _step(run: PipelineRun) -> dict[str, Any]:
     return {**next(iter(results.values())), **({"drafters": results} if cfg.train.drafters else {})}
 
 
+def first_position(rates: list[float | None]) -> float | None:
+    """The first draft's acceptance (None: nothing was drafted)."""
+    return rates[0] if rates else None
+
+
 def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, references: dict) -> dict[str, Any]:
     import importlib.util
 
@@ -318,6 +323,7 @@ def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, 
 
     from dflash_ray import storage
     from dflash_ray.drafter import families
+    from dflash_ray.plots import acceptance_png
 
     target, trained, drafter = cfg.pipeline.target, run.results["train"][name], run.results["export"][name]
     tag = f"[{name}]" if name else ""
@@ -347,6 +353,8 @@ def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, 
             sampled=False,
             reference_cache=references,
         )
+        unseen_png = storage.join(folder, "evaluation-unseen.png")
+        storage.write_bytes(unseen_png, acceptance_png(result))
         unseen = {
             "unseen": {
                 "prompts": result["prompts"],
@@ -355,6 +363,10 @@ def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, 
                 "tau_per_source": result["tau_per_source"],
                 "tau_ngram_per_source": result["tau_ngram_per_source"],
                 "acceptance_by_position": result["acceptance_by_position"],
+                "ngram_acceptance_by_position": result["ngram_acceptance_by_position"],
+                "first_position": first_position(result["acceptance_by_position"]),
+                "ngram_first_position": first_position(result["ngram_acceptance_by_position"]),
+                "evaluation_png": unseen_png,
                 "lossless": result["lossless"],
             }
         }
@@ -371,6 +383,9 @@ def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, 
         "tau_ngram": after["tau_ngram"],
         "tau_trained_sampled": after["tau_sampled"],
         "acceptance_by_position": after["acceptance_by_position"],
+        # the first draft, which every later one waits on, as its own figure
+        "first_position": first_position(after["acceptance_by_position"]),
+        "ngram_first_position": first_position(after["ngram_acceptance_by_position"]),
         "acceptance_by_position_sampled": after["acceptance_by_position_sampled"],
         "ngram_acceptance_by_position": after["ngram_acceptance_by_position"],
         "tau_per_source": after["tau_per_source"],

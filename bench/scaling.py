@@ -1,0 +1,231 @@
+"""How a drafter's acceptance on prompts of kinds it never saw grows with its regenerated samples.
+
+The demo's target and drafter (its settings, `stages/demo.py`) on its own pipeline up to the
+validation gate, with `--self-prompts` prompts the target writes itself beside the bundled ones;
+then, for each size in `--sizes`, a nested subset of the samples (a seeded order, the smaller sizes
+inside the larger) trains the drafter afresh for the same `--steps` optimizer steps (so the same
+samples seen: the smaller sizes see theirs more often), and the exported drafter is scored by real
+speculative decoding on the unseen prompts (`demo_unseen.jsonl` and `bench/unseen_kinds.jsonl`:
+never generated for, trained on or tuned on), n-gram prompt lookup beside it. A fit of tau against
+log(samples) says where the drafter crosses prompt lookup.
+
+Printed, a row per size: samples, their tokens, tau on the unseen prompts (and per source), the
+first draft position's acceptance, seconds of training; then the fit and the crossing. `scaling.png`
+(in the work folder) draws it; `--copy-png` also writes it where given (bench/scaling.png).
+
+    .venv/bin/python -m bench.scaling [--workdir DIR] [--sizes 125,250,500,1000] [--steps 500] [--json]
+
+Run it on a target of your own: `--set` takes any setting (`pipeline.target=...`,
+`pipeline.inputs=[...]`, `pipeline.unseen_prompts=[...]`), as `dflash-ray pipeline` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_ray import manifest, storage
+
+UNSEEN_MORE = str(Path(__file__).with_name("unseen_kinds.jsonl"))
+
+
+def subset(tokenized: str, out: str, size: int, seed: int) -> dict[str, int]:
+    """The first `size` samples of a seeded order of `tokenized`, as a tokenized dataset at `out`
+    (nested: a smaller size's samples are all in a larger one's)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.concat_tables(
+        pq.read_table(io.BytesIO(storage.read_bytes(f))) for f in manifest.dataset_files(tokenized)
+    )
+    if size > table.num_rows:
+        raise SystemExit(f"{size} samples asked, {table.num_rows} generated: raise --self-prompts or lower --sizes")
+    ids = table.column("id").to_pylist()
+    order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(f"{seed}:{ids[i]}".encode()).hexdigest())
+    part = table.take(order[:size])
+    sink = io.BytesIO()
+    pq.write_table(part, sink)
+    storage.write_bytes(storage.join(out, "tokenized-00000.parquet"), sink.getvalue())
+    tokens = int(pa.compute.sum(pa.compute.list_value_length(part.column("input_ids"))).as_py())
+    summary = {"samples": size, "tokens": tokens}
+    files = [{"name": "tokenized-00000.parquet", "rows": size, **manifest.file_entry(sink.getvalue())}]
+    manifest.write_manifest(out, kind="tokenized", files=files, summary=summary)
+    return summary
+
+
+def prepare(cfg, progress: bool) -> tuple[Any, dict[str, Any]]:
+    """The pipeline's stages before training (self-prompts, prompts, generation, tokenization, the
+    gate) on `cfg`; finished outputs of an earlier run with the same settings are reused."""
+    from dflash_ray.preflight import preflight
+    from dflash_ray.stages import PipelineRun, pipeline_stages
+    from dflash_ray.stages.pipeline import with_target_tokenizer
+
+    cfg = with_target_tokenizer(cfg)
+    preflight(cfg, generating=True)
+    run = PipelineRun(cfg, progress)
+    for stage in pipeline_stages():
+        if stage.name == "train":
+            break
+        assert stage.step is not None
+        run.summary.update(stage.step(run) or {})
+    return run, run.summary
+
+
+def one_size(run, size: int, references: dict, progress: bool) -> dict[str, Any]:
+    """Train, export and score the drafter on the first `size` samples."""
+    from dflash_ray.stages.evaluate import first_position, run_evaluate
+    from dflash_ray.stages.export import run_export
+    from dflash_ray.stages.pipeline import clear_training
+    from dflash_ray.stages.train import run_train
+
+    cfg, folder = run.cfg, run.at(f"scaling/n{size}")
+    data = subset(run.at("tokenized"), storage.join(folder, "tokenized"), size, cfg.seed)
+    clear_training(storage.join(folder, "train"), cfg)
+    started = time.time()
+    trained = run_train(
+        cfg.pipeline.target, storage.join(folder, "tokenized"), storage.join(folder, "train"), cfg, progress=progress
+    )
+    train_s = time.time() - started
+    run_export(trained["checkpoint"], storage.join(folder, "drafter"), dtype="float32")
+    result = run_evaluate(
+        storage.join(folder, "drafter"),
+        cfg.pipeline.target,
+        run.at("prompts-unseen"),
+        cfg,
+        sampled=False,
+        reference_cache=references,
+    )
+    return {
+        "samples": size,
+        "tokens": data["tokens"],
+        "steps": trained["step"],
+        "epochs": round(trained["step"] * cfg.train.num_streams * cfg.train.batch_size / size, 2),
+        "tau_unseen": result["tau"],
+        "tau_ngram_unseen": result["tau_ngram"],
+        "tau_per_source": result["tau_per_source"],
+        "first_position": first_position(result["acceptance_by_position"]),
+        "acceptance_by_position": result["acceptance_by_position"],
+        "train_loss": trained["loss"],
+        "train_s": round(train_s, 1),
+        "lossless": result["lossless"],
+    }
+
+
+def fit(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """tau = a + b ln(samples) by least squares, and the samples at which it meets prompt lookup's
+    tau (None when it does not rise)."""
+    xs = [math.log(r["samples"]) for r in rows]
+    ys = [r["tau_unseen"] for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    a = my - b * mx
+    ngram = rows[0]["tau_ngram_unseen"]
+    crossing = math.exp((ngram - a) / b) if b > 0 else None
+    largest = max(r["samples"] for r in rows)
+    return {
+        "a": round(a, 4),
+        "b_per_doubling": round(b * math.log(2), 4),
+        "tau_ngram_unseen": ngram,
+        "crossing_samples": None if crossing is None else round(crossing),
+        # measured: the largest size already beats lookup; else the fit's extrapolation
+        "crossing_measured": any(r["tau_unseen"] > ngram for r in rows),
+        "crossing_within_sizes": crossing is not None and crossing <= largest,
+    }
+
+
+def plot(rows: list[dict[str, Any]], line: dict[str, Any], path: str) -> None:
+    from dflash_ray.plots import png_figure
+
+    with png_figure(1, (6.5, 4.2)) as (_, (ax,), buf):
+        xs = [r["samples"] for r in rows]
+        ax.plot(xs, [r["tau_unseen"] for r in rows], "o-", label="drafter (unseen kinds)", color="#1f77b4")
+        ax.axhline(line["tau_ngram_unseen"], color="#c0504d", linestyle="--", label="prompt lookup")
+        top = max(xs + ([line["crossing_samples"]] if line["crossing_samples"] else [])) * 1.3
+        grid = [min(xs) * (top / min(xs)) ** (i / 50) for i in range(51)]
+        ax.plot(
+            grid,
+            [line["a"] + line["b_per_doubling"] / math.log(2) * math.log(x) for x in grid],
+            ":",
+            color="gray",
+            label="fit a + b ln n",
+        )
+        if line["crossing_samples"]:
+            ax.axvline(line["crossing_samples"], color="gray", alpha=0.4)
+        ax.set_xscale("log")
+        ax.set(xlabel="regenerated samples", ylabel="acceptance length (tau)", title="tau on prompts of unseen kinds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    storage.write_bytes(path, buf.getvalue())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", default="scaling-run", help="work folder (its generation is reused)")
+    parser.add_argument("--sizes", default="125,250,500,1000", help="samples per run, comma-separated")
+    parser.add_argument("--steps", type=int, default=500, help="optimizer steps of every run")
+    parser.add_argument(
+        "--self-prompts", type=int, default=1400, help="candidates the target writes (selfprompt.count)"
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--copy-png", metavar="PATH", help="also write the plot here")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from importlib import resources
+
+    from dflash_ray.stages.demo import DEMO_FILES, UNSEEN_FILE, demo_config
+    from dflash_ray.registry import SMOLLM2
+
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    assets = resources.files("dflash_ray.assets")
+    work = str(Path(args.workdir).absolute())
+    cfg = demo_config(
+        None,
+        [
+            f"pipeline.workdir={work}",
+            f"pipeline.target={SMOLLM2}",
+            f"pipeline.inputs=[{','.join(str(assets / f) for f in DEMO_FILES)}]",
+            f"pipeline.unseen_prompts=[{assets / UNSEEN_FILE},{UNSEEN_MORE}]",
+            f"selfprompt.count={args.self_prompts}",
+            "train.epochs=1000",  # the steps decide
+            f"train.max_steps={args.steps}",
+            "train.heldout=0",
+            "train.eval_every=0",
+            "pipeline.vllm_evaluate=false",
+            *args.overrides,
+        ],
+    )
+    started = time.time()
+    storage.require_folder(work)
+    run, data = prepare(cfg, progress=not args.json)
+    references: dict = {}  # the target's own outputs on the unseen prompts, decoded once
+    rows = []
+    for size in sizes:
+        rows.append(one_size(run, size, references, progress=not args.json))
+        print(json.dumps(rows[-1]) if args.json else "  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    line = fit(rows)
+    figure = storage.join(work, "scaling.png")
+    plot(rows, line, figure)
+    if args.copy_png:
+        plot(rows, line, args.copy_png)
+    done = {
+        **line,
+        "samples_generated": data.get("samples"),
+        "self_prompts": data.get("self_prompts"),
+        "generation_s": run.timings.get("generate"),
+        "plot": figure,
+        "seconds": round(time.time() - started, 1),
+    }
+    print(json.dumps(done) if args.json else "  ".join(f"{k}={v}" for k, v in done.items()))
+
+
+if __name__ == "__main__":
+    main()
