@@ -13,7 +13,7 @@ import math
 import re
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 from dflash_ray import stages
 from dflash_ray.config import RunConfig, load_config
@@ -140,17 +140,77 @@ def _ray_initialized() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+def _refused(e: UsageError, argv: list[str]) -> int:
+    """A command line argparse refuses: said, and with `--json` the summary line a script reads, as
+    for any other refusal."""
+    print(e, file=sys.stderr)
+    if "--json" in argv:
+        stage = next((a for a in argv if not a.startswith("-")), None)
+        print(json.dumps({"stage": stage, "ok": False, "error": str(e), "exit_code": 2}), flush=True)
+    return 2
+
+
+def _run_stage(args: argparse.Namespace) -> dict[str, Any]:
+    run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
+    try:
+        cfg = load_config(args.config, args.overrides, check=check_settings)
+        if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
+            raise DFlashError(
+                f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` "
+                "would run without a fault; drop the setting, or drill the pipeline",
+                field="chaos.faults",
+            )
+        return run(args, cfg)
+    except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
+        raise Interrupted(
+            "interrupted: what this run had committed stays, nothing half-written is listed; "
+            "the same command goes on (generation and training resume where they were)"
+        ) from None
+
+
+def _internal_error(e: Exception, args: argparse.Namespace, out: TextIO) -> int:
+    """Not an error of the input or settings (each of those is a DFlashError): a bug, said as one;
+    an unexpected failure still ends with a summary line under `--json`."""
+    traceback.print_exc()
+    print(
+        f"dflash-ray {args.command}: internal error: {type(e).__name__}: {e}\nThis is a bug in dflash-ray, "
+        "not in your input: please report it with the traceback above",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "stage": args.command,
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}"[-4000:],
+                    "bug": True,
+                    "exit_code": 1,
+                }
+            ),
+            file=out,
+            flush=True,
+        )
+    return 1
+
+
+def _failed(e: DFlashError, args: argparse.Namespace, out: TextIO) -> int:
+    if isinstance(e, Interrupted) and sigterm_received():  # stopped by SIGTERM, as by Ctrl-C
+        e = Interrupted(f"SIGTERM: {e}")
+        e.exit_code = 143
+    print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
+    if args.json:
+        failed = {"stage": args.command, "ok": False, "error": str(e), "exit_code": e.exit_code, **e.summary}
+        print(json.dumps(_json_safe(failed), allow_nan=False), file=out, flush=True)
+    return e.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parser().parse_args(argv)
     except UsageError as e:
-        print(e, file=sys.stderr)
-        if "--json" in argv:  # the summary line a script reads, as for any other refusal
-            stage = next((a for a in argv if not a.startswith("-")), None)
-            print(json.dumps({"stage": stage, "ok": False, "error": str(e), "exit_code": 2}), flush=True)
-        return 2
-    run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
+        return _refused(e, argv)
     previous_sigterm = catch_sigterm()  # SIGTERM stops a command as Ctrl-C does (exit 143)
     out = sys.stdout
     if args.json:  # stdout carries the summary alone: worker logs Ray forwards go to stderr
@@ -158,56 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     joined = _ray_initialized()
     try:
         try:
-            cfg = load_config(args.config, args.overrides, check=check_settings)
-            if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
-                raise DFlashError(
-                    f"the fault drill runs in {' and '.join(sorted(DRILLED))} only: `{args.command}` "
-                    "would run without a fault; drop the setting, or drill the pipeline",
-                    field="chaos.faults",
-                )
-            summary = run(args, cfg)
-        except KeyboardInterrupt:  # a stage that knows where it can resume from raises its own `Interrupted`
-            raise Interrupted(
-                "interrupted: what this run had committed stays, nothing half-written is listed; "
-                "the same command goes on (generation and training resume where they were)"
-            ) from None
+            summary = _run_stage(args)
         except DFlashError:
             raise
         except Exception as e:
             clear = _user_error(e)
             if clear is not None:
                 raise clear from None
-            # not an error of the input or settings (each of those is a DFlashError): a bug, said as one
-            traceback.print_exc()
-            print(
-                f"dflash-ray {args.command}: internal error: {type(e).__name__}: {e}\nThis is a bug in dflash-ray, "
-                "not in your input: please report it with the traceback above",
-                file=sys.stderr,
-            )
-            if args.json:  # an unexpected failure still ends with a summary line
-                print(
-                    json.dumps(
-                        {
-                            "stage": args.command,
-                            "ok": False,
-                            "error": f"{type(e).__name__}: {e}"[-4000:],
-                            "bug": True,
-                            "exit_code": 1,
-                        }
-                    ),
-                    file=out,
-                    flush=True,
-                )
-            return 1
+            return _internal_error(e, args, out)
     except DFlashError as e:
-        if isinstance(e, Interrupted) and sigterm_received():  # stopped by SIGTERM, as by Ctrl-C
-            e = Interrupted(f"SIGTERM: {e}")
-            e.exit_code = 143
-        print(f"dflash-ray {args.command}: error: {e}", file=sys.stderr)
-        if args.json:
-            failed = {"stage": args.command, "ok": False, "error": str(e), "exit_code": e.exit_code, **e.summary}
-            print(json.dumps(_json_safe(failed), allow_nan=False), file=out, flush=True)
-        return e.exit_code
+        return _failed(e, args, out)
     finally:
         if not joined and _ray_initialized():  # Ray's log thread must not print after the summary
             sys.modules["ray"].shutdown()

@@ -384,6 +384,14 @@ class TrainConfig:
         (`preflight.check_settings`: it imports torch)."""
         if self.drafter not in family_names():
             raise DFlashError(f"{self.drafter!r} is not one of {list(family_names())}", field="train.drafter")
+        self._check_layers()
+        self._check_placement()
+        if not isinstance(self.drafters, list):
+            raise DFlashError(f"{self.drafters!r}: allowed: a list of drafters", field="train.drafters")
+        check_drafters(self.drafters)
+
+    def _check_layers(self) -> None:
+        """The captured target layers and the drafter's own layer types, each against what it can mean."""
         ids = self.target_layer_ids
         if ids is not None and (
             not ids
@@ -404,6 +412,9 @@ class TrainConfig:
                     "drafter layer",
                     field="train.layer_types",
                 )
+
+    def _check_placement(self) -> None:
+        """A target over several GPUs, and the streams a run may shrink to."""
         if self.target_gpus is not None and self.target_gpus > 1:
             if self.target_gpus != int(self.target_gpus) or self.actor_gpus <= 0:
                 raise DFlashError(
@@ -422,9 +433,6 @@ class TrainConfig:
                 f"{self.min_streams} is above train.num_streams={self.num_streams}; allowed: <= num_streams",
                 field="train.min_streams",
             )
-        if not isinstance(self.drafters, list):
-            raise DFlashError(f"{self.drafters!r}: allowed: a list of drafters", field="train.drafters")
-        check_drafters(self.drafters)
         if self.drafters and self.colocate:
             raise DFlashError(
                 "one colocated actor holds one drafter; allowed with train.drafters: train.colocate=false",
@@ -680,6 +688,21 @@ def _check_sources(p: PromptsConfig) -> None:
         )
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The plain types a YAML value must already be: the check, and what the error says was expected.
+# A bare string given for a list would be read character by character, so it is refused too.
+_PLAIN: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    bool: (lambda v: isinstance(v, bool), "true/false"),
+    int: (_is_int, "an integer"),
+    dict: (lambda v: isinstance(v, dict), "a mapping"),
+    list: (lambda v: isinstance(v, list), "a list such as [a, b]"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -687,62 +710,55 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise DFlashError(f"expected a mapping, got {value!r}", field=where)
         return _build(typing.cast(type, tp), value, where)
     if origin is typing.Union or origin is types.UnionType:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        options = [arg for arg in args if arg is not type(None)]
-        if len(options) == 1:  # `X | None`: the error X gives
-            return _coerce(value, options[0], where)
-        for arg in options:
-            try:
-                return _coerce(value, arg, where)
-            except DFlashError:
-                pass
-        raise DFlashError(f"{value!r} fits none of {tp}", field=where)
+        return _coerce_union(value, tp, where)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
             raise DFlashError(f"{value!r} is not one of {list(choices)}", field=where)
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise DFlashError(f"expected true/false, got {value!r}", field=where)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise DFlashError(f"expected an integer, got {value!r}", field=where)
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads `3e-3` (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None and math.isfinite(number):
-            return number
-        # nan and inf pass every range check (nan compares false, inf is above every bound) and train to garbage
-        raise DFlashError(f"expected a finite number, got {value!r}", field=where)
     if origin is list:  # list[X]: each element built as an X, named `where[i]`
         if not isinstance(value, list):
             raise DFlashError(f"expected a list such as [a, b], got {value!r}", field=where)
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is dict:
-        if isinstance(value, dict):
-            return value
-        raise DFlashError(f"expected a mapping, got {value!r}", field=where)
-    if tp is list:  # a bare string would be read character by character
-        if isinstance(value, list):
-            return value
-        raise DFlashError(f"expected a list such as [a, b], got {value!r}", field=where)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise DFlashError(f"expected a string, got {value!r}", field=where)
+    if tp is float:
+        return _coerce_float(value, where)
+    if tp in _PLAIN:
+        fits, expected = _PLAIN[tp]
+        if not fits(value):
+            raise DFlashError(f"expected {expected}, got {value!r}", field=where)
     return value
+
+
+def _coerce_union(value: Any, tp: Any, where: str) -> Any:
+    """The first of the union's types the value fits; `X | None` gives the error X gives."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    options = [arg for arg in args if arg is not type(None)]
+    if len(options) == 1:
+        return _coerce(value, options[0], where)
+    for arg in options:
+        try:
+            return _coerce(value, arg, where)
+        except DFlashError:
+            pass
+    raise DFlashError(f"{value!r} fits none of {tp}", field=where)
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    number = None
+    if _is_int(value) or isinstance(value, float):
+        number = float(value)
+    elif isinstance(value, str):  # YAML 1.1 reads `3e-3` (no dot) as a string
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is not None and math.isfinite(number):
+        return number
+    # nan and inf pass every range check (nan compares false, inf is above every bound) and train to garbage
+    raise DFlashError(f"expected a finite number, got {value!r}", field=where)
 
 
 def coerce_field(cls: type, key: str, value: Any, where: str) -> Any:

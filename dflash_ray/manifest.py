@@ -137,19 +137,31 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), 
             return [str(uri)]
     manifest = read_manifest(uri)
     if manifest is None:
-        files = storage.list_files(uri, suffixes)
-        report = next((f for f in files if storage.basename(f) in RUN_REPORTS), None)
-        if report is not None:  # what a stage of this project leaves when it ends without its dataset
-            raise DFlashError(
-                f"holds {storage.basename(report)} but no {MANIFEST}: a run that did not finish, whose "
-                "report is not data; rerun the stage that writes this folder (its error says why it stopped)",
-                file=uri,
-            )
-        if not files:
-            skipped = [storage.basename(f) for f in storage.skipped_files(uri)]
-            also = f" (skipped: {', '.join(skipped[:10])})" if skipped else ""
-            raise DFlashError(f"no {'/'.join(suffixes)} files found{also}", file=uri)
-        return files
+        return _unlisted_files(uri, suffixes)
+    return _listed_files(uri, manifest, verify)
+
+
+def _unlisted_files(uri: str, suffixes: tuple[str, ...]) -> list[str]:
+    """A folder without a manifest, read whole: unless it holds what a failed run of this project
+    leaves (a report is not data), or nothing to read."""
+    files = storage.list_files(uri, suffixes)
+    report = next((f for f in files if storage.basename(f) in RUN_REPORTS), None)
+    if report is not None:  # what a stage of this project leaves when it ends without its dataset
+        raise DFlashError(
+            f"holds {storage.basename(report)} but no {MANIFEST}: a run that did not finish, whose "
+            "report is not data; rerun the stage that writes this folder (its error says why it stopped)",
+            file=uri,
+        )
+    if not files:
+        skipped = [storage.basename(f) for f in storage.skipped_files(uri)]
+        also = f" (skipped: {', '.join(skipped[:10])})" if skipped else ""
+        raise DFlashError(f"no {'/'.join(suffixes)} files found{also}", file=uri)
+    return files
+
+
+def _listed_files(uri: str, manifest: dict[str, Any], verify: bool) -> list[str]:
+    """Every file the manifest lists, present at its size and, with `verify`, hashing to its sha256
+    (hashed together, their reads overlapping, once every file is found at its size)."""
     files, hashed = [], []
     for entry in manifest["files"]:
         path = storage.join(uri, entry["name"])

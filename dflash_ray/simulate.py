@@ -293,23 +293,11 @@ def drafter_step(
 
     family = families.get(family_name)
     started = time.perf_counter()
-    H, V, S, B = drafter_cfg.hidden_size, drafter_cfg.vocab_size, sample.seq_len, sample.batch
+    S, B = sample.seq_len, sample.batch
     with _fake_group(world) as group, fake_run() as mode:
         drafter = fake_module(lambda: family.build(drafter_cfg), mode, torch.float32)
         parameters = sum(p.numel() for p in drafter.parameters())
-        embed = torch.empty(V, H, dtype=torch.bfloat16)
-        head = embed if tied_head else torch.empty(V, H, dtype=torch.bfloat16)
-        features = torch.empty(B, S, len(drafter_cfg.target_layer_ids) * H, dtype=torch.bfloat16)
-        ids = torch.zeros(B, S, dtype=torch.long)
-        mask = torch.ones(B, S, dtype=torch.long)
-        mask[:, : sample.prompt_len] = 0
-        teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
-        if family.wants_target_distribution:  # the target's last hidden states
-            teacher = torch.empty(B, S, H, dtype=torch.bfloat16)
-        else:
-            teacher = (
-                (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) if teacher_k else None
-            )
+        embed, head, features, ids, mask, teacher = _step_inputs(drafter_cfg, family, sample, tied_head, teacher_k)
         if group is not None:
             from dflash_ray.train.fsdp import apply_fsdp
 
@@ -363,6 +351,25 @@ def drafter_step(
         "parameters": parameters,
         "simulated_in_s": round(time.perf_counter() - started, 1),
     }
+
+
+def _step_inputs(drafter_cfg, family, sample: Sample, tied_head: bool, teacher_k: int) -> tuple:
+    """What a drafter rank receives for one step, as fake tensors of the shapes a run sends: the
+    frozen embedding and head, the target's features, the ids and loss mask, and the teacher (the
+    target's last hidden states, its top-k, or none)."""
+    H, V, S, B = drafter_cfg.hidden_size, drafter_cfg.vocab_size, sample.seq_len, sample.batch
+    embed = torch.empty(V, H, dtype=torch.bfloat16)
+    head = embed if tied_head else torch.empty(V, H, dtype=torch.bfloat16)
+    features = torch.empty(B, S, len(drafter_cfg.target_layer_ids) * H, dtype=torch.bfloat16)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[:, : sample.prompt_len] = 0
+    teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+    if family.wants_target_distribution:  # the target's last hidden states
+        teacher = torch.empty(B, S, H, dtype=torch.bfloat16)
+    else:
+        teacher = (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) if teacher_k else None
+    return embed, head, features, ids, mask, teacher
 
 
 @contextlib.contextmanager

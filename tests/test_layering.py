@@ -125,3 +125,37 @@ def test_no_stage_imports_another_stage():
 def test_the_config_imports_none_of_the_code_whose_settings_it_holds():
     owners = ("dflash_ray.drafter", "dflash_ray.train", "dflash_ray.generation", "dflash_ray.chaos")
     assert sorted(m for m in import_graph()["dflash_ray.config"] if m.startswith(owners)) == []
+
+
+MAX_FUNCTION_LINES = 100
+MAX_CLASS_LINES = 300
+
+
+def too_long(root: Path = PACKAGE) -> list[str]:
+    """`file:name:lines` of each function over MAX_FUNCTION_LINES and each class over
+    MAX_CLASS_LINES, counted from the `def` or `class` line to the last (decorators left out): past
+    those, a reader no longer sees what one thing does on a screen or two."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = MAX_FUNCTION_LINES
+            elif isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            else:
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"{path.relative_to(root.parent)}:{node.name}:{lines}")
+    return found
+
+
+def test_no_function_or_class_is_too_long():
+    assert too_long() == []
+
+
+def test_the_length_check_names_what_is_too_long(tmp_path):
+    body = "".join(f"    x = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text(f"def f():\n{body}\n\ndef g():\n    pass\n")
+    assert too_long(tmp_path / "pkg") == [f"pkg/long.py:f:{MAX_FUNCTION_LINES + 1}"]

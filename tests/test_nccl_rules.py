@@ -7,6 +7,7 @@ rank's next call."""
 import datetime
 import os
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -20,9 +21,117 @@ from conftest import free_port
 RECORDED = {"no_greeting", "sync_waits_for_own_send", "watchdog"}
 
 
-def _rank(rank: int, port: int, results: dict, scenario: str, timeout_s: float) -> None:
+def _no_greeting(rank: int, timeout_s: float, out: dict, results: dict) -> None:
+    from dflash_ray.train import handoff, p2p
+
+    if rank == 0:
+        try:  # the pair's first message, while the peer waits elsewhere: NCCL blocks both
+            handoff.send({"a": torch.arange(4.0)}, [1])
+        except p2p.NcclRuleError as e:
+            out["error"] = str(e)
+
+
+def _matched(rank: int, timeout_s: float, out: dict, results: dict) -> Any:
+    from dflash_ray.train import handoff
+    from dflash_ray.train.devices import synchronize
+
+    sent = None
+    if rank == 0:
+        sent = handoff.send({"a": torch.arange(4.0), "b": torch.ones(2, 3)}, [1])
+        out["done_before"] = sent.done()  # gloo has taken the bytes; the receive is not posted
+        dist.barrier()  # rank 1 posts its receives after this
+        dist.barrier()
+        out["done_after"] = sent.done()
+        synchronize("cpu")  # returns at once: every send is matched
+    else:
+        dist.barrier()
+        got = handoff.receive({"a": ([4], "torch.float32"), "b": ([2, 3], "torch.float32")}, 0, "cpu")
+        out["got"] = [got["a"].tolist(), got["b"].tolist()]
+        dist.barrier()
+    return sent
+
+
+def _sync_waits_for_own_send(rank: int, timeout_s: float, out: dict, results: dict) -> Any:
     from dflash_ray.train import handoff, p2p
     from dflash_ray.train.devices import synchronize, wait_compute
+
+    sent = None
+    if rank == 0:
+        sent = handoff.send({"a": torch.arange(4.0)}, [1])
+        wait_compute("cpu")  # the compute stream alone: never waits on a peer
+        time.sleep(0.5)  # the send's watchdog then runs out while the synchronization waits
+        start = time.monotonic()
+        try:
+            synchronize("cpu")  # the peer waits for us below: on GPUs a hang
+        except p2p.NcclRuleError as e:
+            out["error"] = str(e)
+        out["waited"] = time.monotonic() - start
+        dist.barrier()
+    else:
+        dist.barrier()  # waits for rank 0, which waits for this rank's receive
+        handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+    return sent
+
+
+def _watchdog(rank: int, timeout_s: float, out: dict, results: dict) -> Any:
+    from dflash_ray.train import handoff, p2p
+
+    sent = None
+    if rank == 0:
+        sent = handoff.send({"a": torch.arange(4.0)}, [1])
+        out["posted"] = time.monotonic()
+        time.sleep(timeout_s + 1.0)  # idle: the thread fires meanwhile, the next call raises
+        try:
+            handoff.send({"a": torch.arange(4.0)}, [1])
+        except p2p.NcclRuleError as e:
+            out["error"] = str(e)
+    dist.barrier()
+    if rank == 1:
+        handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+    return sent
+
+
+def _watchdog_idle(rank: int, timeout_s: float, out: dict, results: dict) -> Any:
+    """What a target does after its evaluation sends: nothing."""
+    from dflash_ray.train import handoff
+
+    sent = None
+    if rank == 0:
+        sent = handoff.send({"a": torch.arange(4.0)}, [1])
+        results[rank] = {"posted": time.time()}
+    time.sleep(30)  # rank 1 never receives; neither makes another ledger call
+    return sent
+
+
+def _watchdog_matched(rank: int, timeout_s: float, out: dict, results: dict) -> Any:
+    """The receive comes within the timeout: nothing fires."""
+    from dflash_ray.train import handoff
+
+    sent = None
+    if rank == 0:
+        sent = handoff.send({"a": torch.arange(4.0)}, [1])
+        time.sleep(2 * timeout_s)  # idle past the timeout, counted from the post
+    else:
+        time.sleep(timeout_s / 2)
+        handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
+        time.sleep(1.5 * timeout_s)
+    return sent
+
+
+# Each scenario runs on both ranks and returns the send it posted (or None), kept alive here until the
+# final barrier: a send dropped before its receive is taken is no longer the ledger's to watch.
+SCENARIOS: dict[str, Callable[[int, float, dict, dict], Any]] = {
+    "no_greeting": _no_greeting,
+    "matched": _matched,
+    "sync_waits_for_own_send": _sync_waits_for_own_send,
+    "watchdog": _watchdog,
+    "watchdog_idle": _watchdog_idle,
+    "watchdog_matched": _watchdog_matched,
+}
+
+
+def _rank(rank: int, port: int, results: dict, scenario: str, timeout_s: float) -> None:
+    from dflash_ray.train import handoff, p2p
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
@@ -35,65 +144,7 @@ def _rank(rank: int, port: int, results: dict, scenario: str, timeout_s: float) 
     try:
         if scenario != "no_greeting":  # what a run's join does: the pair's communicator opens here
             handoff.greet([1 - rank], rank == 0, "cpu")
-        if scenario == "no_greeting":
-            if rank == 0:
-                try:  # the pair's first message, while the peer waits elsewhere: NCCL blocks both
-                    handoff.send({"a": torch.arange(4.0)}, [1])
-                except p2p.NcclRuleError as e:
-                    out["error"] = str(e)
-        elif scenario == "matched":
-            if rank == 0:
-                sent = handoff.send({"a": torch.arange(4.0), "b": torch.ones(2, 3)}, [1])
-                out["done_before"] = sent.done()  # gloo has taken the bytes; the receive is not posted
-                dist.barrier()  # rank 1 posts its receives after this
-                dist.barrier()
-                out["done_after"] = sent.done()
-                synchronize("cpu")  # returns at once: every send is matched
-            else:
-                dist.barrier()
-                got = handoff.receive({"a": ([4], "torch.float32"), "b": ([2, 3], "torch.float32")}, 0, "cpu")
-                out["got"] = [got["a"].tolist(), got["b"].tolist()]
-                dist.barrier()
-        elif scenario == "sync_waits_for_own_send":
-            if rank == 0:
-                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
-                wait_compute("cpu")  # the compute stream alone: never waits on a peer
-                time.sleep(0.5)  # the send's watchdog then runs out while the synchronization waits
-                start = time.monotonic()
-                try:
-                    synchronize("cpu")  # the peer waits for us below: on GPUs a hang
-                except p2p.NcclRuleError as e:
-                    out["error"] = str(e)
-                out["waited"] = time.monotonic() - start
-                dist.barrier()
-            else:
-                dist.barrier()  # waits for rank 0, which waits for this rank's receive
-                handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
-        elif scenario == "watchdog":
-            if rank == 0:
-                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
-                out["posted"] = time.monotonic()
-                time.sleep(timeout_s + 1.0)  # idle: the thread fires meanwhile, the next call raises
-                try:
-                    handoff.send({"a": torch.arange(4.0)}, [1])
-                except p2p.NcclRuleError as e:
-                    out["error"] = str(e)
-            dist.barrier()
-            if rank == 1:
-                handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
-        elif scenario == "watchdog_idle":  # what a target does after its evaluation sends: nothing
-            if rank == 0:
-                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
-                results[rank] = {"posted": time.time()}
-            time.sleep(30)  # rank 1 never receives; neither makes another ledger call
-        elif scenario == "watchdog_matched":  # the receive comes within the timeout: nothing fires
-            if rank == 0:
-                sent = handoff.send({"a": torch.arange(4.0)}, [1])  # noqa: F841 (kept until received)
-                time.sleep(2 * timeout_s)  # idle past the timeout, counted from the post
-            else:
-                time.sleep(timeout_s / 2)
-                handoff.receive({"a": ([4], "torch.float32")}, 0, "cpu")
-                time.sleep(1.5 * timeout_s)
+        sent = SCENARIOS[scenario](rank, timeout_s, out, results)  # noqa: F841 (kept until received)
         out["ledger_sent"] = dict(ledger.sent)
         dist.barrier()  # every message taken before either process leaves
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -104,6 +105,216 @@ def evaluation_device(setting: str, cuda_available: bool) -> str:
     return "cuda" if setting == "cuda" or (setting == "auto" and cuda_available) else "cpu"
 
 
+@dataclasses.dataclass
+class _Models:
+    """The target, the drafter and what decoding needs of them, loaded once for every prompt."""
+
+    device: str
+    target_dir: str
+    drafter_dir: str
+    tokenizer: Any
+    drafter: Any
+    target: Any
+    text_cfg: Any
+    embed: Any
+    head: Any
+    eos: set[int]
+    num_drafts: int  # the n-gram baseline drafts as many tokens a step as the drafter does
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What decoding the prompts measured, gathered prompt by prompt for the summary."""
+
+    per_source: dict[str, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    ngram_per_source: dict[str, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    all_steps: list[int] = dataclasses.field(default_factory=list)
+    sampled_steps: list[int] = dataclasses.field(default_factory=list)
+    ngram_steps: list[Any] = dataclasses.field(default_factory=list)
+    prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    references: list[list[int]] = dataclasses.field(default_factory=list)
+    verified: list[Any] = dataclasses.field(default_factory=list)  # (drafted, accepted) per verify step
+    verified_sampled: list[Any] = dataclasses.field(default_factory=list)
+    spec_s: float = 0.0
+    base_s: float = 0.0
+    tokens: int = 0
+    mismatches: int = 0
+
+
+def _check_inputs(prompts_uri: str, heldout_uri: str | None, report_dir: str | None) -> None:
+    """Wrong inputs fail here, before minutes of loading models."""
+    manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")
+    if report_dir is not None:
+        from dflash_ray import storage
+
+        storage.require_folder(report_dir)
+    if heldout_uri:
+        manifest.require_columns(heldout_uri, ["input_ids", "loss_mask"], "--heldout (a tokenized dataset)")
+
+
+def _load_models(drafter_uri: str, target_uri: str, tokenizer_name: str | None, ecfg) -> _Models:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray.drafter import families
+    from dflash_ray.drafter.export import load_drafter
+    from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
+    from dflash_ray.target_model.capture import load_embed_and_head
+
+    dtype = getattr(torch, ecfg.dtype)
+    device = evaluation_device(ecfg.device, torch.cuda.is_available())
+    target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
+    tokenizer = load_tokenizer(tokenizer_name or target_uri)
+    # transformers types its wrapped `to` as if unbound (the model first)
+    try:
+        drafter = load_drafter(drafter_dir).to(device, dtype).eval()
+    except ValueError as e:  # no drafter family's config.json, or weights that do not fit it
+        raise DFlashError(f"not a drafter this project exports: {e}", file=drafter_uri) from None
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    text_cfg = target.config.get_text_config()
+    _check_same_target(drafter, target, text_cfg, tokenizer, drafter_uri)
+    embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
+    num_drafts = drafter.cfg.block_size - families.get(drafter.cfg.family).first_prediction
+    return _Models(
+        device=device,
+        target_dir=target_dir,
+        drafter_dir=drafter_dir,
+        tokenizer=tokenizer,
+        drafter=drafter,
+        target=target,
+        text_cfg=text_cfg,
+        embed=embed,
+        head=head,
+        eos=set(stop_token_ids(tokenizer)),
+        num_drafts=num_drafts,
+    )
+
+
+def _check_same_target(drafter, target, text_cfg, tokenizer, drafter_uri: str) -> None:
+    """A drafter or tokenizer of another target decodes, but what it measures means nothing."""
+    rows_of_embedding = target.get_input_embeddings().num_embeddings
+    theirs = {k: getattr(text_cfg, k, None) for k in ("vocab_size", "hidden_size")}
+    theirs["num_target_layers"] = getattr(text_cfg, "num_hidden_layers", None)
+    wrong = [
+        f"{k} {getattr(drafter.cfg, k)} (the target's: {v})" for k, v in theirs.items() if v != getattr(drafter.cfg, k)
+    ]
+    if wrong:
+        raise DFlashError(f"a drafter of another target: its config.json gives {', '.join(wrong)}", file=drafter_uri)
+    if len(tokenizer) > rows_of_embedding:
+        raise DFlashError(
+            f"the tokenizer has {len(tokenizer)} ids, past the target's {rows_of_embedding}-entry "
+            "embedding: it is not the target's",
+            field="--tokenizer",
+        )
+
+
+def _decode_prompts(
+    models: _Models, encoded: list[tuple[dict[str, Any], list[int]]], ecfg, target_uri: str, sampled: bool, cache: dict
+) -> _Tally:
+    """Each prompt decoded by the target alone (or taken from `cache`), with the drafter, by prompt
+    lookup on the same output, and at the serving temperature: every figure of one prompt comes
+    from the same reference output."""
+    import torch
+    from tqdm import tqdm
+
+    from dflash_ray.drafter import ngram
+    from dflash_ray.drafter.speculative import Sampling, speculative_decode, target_decode
+
+    tally = _Tally()
+    generator = torch.Generator(device=models.device).manual_seed(ecfg.seed)
+    for row, ids in tqdm(encoded, desc="evaluate", unit=" prompts"):
+        tally.prompt_ids.append(ids)
+        key = (target_uri, ecfg.max_new_tokens, tuple(ids))
+        if key not in cache:
+            cache[key] = target_decode(models.target, ids, ecfg.max_new_tokens, models.eos)
+        ref = cache[key]
+        tally.references.append(ref.token_ids)
+        spec = speculative_decode(
+            models.target, models.drafter, models.embed, models.head, ids, ecfg.max_new_tokens, models.eos
+        )
+        tally.mismatches += int(spec.token_ids != ref.token_ids)
+        tally.per_source[row["source"]] += spec.acceptance
+        tally.all_steps += spec.acceptance
+        tally.verified += spec.verified
+        lookup = ngram.simulate_steps(ids, ref.token_ids, models.num_drafts, ecfg.ngram_min, ecfg.ngram_max)
+        tally.ngram_steps += lookup
+        tally.ngram_per_source[row["source"]] += [step.commit for step in lookup]
+        if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
+            sampling = Sampling(ecfg.temperature, ecfg.top_p, generator)
+            drawn = speculative_decode(
+                models.target, models.drafter, models.embed, models.head, ids, ecfg.max_new_tokens, models.eos, sampling
+            )
+            tally.sampled_steps += drawn.acceptance
+            tally.verified_sampled += drawn.verified
+        tally.spec_s += spec.seconds
+        tally.base_s += ref.seconds
+        tally.tokens += len(ref.token_ids)
+    return tally
+
+
+def _mean(xs):
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def _summary(
+    tally: _Tally, drafter_uri: str, target_uri: str, device: str, prompts: int, skipped: int, context, ecfg
+) -> dict[str, Any]:
+    """The figures of every prompt together; the drafter's tau beside prompt lookup's on the same outputs."""
+    from dflash_ray.drafter.speculative import acceptance_by_position
+
+    ngram_steps = tally.ngram_steps
+    return {
+        "stage": "evaluate",
+        "drafter": drafter_uri,
+        "target": target_uri,
+        "device": device,
+        "prompts": prompts,
+        # prompts whose tokens and evaluate.max_new_tokens pass the target's positions: not decoded
+        "prompts_skipped": skipped,
+        "context": context,
+        "tokens": tally.tokens,
+        "tau": _mean(tally.all_steps),
+        "verify_steps": len(tally.all_steps),
+        "tau_per_source": {s: _mean(v) for s, v in sorted(tally.per_source.items())},
+        "acceptance_by_position": acceptance_by_position(tally.verified),
+        "tau_sampled": _mean(tally.sampled_steps),
+        "acceptance_by_position_sampled": acceptance_by_position(tally.verified_sampled),
+        "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
+        "tau_ngram": _mean([step.commit for step in ngram_steps]),
+        "tau_ngram_per_source": {s: _mean(v) for s, v in sorted(tally.ngram_per_source.items())},
+        "ngram_acceptance_by_position": acceptance_by_position(
+            [(s.drafted, s.accepted) for s in ngram_steps if s.drafted]
+        ),
+        "tau_ngram_per_draft": _mean([step.commit for step in ngram_steps if step.drafted]),
+        "ngram_draft_share": round(sum(s.drafted > 0 for s in ngram_steps) / len(ngram_steps), 4)
+        if ngram_steps
+        else None,
+        "tokens_per_s": round(tally.tokens / tally.spec_s, 2) if tally.spec_s else None,
+        "target_tokens_per_s": round(tally.tokens / tally.base_s, 2) if tally.base_s else None,
+        "speedup": round(tally.base_s / tally.spec_s, 3) if tally.spec_s else None,
+        "lossless": tally.mismatches == 0,
+        "mismatched_prompts": tally.mismatches,
+    }
+
+
+def _add_vllm(summary: dict[str, Any], models: _Models, tally: _Tally, ecfg) -> None:
+    """vLLM's own acceptance on the same prompts, and whether it decodes the target's outputs."""
+    result = vllm_decode(
+        models.target_dir, models.drafter_dir, tally.prompt_ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_p
+    )
+    summary["tau_vllm"] = result["acceptance_length"]
+    summary["tau_vllm_sampled"] = result.get("sampled", {}).get("acceptance_length")
+    summary["vllm_outputs_equal"] = result["outputs"] == tally.references
+
+
+def _write_report(summary: dict[str, Any], report_dir: str) -> None:
+    from dflash_ray import storage
+    from dflash_ray.plots import acceptance_png
+
+    summary["evaluation_png"] = storage.join(report_dir, "evaluation.png")
+    storage.write_bytes(summary["evaluation_png"], acceptance_png(summary))
+
+
 def run_evaluate(
     drafter_uri: str,
     target_uri: str,
@@ -121,146 +332,26 @@ def run_evaluate(
     holds the target's own greedy outputs across calls on the same target and prompts, so a second
     drafter's evaluation does not decode them again. `report_dir`: where `evaluation.png` goes
     (acceptance by draft position and by prompt source, the drafter beside prompt lookup)."""
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from dflash_ray.drafter import families, ngram
-    from dflash_ray.drafter.export import load_drafter
-    from dflash_ray.drafter.speculative import Sampling, acceptance_by_position, speculative_decode, target_decode
-    from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
-    from dflash_ray.target_model.capture import load_embed_and_head
-
-    manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")  # before any model loads
-    if report_dir is not None:
-        from dflash_ray import storage
-
-        storage.require_folder(report_dir)
-    if heldout_uri:
-        manifest.require_columns(heldout_uri, ["input_ids", "loss_mask"], "--heldout (a tokenized dataset)")
+    _check_inputs(prompts_uri, heldout_uri, report_dir)  # before any model loads
     ecfg = cfg.evaluate
-    dtype = getattr(torch, ecfg.dtype)
-    device = evaluation_device(ecfg.device, torch.cuda.is_available())
-    target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
-    tokenizer = load_tokenizer(tokenizer_name or target_uri)
-    # transformers types its wrapped `to` as if unbound (the model first)
-    try:
-        drafter = load_drafter(drafter_dir).to(device, dtype).eval()
-    except ValueError as e:  # no drafter family's config.json, or weights that do not fit it
-        raise DFlashError(f"not a drafter this project exports: {e}", file=drafter_uri) from None
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-    rows_of_embedding = target.get_input_embeddings().num_embeddings
-    text_cfg = target.config.get_text_config()
-    theirs = {k: getattr(text_cfg, k, None) for k in ("vocab_size", "hidden_size")}
-    theirs["num_target_layers"] = getattr(text_cfg, "num_hidden_layers", None)
-    wrong = [
-        f"{k} {getattr(drafter.cfg, k)} (the target's: {v})" for k, v in theirs.items() if v != getattr(drafter.cfg, k)
-    ]
-    if wrong:
-        raise DFlashError(f"a drafter of another target: its config.json gives {', '.join(wrong)}", file=drafter_uri)
-    if len(tokenizer) > rows_of_embedding:
-        raise DFlashError(
-            f"the tokenizer has {len(tokenizer)} ids, past the target's {rows_of_embedding}-entry "
-            "embedding: it is not the target's",
-            field="--tokenizer",
-        )
-    embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))
-    eos = set(stop_token_ids(tokenizer))
-    # the n-gram baseline drafts as many tokens a step as the drafter does
-    num_drafts = drafter.cfg.block_size - families.get(drafter.cfg.family).first_prediction
-
+    models = _load_models(drafter_uri, target_uri, tokenizer_name, ecfg)
     rows = _prompt_rows(prompts_uri, ecfg.num_prompts)
-    context = getattr(text_cfg, "max_position_embeddings", None)
-    encoded, skipped = _within_context(rows, tokenizer, ecfg, context, prompts_uri)
-    per_source: dict[str, list[int]] = collections.defaultdict(list)
-    ngram_per_source: dict[str, list[int]] = collections.defaultdict(list)
-    all_steps, sampled_steps, ngram_steps, prompt_ids, references = [], [], [], [], []
-    verified, verified_sampled = [], []  # (drafted, accepted) per verify step
-    generator = torch.Generator(device=device).manual_seed(ecfg.seed)
+    context = getattr(models.text_cfg, "max_position_embeddings", None)
+    encoded, skipped = _within_context(rows, models.tokenizer, ecfg, context, prompts_uri)
     cache = reference_cache if reference_cache is not None else {}
-    spec_s = base_s = 0.0
-    tokens = mismatches = 0
-    for row, ids in tqdm(encoded, desc="evaluate", unit=" prompts"):
-        prompt_ids.append(ids)
-        key = (target_uri, ecfg.max_new_tokens, tuple(ids))
-        if key not in cache:
-            cache[key] = target_decode(target, ids, ecfg.max_new_tokens, eos)
-        ref = cache[key]
-        references.append(ref.token_ids)
-        spec = speculative_decode(target, drafter, embed, head, ids, ecfg.max_new_tokens, eos)
-        mismatches += int(spec.token_ids != ref.token_ids)
-        per_source[row["source"]] += spec.acceptance
-        all_steps += spec.acceptance
-        verified += spec.verified
-        lookup = ngram.simulate_steps(ids, ref.token_ids, num_drafts, ecfg.ngram_min, ecfg.ngram_max)
-        ngram_steps += lookup
-        ngram_per_source[row["source"]] += [step.commit for step in lookup]
-        if sampled and ecfg.temperature > 0:  # at the serving temperature: the speculative-sampling rule
-            drawn = speculative_decode(
-                target,
-                drafter,
-                embed,
-                head,
-                ids,
-                ecfg.max_new_tokens,
-                eos,
-                Sampling(ecfg.temperature, ecfg.top_p, generator),
-            )
-            sampled_steps += drawn.acceptance
-            verified_sampled += drawn.verified
-        spec_s, base_s, tokens = spec_s + spec.seconds, base_s + ref.seconds, tokens + len(ref.token_ids)
-
-    def mean(xs):
-        return round(sum(xs) / len(xs), 4) if xs else None
-
-    summary = {
-        "stage": "evaluate",
-        "drafter": drafter_uri,
-        "target": target_uri,
-        "device": device,
-        "prompts": len(encoded),
-        # prompts whose tokens and evaluate.max_new_tokens pass the target's positions: not decoded
-        "prompts_skipped": len(skipped),
-        "context": context,
-        "tokens": tokens,
-        "tau": mean(all_steps),
-        "verify_steps": len(all_steps),
-        "tau_per_source": {s: mean(v) for s, v in sorted(per_source.items())},
-        "acceptance_by_position": acceptance_by_position(verified),
-        "tau_sampled": mean(sampled_steps),
-        "acceptance_by_position_sampled": acceptance_by_position(verified_sampled),
-        "sampling": {"temperature": ecfg.temperature, "top_p": ecfg.top_p},
-        "tau_ngram": mean([step.commit for step in ngram_steps]),
-        "tau_ngram_per_source": {s: mean(v) for s, v in sorted(ngram_per_source.items())},
-        "ngram_acceptance_by_position": acceptance_by_position(
-            [(s.drafted, s.accepted) for s in ngram_steps if s.drafted]
-        ),
-        "tau_ngram_per_draft": mean([step.commit for step in ngram_steps if step.drafted]),
-        "ngram_draft_share": round(sum(s.drafted > 0 for s in ngram_steps) / len(ngram_steps), 4)
-        if ngram_steps
-        else None,
-        "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
-        "target_tokens_per_s": round(tokens / base_s, 2) if base_s else None,
-        "speedup": round(base_s / spec_s, 3) if spec_s else None,
-        "lossless": mismatches == 0,
-        "mismatched_prompts": mismatches,
-    }
+    tally = _decode_prompts(models, encoded, ecfg, target_uri, sampled, cache)
+    summary = _summary(tally, drafter_uri, target_uri, models.device, len(encoded), len(skipped), context, ecfg)
     if heldout_uri:
-        summary["tau_simulated_heldout"] = _heldout_tau(target, drafter, embed, head, heldout_uri, cfg)
+        summary["tau_simulated_heldout"] = _heldout_tau(
+            models.target, models.drafter, models.embed, models.head, heldout_uri, cfg
+        )
     if engine == "vllm":
-        result = vllm_decode(target_dir, drafter_dir, prompt_ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_p)
-        summary["tau_vllm"] = result["acceptance_length"]
-        summary["tau_vllm_sampled"] = result.get("sampled", {}).get("acceptance_length")
-        summary["vllm_outputs_equal"] = result["outputs"] == references
+        _add_vllm(summary, models, tally, ecfg)
     if report_dir is not None:
-        from dflash_ray import storage
-        from dflash_ray.plots import acceptance_png
-
-        summary["evaluation_png"] = storage.join(report_dir, "evaluation.png")
-        storage.write_bytes(summary["evaluation_png"], acceptance_png(summary))
-    if mismatches:
+        _write_report(summary, report_dir)
+    if tally.mismatches:
         raise DFlashError(
-            f"speculative output differs from the target's greedy output on {mismatches} "
+            f"speculative output differs from the target's greedy output on {tally.mismatches} "
             "prompt(s): the drafter path is broken",
             file=drafter_uri,
         ).with_summary(summary)

@@ -280,19 +280,97 @@ class _Fleet:
         self.running.clear()
 
 
-def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
-    import ray
-    from tqdm import tqdm
-
-    from dflash_ray.generation.actors import NAMESPACE, ShardPool
-
-    gcfg = cfg.generate
+def _check_samples(gcfg: GenerateConfig) -> None:
     if gcfg.samples_per_prompt < 1 or (gcfg.samples_per_prompt > 1 and gcfg.temperature <= 0):
         raise DFlashError(
             f"{gcfg.samples_per_prompt} samples per prompt need at least one, and more than one "
             "needs temperature > 0 (greedy samples are all the same)",
             field="generate.samples_per_prompt",
         )
+
+
+def _refuse_same_name(ray, gcfg: GenerateConfig) -> None:
+    """Two generations of one name would share one pool (the pool is found by its name)."""
+    from dflash_ray.generation.actors import NAMESPACE
+
+    try:
+        ray.get_actor(gcfg.name, namespace=NAMESPACE)
+        raise DFlashError(
+            f"a generation named {gcfg.name!r} is running on this cluster; set another generate.name",
+            field="generate.name",
+        )
+    except ValueError:
+        pass
+
+
+def _run_fleet(
+    units: list[dict[str, Any]],
+    done: dict[int, dict[str, Any]],
+    todo: list[dict[str, Any]],
+    model: str,
+    cfg: RunConfig,
+    output: str,
+    plan: dict[str, str],
+    progress: bool,
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]], _Fleet]:
+    """Start the pool and follow it until every shard is done: the driver only reconciles (see the
+    module docstring). The pool's final status, the finished shards, and the fleet's counts. The
+    actors are gone, and the autoscaler's request withdrawn, however this ends."""
+    import ray
+    from tqdm import tqdm
+
+    from dflash_ray.generation.actors import NAMESPACE, ShardPool
+
+    gcfg = cfg.generate
+    pool_class: Any = ShardPool  # Ray's typing of a `@ray.remote(...)` class has no `.options`
+    pool = pool_class.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
+        units, done, gcfg, output, plan
+    )
+    fleet = _Fleet(pool, model, gcfg, output)
+    asked = None  # the generator count the autoscaler was last asked to make room for
+    total = sum(u["count"] for u in units)
+    bar = tqdm(
+        total=total,
+        initial=total - sum(u["count"] for u in todo),
+        desc="generate",
+        unit=" prompts",
+        disable=not progress,
+    )
+    try:
+        while True:
+            # drained generators stop by themselves; late ones are killed and replaced
+            start_n, _, late = ray.get(pool.reconcile.remote(), timeout=POOL_TIMEOUT_S)
+            fleet.kill(late)
+            fleet.start(start_n)
+            status = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
+            if status["autoscale"] and gcfg.autoscale.request_nodes and status["generators_target"] != asked:
+                asked = status["generators_target"]
+                request_nodes(gcfg, asked)
+            bar.n = status["prompts_done"]
+            bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
+            if status["finished"]:
+                break
+            fleet.check_starting(status["generators_starting"])
+            fleet.poll(timeout=1.0)
+        final = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
+        done = ray.get(pool.done.remote(), timeout=POOL_TIMEOUT_S)
+        fleet.poll(timeout=5.0, final=True)  # idle generators return now that no shard is left
+    except DFlashError as e:
+        raise e.with_summary({"stage": "generate", "deaths": fleet.deaths})
+    finally:
+        bar.close()
+        fleet.stop()
+        ray.kill(pool)
+        if asked:
+            request_nodes(gcfg, 0)  # the nodes may go once idle
+    return final, done, fleet
+
+
+def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    import ray
+
+    gcfg = cfg.generate
+    _check_samples(gcfg)
     storage.require_folder(output)
     length_warning = check_lengths(cfg)
     if length_warning:
@@ -333,56 +411,8 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
     with writer.claim(output, "completions") as held:  # one run writes here; another is refused
         if committed:  # the old dataset stops being complete now
             storage.delete(storage.join(output, manifest.MANIFEST))
-
-        try:
-            ray.get_actor(gcfg.name, namespace=NAMESPACE)
-            raise DFlashError(
-                f"a generation named {gcfg.name!r} is running on this cluster; set another generate.name",
-                field="generate.name",
-            )
-        except ValueError:
-            pass
-        pool_class: Any = ShardPool  # Ray's typing of a `@ray.remote(...)` class has no `.options`
-        pool = pool_class.options(name=gcfg.name, namespace=NAMESPACE, resources=on_node(cfg.ray.head_resource)).remote(
-            units, done, gcfg, output, plan
-        )
-        fleet = _Fleet(pool, model, gcfg, output)
-        asked = None  # the generator count the autoscaler was last asked to make room for
-        total = sum(u["count"] for u in units)
-        bar = tqdm(
-            total=total,
-            initial=total - sum(u["count"] for u in todo),
-            desc="generate",
-            unit=" prompts",
-            disable=not progress,
-        )
-        try:
-            while True:
-                # drained generators stop by themselves; late ones are killed and replaced
-                start_n, _, late = ray.get(pool.reconcile.remote(), timeout=POOL_TIMEOUT_S)
-                fleet.kill(late)
-                fleet.start(start_n)
-                status = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
-                if status["autoscale"] and gcfg.autoscale.request_nodes and status["generators_target"] != asked:
-                    asked = status["generators_target"]
-                    request_nodes(gcfg, asked)
-                bar.n = status["prompts_done"]
-                bar.set_postfix(generators=status["generators_alive"], tok_s=status["tokens_per_s"])
-                if status["finished"]:
-                    break
-                fleet.check_starting(status["generators_starting"])
-                fleet.poll(timeout=1.0)
-            final = ray.get(pool.status.remote(), timeout=POOL_TIMEOUT_S)
-            done = ray.get(pool.done.remote(), timeout=POOL_TIMEOUT_S)
-            fleet.poll(timeout=5.0, final=True)  # idle generators return now that no shard is left
-        except DFlashError as e:
-            raise e.with_summary({"stage": "generate", "deaths": fleet.deaths})
-        finally:
-            bar.close()
-            fleet.stop()
-            ray.kill(pool)
-            if asked:
-                request_nodes(gcfg, 0)  # the nodes may go once idle
+        _refuse_same_name(ray, gcfg)
+        final, done, fleet = _run_fleet(units, done, todo, model, cfg, output, plan, progress)
         summary.update(
             _totals(done),
             generators_started=fleet.started,

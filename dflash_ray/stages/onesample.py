@@ -88,6 +88,114 @@ def overfit(
     return losses, accuracies
 
 
+def _target_answer(model, prompt: list[int], drafts: int, ocfg, eos: set[int]) -> list[int]:
+    """The target's own greedy answer, cut to whole blocks: the prefill's token, then blocks of the
+    drafts and the target's own token. A memorized answer ends on a block, so this project's count
+    and vLLM's are of the same steps."""
+    from dflash_ray.drafter.speculative import target_decode
+
+    length = len(prompt) + 1 + ocfg.blocks * (drafts + 1)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and length > positions:
+        raise DFlashError(
+            f"{ocfg.blocks} blocks of {drafts + 1} tokens after a {len(prompt)}-token prompt make {length} "
+            f"positions, past the target's {positions}",
+            field="onesample.blocks",
+        )
+    answer = target_decode(model, prompt, 1 + ocfg.blocks * (drafts + 1), eos).token_ids
+    answer = answer[: 1 + (len(answer) - 1) // (drafts + 1) * (drafts + 1)]
+    if len(answer) < drafts + 2:
+        raise DFlashError(
+            f"the target's answer ends before one whole block of {drafts} drafts: give a prompt with a longer answer",
+            field="onesample.prompt",
+        )
+    return answer
+
+
+def _serve(
+    summary: dict[str, Any],
+    drafter,
+    family,
+    model,
+    target_dir: str,
+    embed,
+    head,
+    features,
+    prompt: list[int],
+    answer: list[int],
+    eos: set[int],
+    engine: str,
+) -> None:
+    """The drafter exported and loaded back as a server loads it, then decoded with: what it
+    accepts, whether the output is the target's, and how far the features it was served are from
+    those it was trained on."""
+    import torch
+
+    from dflash_ray.drafter.export import load_drafter, save_drafter
+    from dflash_ray.drafter.speculative import speculative_decode
+
+    with tempfile.TemporaryDirectory(prefix="dflash-onesample-") as folder:
+        save_drafter(drafter, folder, dtype=torch.float32)  # what a server loads
+        served = load_drafter(folder).eval()
+        with torch.no_grad():
+            spec = speculative_decode(model, served, embed, head, prompt, len(answer), eos)
+        summary["tau"] = round(sum(spec.acceptance) / len(spec.acceptance), 4)
+        summary["accepted_per_block"] = round(summary["tau"] - 1, 4)  # drafts accepted per verify step
+        summary["lossless"] = spec.token_ids == answer
+        # the features decoding gave the served drafter against those training gave it, same tokens: a
+        # layer taken off by one or in another order differs here even where a memorized sample hides it
+        assert spec.context is not None  # speculative decoding keeps them
+        trained = features[:, : spec.context.shape[1]]
+        drift = float((spec.context - trained).abs().max() / trained.abs().max().clamp_min(1e-12))
+        summary["feature_drift"] = round(drift, 6)
+        if engine == "vllm":
+            _serve_vllm(summary, family, target_dir, folder, prompt, answer)
+
+
+def _serve_vllm(
+    summary: dict[str, Any], family, target_dir: str, folder: str, prompt: list[int], answer: list[int]
+) -> None:
+    """vLLM's own acceptance of the same export on the same prompt: the gate holds it to ours."""
+    import torch
+
+    from dflash_ray.drafter.vllm_check import vllm_decode
+
+    if not family.vllm_on_cpu and not torch.cuda.is_available():
+        raise DFlashError(
+            f"vLLM serves {family.name} on a GPU only: run it there, or without --engine vllm", field="--engine"
+        )
+    result = vllm_decode(target_dir, folder, [prompt], len(answer))
+    summary["tau_vllm"] = result["acceptance_length"]
+    summary["vllm_outputs_equal"] = result["outputs"] == [answer]
+
+
+def _failures(summary: dict[str, Any], ocfg, drafts: int, engine: str) -> list[str]:
+    """Each way the gate fails, said with what to change where a setting can help."""
+    failed = []
+    if summary["accuracy"] < 1.0:
+        failed.append(
+            f"the drafter did not memorize the sample: {summary['accuracy']:.1%} of its predictions right "
+            f"after {summary['steps']} steps (raise onesample.steps or onesample.lr)"
+        )
+    if not summary["lossless"]:
+        failed.append("speculative output differs from the target's own")
+    if summary["feature_drift"] > FEATURE_TOLERANCE:
+        failed.append(
+            f"the target's features served to the drafter differ from those it was trained on (by "
+            f"{summary['feature_drift']:.3g} of their largest value): the captured layers, their order or "
+            "their positions differ between training and serving"
+        )
+    if summary["accepted_per_block"] < summary["accepted_required"]:
+        failed.append(
+            f"{summary['accepted_per_block']} drafts accepted per block, below "
+            f"{summary['accepted_required']} ({ocfg.min_share} x {drafts} drafts) on the sample it memorized"
+        )
+    vllm_tau = summary.get("tau_vllm")
+    if engine == "vllm" and (vllm_tau is None or abs(vllm_tau - summary["tau"]) > ocfg.vllm_tolerance * summary["tau"]):
+        failed.append(f"vLLM accepts {vllm_tau} where this project's decoding accepts {summary['tau']}")
+    return failed
+
+
 def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[str, Any]:
     """Overfit, export, serve and verify (see the module docstring); `GateFailed` (exit 3) unless
     the served drafter is accepted almost whole (`onesample.min_share` of its drafts per block) and
@@ -96,10 +204,9 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     from transformers import AutoModelForCausalLM
 
     from dflash_ray.drafter import families
-    from dflash_ray.drafter.export import from_hf_config, load_drafter, save_drafter
+    from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.drafter.init import initial_drafter
     from dflash_ray.drafter.shape import drafter_config, drafter_init
-    from dflash_ray.drafter.speculative import speculative_decode, target_decode
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target_model.capture import load_embed_and_head, target_outputs
 
@@ -116,23 +223,7 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     drafter = initial_drafter(from_hf_config(serving), target_dir, drafter_init(target, cfg), cfg.train.seed)
     family = families.get(drafter.cfg.family)
     drafts = drafter.cfg.block_size - family.first_prediction
-    # the prefill's token, then whole blocks (the drafts and the target's own token): a memorized
-    # answer ends on a block, so this project's count and vLLM's are of the same steps
-    length = len(prompt) + 1 + ocfg.blocks * (drafts + 1)
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions is not None and length > positions:
-        raise DFlashError(
-            f"{ocfg.blocks} blocks of {drafts + 1} tokens after a {len(prompt)}-token prompt make {length} "
-            f"positions, past the target's {positions}",
-            field="onesample.blocks",
-        )
-    answer = target_decode(model, prompt, 1 + ocfg.blocks * (drafts + 1), eos).token_ids
-    answer = answer[: 1 + (len(answer) - 1) // (drafts + 1) * (drafts + 1)]
-    if len(answer) < drafts + 2:
-        raise DFlashError(
-            f"the target's answer ends before one whole block of {drafts} drafts: give a prompt with a longer answer",
-            field="onesample.prompt",
-        )
+    answer = _target_answer(model, prompt, drafts, ocfg, eos)
     embed, head = load_embed_and_head(target_dir)
     ids = torch.tensor([prompt + answer])
     mask = torch.zeros_like(ids)
@@ -158,53 +249,9 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
         "drafts_per_block": drafts,
         "accepted_required": round(ocfg.min_share * drafts, 3),
     }
-    with tempfile.TemporaryDirectory(prefix="dflash-onesample-") as folder:
-        save_drafter(drafter, folder, dtype=torch.float32)  # what a server loads
-        served = load_drafter(folder).eval()
-        with torch.no_grad():
-            spec = speculative_decode(model, served, embed, head, prompt, len(answer), eos)
-        summary["tau"] = round(sum(spec.acceptance) / len(spec.acceptance), 4)
-        summary["accepted_per_block"] = round(summary["tau"] - 1, 4)  # drafts accepted per verify step
-        summary["lossless"] = spec.token_ids == answer
-        # the features decoding gave the served drafter against those training gave it, same tokens: a
-        # layer taken off by one or in another order differs here even where a memorized sample hides it
-        assert spec.context is not None  # speculative decoding keeps them
-        trained = features[:, : spec.context.shape[1]]
-        drift = float((spec.context - trained).abs().max() / trained.abs().max().clamp_min(1e-12))
-        summary["feature_drift"] = round(drift, 6)
-        if engine == "vllm":
-            from dflash_ray.drafter.vllm_check import vllm_decode
-
-            if not family.vllm_on_cpu and not torch.cuda.is_available():
-                raise DFlashError(
-                    f"vLLM serves {family.name} on a GPU only: run it there, or without --engine vllm", field="--engine"
-                )
-            result = vllm_decode(target_dir, folder, [prompt], len(answer))
-            summary["tau_vllm"] = result["acceptance_length"]
-            summary["vllm_outputs_equal"] = result["outputs"] == [answer]
+    _serve(summary, drafter, family, model, target_dir, embed, head, features, prompt, answer, eos, engine)
     summary["seconds"] = round(time.perf_counter() - started, 1)
-    failed = []
-    if summary["accuracy"] < 1.0:
-        failed.append(
-            f"the drafter did not memorize the sample: {summary['accuracy']:.1%} of its predictions right "
-            f"after {len(losses)} steps (raise onesample.steps or onesample.lr)"
-        )
-    if not summary["lossless"]:
-        failed.append("speculative output differs from the target's own")
-    if summary["feature_drift"] > FEATURE_TOLERANCE:
-        failed.append(
-            f"the target's features served to the drafter differ from those it was trained on (by "
-            f"{summary['feature_drift']:.3g} of their largest value): the captured layers, their order or "
-            "their positions differ between training and serving"
-        )
-    if summary["accepted_per_block"] < summary["accepted_required"]:
-        failed.append(
-            f"{summary['accepted_per_block']} drafts accepted per block, below "
-            f"{summary['accepted_required']} ({ocfg.min_share} x {drafts} drafts) on the sample it memorized"
-        )
-    vllm_tau = summary.get("tau_vllm")
-    if engine == "vllm" and (vllm_tau is None or abs(vllm_tau - summary["tau"]) > ocfg.vllm_tolerance * summary["tau"]):
-        failed.append(f"vLLM accepts {vllm_tau} where this project's decoding accepts {summary['tau']}")
+    failed = _failures(summary, ocfg, drafts, engine)
     summary["passed"] = not failed
     if failed:
         raise GateFailed(

@@ -97,10 +97,143 @@ def run_prompts(
         return _prompts(inputs, output, cfg, progress, responses, held)
 
 
+class _Output:
+    """What the run keeps as it reads: the deduplicated rows, cut into shards as they fill, and one
+    quarantine line per bad record, so that every record read is accounted for."""
+
+    def __init__(self, output: str, stage: str, responses: bool, shard_size: int):
+        self.output = output
+        self.prefix = f"{stage}-{uuid.uuid4().hex[:8]}"  # this run's shards: an earlier run's stay whole until commit
+        self.table_schema = schema.COMPLETIONS if responses else schema.PROMPTS
+        self.shard_size = shard_size
+        self.seen: set[str] = set()
+        self.rows: list[dict[str, Any]] = []
+        self.shards: list[dict[str, Any]] = []
+        self.quarantine: list[str] = []
+        self.kinds: collections.Counter[str] = collections.Counter()
+        self.thinking = 0  # answers with a thinking block
+
+    def flush(self) -> None:
+        name = f"{self.prefix}-{len(self.shards):05d}.parquet"
+        data = shard_bytes(self.rows, self.table_schema)
+        storage.write_bytes(storage.join(self.output, name), data)
+        self.shards.append({"name": name, "rows": len(self.rows), **manifest.file_entry(data)})
+        self.rows.clear()
+
+    def quarantined(self, item: RawRecord, error: BadRecord, tally: collections.Counter[str]) -> None:
+        self.kinds[error.kind] += 1
+        tally["quarantined"] += 1
+        self.quarantine.append(
+            json.dumps(
+                {**item.where(), "kind": error.kind, "reason": str(error), "record": raw_preview(item)},
+                ensure_ascii=False,
+            )
+        )
+
+    def keep(self, made: Sequence[Prompt | Answered], name: str, count: int | None, tally: collections.Counter[str]):
+        """A good record's prompts, less those seen before and those past its source's `count`."""
+        for one in made:
+            if _prompt(one).id in self.seen:
+                tally["duplicates"] += 1
+                continue
+            if tally["prompts"] == count:  # a record's later turns past the count
+                tally["over_count"] += 1
+                continue
+            self.seen.add(_prompt(one).id)
+            tally["prompts"] += 1
+            self.thinking += getattr(one, "reasoning", None) is not None
+            self.rows.append(one.row(name))
+            if len(self.rows) >= self.shard_size:
+                self.flush()
+
+
+def _made(
+    item: RawRecord, responses: bool, multi_turn: Any, budget: PromptBudget | None
+) -> Sequence[Prompt | Answered]:
+    """What one record makes, each within the budget. `BadRecord` quarantines the record, a read
+    error of its own included, so that every bad record takes the same path."""
+    if item.error is not None:
+        raise item.error
+    made: Sequence[Prompt | Answered] = (
+        [normalize_answered(item.record)] if responses else normalize(item.record, multi_turn)
+    )
+    for one in made:
+        if budget is not None:
+            budget.check(_prompt(one))
+    return made
+
+
+def _read_source(source: Any, out: _Output, pcfg: Any, responses: bool, budget, bar) -> collections.Counter[str]:
+    """One source's records until it has given its count (read no further); the tally keeps
+    records = records_ok + quarantined, as the whole run does."""
+    tally: collections.Counter[str] = collections.Counter()
+    for item in source.records(pcfg.seed, pcfg.shuffle_buffer):
+        tally["records"] += 1
+        bar.update(1)
+        try:
+            made = _made(item, responses, pcfg.multi_turn, budget)
+        except BadRecord as error:
+            out.quarantined(item, error, tally)
+            continue
+        tally["records_ok"] += 1
+        out.keep(made, source.name_of(item), source.count, tally)
+        if tally["prompts"] == source.count:
+            break
+    return tally
+
+
+def _source_entry(source: Any, tally: collections.Counter[str], warnings: list[str], stage: str) -> dict[str, Any]:
+    """The source's figures for the summary; one that ran short of its count is warned of, not hidden."""
+    import sys
+
+    entry = {
+        **source.entry(),
+        **{k: tally[k] for k in ("records", "records_ok", "quarantined", "duplicates", "prompts")},
+    }
+    if tally["over_count"]:
+        entry["over_count"] = tally["over_count"]
+    if source.count is not None and tally["prompts"] < source.count:
+        warnings.append(
+            f"{entry['uri']} gave {tally['prompts']} of the {source.count} prompts "
+            "asked of it: it has no more that pass quarantine and dedup"
+        )
+        print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
+    return entry
+
+
+def _skipped_files(sources: list, warnings: list[str], stage: str) -> list[str]:
+    """Files of the input folders not read: never without a word (`_b.jsonl`, `notes.txt` and the like
+    are named)."""
+    import sys
+
+    skipped = [f for s in sources for f in s.skipped()]
+    if skipped:
+        warnings.append(
+            f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
+            f"named with a leading . or _, or links that lead out of the folder): {', '.join(skipped[:10])}"
+        )
+        print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
+    return skipped
+
+
+def _nothing_kept(summary: dict[str, Any], out: _Output, report: str, sources: list, responses: bool) -> DFlashError:
+    """A run that kept no prompt: its quarantine is still written, where the error points to it."""
+    summary["quarantine_file"] = manifest.report_uri(out.output, QUARANTINE)
+    storage.write_text(summary["quarantine_file"], report)
+    kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(out.kinds.items())) or "none"
+    return DFlashError(
+        f"no {'answers' if responses else 'prompts'} out of {summary['records']} records in "
+        f"{summary['input_files']} files or datasets "
+        f"({len(out.quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
+        f"{summary['quarantine_file']}",
+        file=", ".join(s.uri for s in sources),
+    ).with_summary(summary)
+
+
 def _prompts(
     inputs: list[str], output: str, cfg: RunConfig, progress: bool, responses: bool, held: writer.Claim
 ) -> dict[str, Any]:
-    import sys
+    from tqdm import tqdm
 
     pcfg = cfg.prompts
     stage = "responses" if responses else "prompts"
@@ -110,136 +243,47 @@ def _prompts(
     for source in sources:
         source.open()
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
-    prefix = f"{stage}-{uuid.uuid4().hex[:8]}"  # this run's shards: an earlier run's stay whole until commit
-
-    seen: set[str] = set()
-    rows: list[dict[str, Any]] = []
-    shards: list[dict[str, Any]] = []
-    quarantine: list[str] = []
-    kinds: collections.Counter[str] = collections.Counter()
+    out = _Output(output, stage, responses, pcfg.shard_size)
     counts: collections.Counter[str] = collections.Counter()
     per_source: list[dict[str, Any]] = []
     warnings: list[str] = []
-
-    def flush() -> None:
-        name = f"{prefix}-{len(shards):05d}.parquet"
-        data = shard_bytes(rows, schema.COMPLETIONS if responses else schema.PROMPTS)
-        storage.write_bytes(storage.join(output, name), data)
-        shards.append({"name": name, "rows": len(rows), **manifest.file_entry(data)})
-        rows.clear()
-
-    def quarantined(item: RawRecord, error: BadRecord, tally: collections.Counter[str]) -> None:
-        kinds[error.kind] += 1
-        tally["quarantined"] += 1
-        quarantine.append(
-            json.dumps(
-                {**item.where(), "kind": error.kind, "reason": str(error), "record": raw_preview(item)},
-                ensure_ascii=False,
-            )
-        )
-
-    from tqdm import tqdm
-
     bar = tqdm(desc=stage, unit=" records", disable=not progress)
-    thinking = 0  # answers with a thinking block
     for source in sources:
-        tally: collections.Counter[str] = collections.Counter()  # records = records_ok + quarantined, as overall
-        for item in source.records(pcfg.seed, pcfg.shuffle_buffer):
-            tally["records"] += 1
-            bar.update(1)
-            if item.error is not None:
-                quarantined(item, item.error, tally)
-                continue
-            try:
-                made: Sequence[Prompt | Answered] = (
-                    [normalize_answered(item.record)] if responses else normalize(item.record, pcfg.multi_turn)
-                )
-                for one in made:
-                    if budget is not None:
-                        budget.check(_prompt(one))
-            except BadRecord as error:
-                quarantined(item, error, tally)
-                continue
-            tally["records_ok"] += 1
-            for one in made:
-                if _prompt(one).id in seen:
-                    tally["duplicates"] += 1
-                    continue
-                if tally["prompts"] == source.count:  # a record's later turns past the count
-                    tally["over_count"] += 1
-                    continue
-                seen.add(_prompt(one).id)
-                tally["prompts"] += 1
-                thinking += getattr(one, "reasoning", None) is not None
-                rows.append(one.row(source.name_of(item)))
-                if len(rows) >= pcfg.shard_size:
-                    flush()
-            if tally["prompts"] == source.count:  # read no further
-                break
+        tally = _read_source(source, out, pcfg, responses, budget, bar)
         counts.update(tally)
-        per_source.append(
-            {
-                **source.entry(),
-                **{k: tally[k] for k in ("records", "records_ok", "quarantined", "duplicates", "prompts")},
-            }
-        )
-        if tally["over_count"]:
-            per_source[-1]["over_count"] = tally["over_count"]
-        if source.count is not None and tally["prompts"] < source.count:
-            warnings.append(
-                f"{per_source[-1]['uri']} gave {tally['prompts']} of the {source.count} prompts "
-                "asked of it: it has no more that pass quarantine and dedup"
-            )
-            print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
+        per_source.append(_source_entry(source, tally, warnings, stage))
     bar.close()
-    inputs_read = sum(len(s.files) if s.dataset is None else 1 for s in sources)
-    skipped = [f for s in sources for f in s.skipped()]
-    if skipped:  # never without a word: `_b.jsonl`, `notes.txt` and the like are named
-        warnings.append(
-            f"{len(skipped)} file(s) in the input folders were not read (not .jsonl/.json/.parquet, "
-            f"named with a leading . or _, or links that lead out of the folder): {', '.join(skipped[:10])}"
-        )
-        print(f"dflash-ray {stage}: warning: {warnings[-1]}", file=sys.stderr)
     summary: dict[str, Any] = {
         "stage": stage,
         "output": output,
-        "input_files": inputs_read,
-        "skipped_files": skipped,
+        "input_files": sum(len(s.files) if s.dataset is None else 1 for s in sources),
+        "skipped_files": _skipped_files(sources, warnings, stage),
         # every record read is quarantined or makes prompts: records = records_ok + quarantined
         "records": counts["records"],
         "records_ok": counts["records_ok"],
-        "prompts": len(seen),
+        "prompts": len(out.seen),
         "duplicates": counts["duplicates"],
-        "quarantined": len(quarantine),
-        "quarantine_kinds": dict(sorted(kinds.items())),
+        "quarantined": len(out.quarantine),
+        "quarantine_kinds": dict(sorted(out.kinds.items())),
         "quarantine_file": storage.join(output, QUARANTINE),
-        "shards": len(shards) + bool(rows),
+        "shards": len(out.shards) + bool(out.rows),
         "sources": per_source,
         "warnings": warnings,
     }
-    report = "".join(line + "\n" for line in quarantine)
-    if not seen:
-        summary["quarantine_file"] = manifest.report_uri(output, QUARANTINE)
-        storage.write_text(summary["quarantine_file"], report)
-        kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "none"
-        raise DFlashError(
-            f"no {'answers' if responses else 'prompts'} out of {counts['records']} records in "
-            f"{inputs_read} files or datasets "
-            f"({len(quarantine)} quarantined, by kind {kinds_text}); the reasons are in "
-            f"{summary['quarantine_file']}",
-            file=", ".join(s.uri for s in sources),
-        ).with_summary(summary)
+    report = "".join(line + "\n" for line in out.quarantine)
+    if not out.seen:
+        raise _nothing_kept(summary, out, report, sources, responses)
     if responses:
-        checks = _response_checks(len(seen), thinking, pcfg.tokenizer)
+        checks = _response_checks(len(out.seen), out.thinking, pcfg.tokenizer)
         summary.update({**checks, "warnings": warnings + checks["warnings"]})
-    if rows:
-        flush()
+    if out.rows:
+        out.flush()
     held.check()
     storage.write_text(storage.join(output, QUARANTINE), report)
     manifest.commit(
         output,
         kind="completions" if responses else "prompts",
-        files=shards,
+        files=out.shards,
         summary=summary,
         config=cfg.to_dict(),
         prefix=f"{stage}-",

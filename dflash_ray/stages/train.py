@@ -199,6 +199,103 @@ def _check_checkpoints(target: str, data: str, output: str, cfg: RunConfig, resu
         )
 
 
+class _Progress:
+    """The bar, and a line for each step this run trained since the last look."""
+
+    def __init__(self, coordinator: Any, progress: bool):
+        self.coordinator = coordinator
+        self.progress = progress
+        self.bar: Any = None
+        self.seen = 0  # metric rows read
+        self.printed = -1  # the last step given a line
+
+    def show(self) -> None:
+        import ray
+        from tqdm import tqdm
+
+        from dflash_ray.train.profile import step_line
+
+        state = ray.get(self.coordinator.progress.remote(self.seen))
+        if state["total_steps"] is None or state["begun_at"] is None:  # still planning or resuming
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not self.progress)
+        # a restart takes the metrics back to its checkpoint's step: read them again from there
+        self.seen = state["count"] if state["count"] < self.seen else self.seen + len(state["rows"])
+        self.printed = max(self.printed, state["begun_at"])
+        for row in state["rows"] if self.progress else []:  # one line per step, on stderr
+            if row["step"] > self.printed:
+                self.bar.write(step_line(row, state["total_steps"]), file=sys.stderr)
+                self.printed = row["step"]
+        self.bar.n = state["step"]
+        if state["last"]:
+            self.bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _catch_stop_signals(interrupted: threading.Event) -> tuple[Any, Any] | None:
+    """Ctrl-C, and SIGTERM (Kubernetes, `ray job stop`) as Ctrl-C, set a flag the loop reads between
+    waits: a KeyboardInterrupt raised inside Ray's own (Cython) wait can surface as a SystemError
+    instead. The handlers replaced, to restore; None off the main thread, where none can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+
+    def terminated(*_) -> None:
+        note_sigterm()
+        interrupted.set()
+
+    return previous, signal.signal(signal.SIGTERM, terminated)
+
+
+def _restore_signals(handlers: tuple[Any, Any] | None) -> None:
+    if handlers is not None:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
+def _measured_network(cfg: RunConfig) -> dict[str, Any] | None:
+    """The network measured first where several streams need it: a slow link is said before a slow run."""
+    if cfg.train.min_bus_bandwidth > 0 and cfg.train.num_streams > 1:
+        from dflash_ray.train.network import check_floor, measure
+
+        network = measure(cfg.train)
+        check_floor(network, cfg.train.min_bus_bandwidth)
+        return network
+    return None
+
+
+def _follow(run_ref: Any, shown: _Progress, interrupted: threading.Event) -> dict[str, Any]:
+    """Wait for the coordinator's run, showing its progress, until it ends or a stop signal came."""
+    import ray
+
+    while not ray.wait([run_ref], timeout=1.0)[0]:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        shown.show()
+    try:
+        shown.show()  # the steps since the last look
+    except ray.exceptions.RayError:  # the coordinator is gone: its run's own outcome says why
+        pass
+    return ray.get(run_ref)
+
+
+def _plot_each_drafter(teams: list, output: str, summary: dict[str, Any]) -> None:
+    """Each drafter's metrics plot beside its `metrics.jsonl`, named in the summary."""
+    for name, _, _, _ in teams:
+        folder = storage.join(output, name) if name else output
+        metrics_uri = storage.join(folder, "metrics.jsonl")
+        if storage.exists(metrics_uri):
+            metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
+            if metrics:
+                storage.write_bytes(storage.join(folder, "metrics.png"), plot_metrics(metrics))
+                (summary["drafters"][name] if name else summary)["metrics_png"] = storage.join(folder, "metrics.png")
+
+
 def _train(
     target: str,
     data: str,
@@ -212,21 +309,14 @@ def _train(
     import uuid
 
     import ray
-    from tqdm import tqdm
 
     from dflash_ray.cluster import connect
     from dflash_ray.train.coordinator import Coordinator
     from dflash_ray.train.devices import check_resources
-    from dflash_ray.train.profile import step_line
 
     connect(cfg.ray)
     check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-    network = None
-    if cfg.train.min_bus_bandwidth > 0 and cfg.train.num_streams > 1:  # the network first, not a slow run
-        from dflash_ray.train.network import check_floor, measure
-
-        network = measure(cfg.train)
-        check_floor(network, cfg.train.min_bus_bandwidth)
+    network = _measured_network(cfg)
     run_name = run_name or f"dflash-train-{uuid.uuid4().hex[:8]}"
     # an actor handle: Ray's typing does not give its methods a `.remote`
     coordinator: Any = (
@@ -235,51 +325,11 @@ def _train(
         .remote(target, data, output, cfg, run_name, teams, driver_env())
     )
     run_ref = coordinator.run.remote(stop_after_step)
-    bar = None
-    seen = 0  # metric rows read
-    # Ctrl-C sets a flag the loop reads between waits: a KeyboardInterrupt raised inside Ray's own
-    # (Cython) wait can surface as a SystemError instead
+    shown = _Progress(coordinator, progress)
     interrupted = threading.Event()
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set()) if main else None
-
-    def terminated(*_) -> None:  # SIGTERM (Kubernetes, `ray job stop`) as Ctrl-C
-        note_sigterm()
-        interrupted.set()
-
-    before = signal.signal(signal.SIGTERM, terminated) if main else None
-    printed = -1  # the last step given a line
-
-    def show() -> None:
-        """The bar, and a line for each step this run trained since the last look."""
-        nonlocal bar, seen, printed
-        state = ray.get(coordinator.progress.remote(seen))
-        if state["total_steps"] is None or state["begun_at"] is None:  # still planning or resuming
-            return
-        if bar is None:
-            bar = tqdm(total=state["total_steps"], desc="train", unit=" steps", disable=not progress)
-        # a restart takes the metrics back to its checkpoint's step: read them again from there
-        seen = state["count"] if state["count"] < seen else seen + len(state["rows"])
-        printed = max(printed, state["begun_at"])
-        for row in state["rows"] if progress else []:  # one line per step, on stderr
-            if row["step"] > printed:
-                bar.write(step_line(row, state["total_steps"]), file=sys.stderr)
-                printed = row["step"]
-        bar.n = state["step"]
-        if state["last"]:
-            bar.set_postfix(loss=f"{state['last']['loss']:.3f}", tau=f"{state['last']['tau']:.2f}")
-        bar.refresh()
-
+    handlers = _catch_stop_signals(interrupted)
     try:
-        while not ray.wait([run_ref], timeout=1.0)[0]:
-            if interrupted.is_set():
-                raise KeyboardInterrupt
-            show()
-        try:
-            show()  # the steps since the last look
-        except ray.exceptions.RayError:  # the coordinator is gone: its run's own outcome says why
-            pass
-        summary = ray.get(run_ref)
+        summary = _follow(run_ref, shown, interrupted)
         if network:
             summary["network"] = {k: network[k] for k in ("all_reduce_bus_gbs", "slowest_pair")}
     except ray.exceptions.RayTaskError as e:
@@ -293,20 +343,10 @@ def _train(
             pass
         raise _interrupted(output) from None
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-            signal.signal(signal.SIGTERM, before)
-        if bar is not None:
-            bar.close()
+        _restore_signals(handlers)
+        shown.close()
         ray.kill(coordinator)
-    for name, _, _, _ in teams:
-        folder = storage.join(output, name) if name else output
-        metrics_uri = storage.join(folder, "metrics.jsonl")
-        if storage.exists(metrics_uri):
-            metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
-            if metrics:
-                storage.write_bytes(storage.join(folder, "metrics.png"), plot_metrics(metrics))
-                (summary["drafters"][name] if name else summary)["metrics_png"] = storage.join(folder, "metrics.png")
+    _plot_each_drafter(teams, output, summary)
     return summary
 
 
