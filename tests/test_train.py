@@ -247,8 +247,9 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     the target computed, twice in a row (messages in order), and trains on it."""
     import pickle
 
-    from dflash_ray.train.streams import free_port
+    from dflash_ray.train import handoff
     from dflash_ray.train.handoff import Layout
+    from dflash_ray.train.streams import free_port
 
     cfg = load_config(None, SETTINGS + ["train.num_streams=1"])
     layout = Layout(streams=1, teams=1)
@@ -260,16 +261,23 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
         .options(num_cpus=0.5)
         .remote(target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
     )
-    port = free_port()
-    ray.get(
-        [sender.join_run.remote("127.0.0.1", port, 0, layout), receiver.join_run.remote("127.0.0.1", port, 0, layout)]
-    )
-    refs = [sender.send_features.remote(b, [layout.drafter(0, 0)]) for b in samples]  # both posted at once
-    metas = ray.get(refs)
-    received = ray.get([receiver.__ray_call__.remote(lambda w, m: w._received(m), m) for m in metas])
-    stats = ray.get(receiver.train_step.remote(0, ray.get(sender.send_features.remote(samples[0], [1]))))
-    ray.kill(sender)
-    ray.kill(receiver)
+    try:  # actors left alive would hold the test cluster's CPUs from every later test
+        port = free_port()
+        ray.get(
+            [
+                sender.join_run.remote("127.0.0.1", port, 0, layout),
+                receiver.join_run.remote("127.0.0.1", port, 0, layout),
+            ]
+        )
+        refs = [sender.send_features.remote(b, [layout.drafter(0, 0)]) for b in samples]  # both posted at once
+        metas = ray.get(refs)
+        received = ray.get(
+            [receiver.__ray_call__.remote(lambda w, m: handoff.taken(m, w.source, w.place.device), m) for m in metas]
+        )
+        stats = ray.get(receiver.train_step.remote(0, ray.get(sender.send_features.remote(samples[0], [1]))))
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)
     for meta, got, want in zip(metas, received, expected):
         assert len(pickle.dumps(meta)) < 2048 < want["features"].numel() * 4
         assert meta["bytes"] == sum(
