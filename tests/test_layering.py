@@ -11,17 +11,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_ray"
 ALLOWED_STAGE_IMPORTS = {("dflash_ray.stages.demo", "dflash_ray.stages.pipeline")}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     names = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (a name inside a module counts as the module)."""
-    modules = _modules()
+    modules = _modules(package)
 
     def owner(name: str) -> str | None:
         while name and name not in modules:
@@ -159,3 +159,41 @@ def test_the_length_check_names_what_is_too_long(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "long.py").write_text(f"def f():\n{body}\n\ndef g():\n    pass\n")
     assert too_long(tmp_path / "pkg") == [f"pkg/long.py:f:{MAX_FUNCTION_LINES + 1}"]
+
+
+def function_level_imports(package: Path = PACKAGE) -> int:
+    """Imports of the package's own modules made inside a function (a lazy import, or a circle's way out)."""
+    count = 0
+    for path in package.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count += sum(
+                    isinstance(n, ast.ImportFrom) and (n.module or "").startswith("dflash_ray") for n in ast.walk(fn)
+                )
+    return count
+
+
+if __name__ == "__main__":  # the house measured: python tests/test_layering.py [PACKAGE_DIR]
+    import json
+    import sys
+
+    package = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else PACKAGE
+    graph = import_graph(package)
+    stage = "dflash_ray.stages."
+    owners = ("dflash_ray.drafter", "dflash_ray.train", "dflash_ray.generation", "dflash_ray.chaos")
+    lengths = sorted(too_long(package), key=lambda x: -int(x.rsplit(":", 1)[1]))
+    report = {
+        "modules": len(_modules(package)),
+        "arrows": sum(len(v) for v in graph.values()),
+        "circles": circles(graph),
+        "stage_to_stage": sorted(
+            f"{a} -> {b}"
+            for a, bs in graph.items()
+            for b in bs
+            if a.startswith(stage) and b.startswith(stage) and (a, b) not in ALLOWED_STAGE_IMPORTS
+        ),
+        "config_imports_owners": sorted(m for m in graph.get("dflash_ray.config", ()) if m.startswith(owners)),
+        "function_level_imports": function_level_imports(package),
+        "too_long": lengths,
+    }
+    print(json.dumps(report, indent=1))
