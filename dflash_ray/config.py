@@ -457,9 +457,8 @@ class PipelineConfig:
     target: str = ""  # target model: path, s3:// folder or short name
     eval_prompts: int = at_least(0, default=12)  # prompts kept out of generation and training, to measure tau on
     min_tau_gain: float = 0.0  # fail unless training raised the held-out simulated tau over step 0's by this
-    # fail unless the trained drafter's tau beats the n-gram baseline's, on the kept-aside prompts and on
-    # the unseen ones (`unseen_prompts`)
-    beat_ngram: bool = False
+    beat_ngram: bool = False  # fail unless the trained drafter's tau beats the n-gram baseline's
+    beat_ngram_unseen: bool = False  # the same on the `unseen_prompts`
     vllm_evaluate: bool = True  # also measure the exported drafter's acceptance in vLLM (when installed)
     # the inputs end with the target's own answers (existing responses): no generation, they are
     # tokenized as they are (`dflash-ray responses`); the kept-aside prompts are their contexts

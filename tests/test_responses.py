@@ -246,9 +246,12 @@ def test_the_learning_gates_name_the_drafter_that_fails():
     with pytest.raises(DFlashError, match="does not beat n-gram prompt lookup's 1.6") as e:
         _gate({**held, "heldout_tau_end": 1.2, "tau_gain": 0.2, "tau_trained": 1.5, "tau_ngram": 1.6}, "", pcfg)
     assert e.value.field == "pipeline.beat_ngram" and "drafter" not in str(e.value).split(":")[0]
-    # the prompts of kinds training never saw hold it too
+    # the prompts of kinds training never saw hold it too, when asked
     won = {**held, "heldout_tau_end": 1.2, "tau_gain": 0.2, "tau_trained": 1.5, "tau_ngram": 1.2}
+    lost_unseen = {**won, "unseen": {"tau_trained": 1.2, "tau_ngram": 1.25}}
+    _gate(lost_unseen, "", pcfg)
+    pcfg = load_config(None, ["pipeline.beat_ngram_unseen=true"]).pipeline
     _gate({**won, "unseen": {"tau_trained": 1.3, "tau_ngram": 1.25}}, "", pcfg)
     with pytest.raises(DFlashError, match="tau 1.2 does not beat n-gram prompt lookup's 1.25 on the same unseen") as e:
-        _gate({**won, "unseen": {"tau_trained": 1.2, "tau_ngram": 1.25}}, "", pcfg)
-    assert e.value.field == "pipeline.beat_ngram"
+        _gate(lost_unseen, "", pcfg)
+    assert e.value.field == "pipeline.beat_ngram_unseen"

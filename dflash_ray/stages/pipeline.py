@@ -136,15 +136,16 @@ def _gate(result: dict[str, Any], name: str, pcfg) -> None:
             f"{result['heldout_tau_end']}, a gain of {gain}, less than {pcfg.min_tau_gain}",
             field="pipeline.min_tau_gain",
         )
-    if not pcfg.beat_ngram:
-        return
     # on the kept-aside prompts, and on the prompts of kinds training never saw where there are some
-    for where, figures in (("kept-aside", result), ("unseen", result.get("unseen"))):
-        if figures and (figures["tau_trained"] or 0) <= (figures["tau_ngram"] or 0):
+    for where, figures, setting in (
+        ("kept-aside", result, "beat_ngram"),
+        ("unseen", result.get("unseen"), "beat_ngram_unseen"),
+    ):
+        if getattr(pcfg, setting) and figures and (figures["tau_trained"] or 0) <= (figures["tau_ngram"] or 0):
             raise DFlashError(
                 f"{who}the trained drafter's tau {figures['tau_trained']} does not beat n-gram prompt "
                 f"lookup's {figures['tau_ngram']} on the same {where} prompts",
-                field="pipeline.beat_ngram",
+                field=f"pipeline.{setting}",
             )
 
 
