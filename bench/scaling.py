@@ -147,7 +147,10 @@ def plot(rows: list[dict[str, Any]], line: dict[str, Any], path: str) -> None:
         xs = [r["samples"] for r in rows]
         ax.plot(xs, [r["tau_unseen"] for r in rows], "o-", label="drafter (unseen kinds)", color="#1f77b4")
         ax.axhline(line["tau_ngram_unseen"], color="#c0504d", linestyle="--", label="prompt lookup")
-        top = max(xs + ([line["crossing_samples"]] if line["crossing_samples"] else [])) * 1.3
+        # the fit drawn to the crossing, or to 100x the largest size when the crossing lies past that
+        crossing = line["crossing_samples"]
+        near = crossing is not None and crossing <= 100 * max(xs)
+        top = crossing * 1.3 if near else max(xs) * 100
         grid = [min(xs) * (top / min(xs)) ** (i / 50) for i in range(51)]
         ax.plot(
             grid,
@@ -156,8 +159,8 @@ def plot(rows: list[dict[str, Any]], line: dict[str, Any], path: str) -> None:
             color="gray",
             label="fit a + b ln n",
         )
-        if line["crossing_samples"]:
-            ax.axvline(line["crossing_samples"], color="gray", alpha=0.4)
+        if near:
+            ax.axvline(crossing, color="gray", alpha=0.4)
         ax.set_xscale("log")
         ax.set(xlabel="regenerated samples", ylabel="acceptance length (tau)", title="tau on prompts of unseen kinds")
         ax.grid(alpha=0.3)
