@@ -66,31 +66,34 @@ def write_prompts(
     opening = user_turn_opening(tokenizer, cfg)
     mine = set(indices)
 
-    def run(part: list[int], starts: list[list[int]]) -> list[dict[str, Any]]:
-        outs = generate(engine, [opening + s for s in starts], [prompt_seed(cfg.seed, f"self-{i}") for i in part])
+    def run(part: list[int], starts: list[list[int]]) -> list[Output]:
+        return generate(engine, [opening + s for s in starts], [prompt_seed(cfg.seed, f"self-{i}") for i in part])
+
+    def candidates(part: list[int], starts: list[list[int]], outs: list[Output]) -> list[dict[str, Any]]:
         return [
             {
                 "index": i,
                 "text": tokenizer.decode(s + o.token_ids, skip_special_tokens=True).strip(),
                 "finish_reason": o.finish_reason,
-                "token_ids": o.token_ids,
             }
             for i, s, o in zip(part, starts, outs)
+            if i in mine
         ]
 
     free = list(range(min(cfg.openers, cfg.count)))
     drawn: list[Output] = []
     for start in range(0, len(free), batch_size):
         part = free[start : start + batch_size]
-        done = run(part, [[] for _ in part])
-        drawn += [Output(c.pop("token_ids"), c["finish_reason"]) for c in done]
-        yield [c for c in done if c["index"] in mine]
+        empty: list[list[int]] = [[] for _ in part]
+        outs = run(part, empty)
+        drawn += outs
+        yield candidates(part, empty, outs)
     starts = openings(drawn, cfg.opener_tokens) or [[]]
     rest = [i for i in indices if i >= len(free)]
     for start in range(0, len(rest), batch_size):
         part = rest[start : start + batch_size]
-        done = run(part, [starts[i % len(starts)] for i in part])
-        yield [{k: v for k, v in c.items() if k != "token_ids"} for c in done]
+        chosen = [starts[i % len(starts)] for i in part]
+        yield candidates(part, chosen, run(part, chosen))
 
 
 _WORD = re.compile(r"\w+")
