@@ -505,3 +505,29 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
         speculative_decode(model, drafter, embed, head, prompt, 24, set()).token_ids
         == target_decode(model, prompt, 24, set()).token_ids
     )
+
+
+def test_teacher_forced_blocks_accept_what_decoding_accepts(tmp_path):
+    """Every block real greedy decoding drafted accepts as many drafts as the same block read off one
+    training forward over the target's own answer (`teacher_forced`): the bench that scores recipes
+    that way scores what serving would accept."""
+    from dflash_ray.drafter.teacher_forced import blocks_accepted
+
+    target, drafter, embed, head, prompts, refs, _ = _trained_dspark(tmp_path, steps=60)
+    K = drafter.cfg.block_size
+    compared, partial = 0, 0
+    for prompt, ref in zip(prompts, refs):
+        seq = torch.tensor([prompt + ref.token_ids])
+        mask = torch.zeros_like(seq)
+        mask[:, len(prompt) :] = 1
+        feats = target_outputs(target, seq, drafter.cfg.target_layer_ids)[0]
+        forced = {a: (d, n) for a, d, n in blocks_accepted(drafter, embed, head, feats, seq, mask)}
+        real = speculative_decode(target, drafter, embed, head, prompt, 48, set())
+        anchor = len(prompt)
+        for (drafts, accepted), committed in zip(real.verified, real.acceptance):
+            if anchor in forced and forced[anchor][0] == K:  # the whole block lies inside the answer
+                assert forced[anchor][1] == accepted, (anchor, forced[anchor], accepted)
+                compared += 1
+                partial += 0 < accepted < K
+            anchor += committed
+    assert compared >= 10 and partial >= 2, (compared, partial)
