@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ def score(worker, batches: list[dict[str, Any]]) -> dict[str, Any]:
 
 def variant(spec: str) -> tuple[str, list[str], str]:
     name, _, rest = spec.partition(":")
-    overrides = [s for s in rest.split(",") if s]
+    overrides = [s for s in re.split(r",(?=[\w.]+=)", rest) if s]  # a list value keeps its commas
     init = next((s.split("=", 1)[1] for s in overrides if s.startswith("init=")), "target")
     return name, [s for s in overrides if not s.startswith("init=")], init
 
