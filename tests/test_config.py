@@ -238,12 +238,14 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
 
     cfg = demo_config(None, [])
     check(cfg)
-    assert cfg.pipeline.beat_ngram and cfg.pipeline.min_tau_gain > 0 and cfg.train.loss_decay == 2
+    assert cfg.pipeline.beat_ngram and cfg.pipeline.min_tau_gain > 0 and cfg.train.loss_decay == 1
+    # greedy serving's loss: the target's greedy tokens as hard labels, no TV term
+    assert (cfg.train.family["ce_weight"], cfg.train.family["tv_weight"], cfg.train.block_size) == (1, 0, 4)
     # held to prompt lookup at the answer length users serve, with the drafter that beats it there
     assert cfg.evaluate.max_new_tokens == 256 and (cfg.train.drafter, cfg.train.num_layers) == ("dspark", 2)
     (tmp_path / "mine.yaml").write_text("train: {epochs: 1}\n")
     mine = demo_config(str(tmp_path / "mine.yaml"), ["pipeline.beat_ngram=false"])
-    assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 2
+    assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 1
 
 
 def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs():
