@@ -246,6 +246,11 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     (tmp_path / "mine.yaml").write_text("train: {epochs: 1}\n")
     mine = demo_config(str(tmp_path / "mine.yaml"), ["pipeline.beat_ngram=false"])
     assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 1
+    # the earlier one-layer DFlash demo, as docs/demo.md gives it: DSpark's own settings do not follow it
+    from dflash_ray import preflight
+    from dflash_ray.stages.demo import DFLASH_SETTINGS
+
+    preflight.check_settings(demo_config(None, DFLASH_SETTINGS))
 
 
 def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs():

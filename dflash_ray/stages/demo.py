@@ -80,7 +80,14 @@ DEMO_SETTINGS = [
 ]
 # The demo's earlier drafter (one-layer DFlash, block 16, scored at 64 new tokens), which vLLM on a CPU
 # also serves: the benchmarks measured against it keep it (bench.distill, bench.families' start).
-DFLASH_SETTINGS = ["train.drafter=dflash", "train.block_size=16", "train.num_layers=1", "evaluate.max_new_tokens=64"]
+# `train.family={}`: DSpark's own settings (Markov rank, loss weights) mean nothing to DFlash
+DFLASH_SETTINGS = [
+    "train.drafter=dflash",
+    "train.family={}",
+    "train.block_size=16",
+    "train.num_layers=1",
+    "evaluate.max_new_tokens=64",
+]
 
 
 def bundled_inputs(small: bool = False) -> list[str]:
