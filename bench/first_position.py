@@ -38,12 +38,12 @@ def greedy_answers(prompts: str, path: Path, target_dir: str, tokenizer) -> list
     from transformers import AutoModelForCausalLM
 
     from dflash_ray.drafter.speculative import target_decode
-    from dflash_ray.registry import resolve  # noqa: F401  (the caller resolved the target)
+    from dflash_ray.registry import stop_token_ids
 
     files = sorted(str(p) for p in Path(prompts).glob("*.parquet"))
     rows = pq.read_table(files).to_pylist()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    eos = {tokenizer.eos_token_id}
+    eos = set(stop_token_ids(tokenizer))  # as the evaluation stops an answer
     out = []
     for row in rows:
         text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
@@ -116,6 +116,7 @@ def main() -> None:
     from dflash_ray.drafter.shape import drafter_config
     from dflash_ray.registry import SMOLLM2, resolve
     from dflash_ray.stages.demo import demo_config
+    from dflash_ray.train.drafters import union_layers
     from dflash_ray.train.schedule import Schedule, dataset_samples
     from dflash_ray.train.workers import DrafterWorker, TargetWorker
 
@@ -131,15 +132,13 @@ def main() -> None:
     common = ["train.torch_threads=2", "train.dtype=bfloat16"]
     cfgs = {name: demo_config(None, common + overrides) for name, overrides, _ in specs}
     dcfgs = {name: drafter_config(SMOLLM2, cfg) for name, cfg in cfgs.items()}
-    own_layers = {name: list(from_hf_config(d).target_layer_ids) for name, d in dcfgs.items()}
-    layers = sorted({i for ids in own_layers.values() for i in ids})
+    layers, picks = union_layers([list(from_hf_config(dcfgs[name]).target_layer_ids) for name, _, _ in specs])
     base = cfgs[specs[0][0]]
     target = TargetWorker(SMOLLM2, layers, base.train)
-    workers = {}
-    for name, _, init in specs:
-        own = own_layers[name]
-        pick = [layers.index(i) for i in own] if own != layers else None
-        workers[name] = DrafterWorker(SMOLLM2, json.dumps(dcfgs[name]), init, cfgs[name].train, 0, 1, pick)
+    workers = {
+        name: DrafterWorker(SMOLLM2, json.dumps(dcfgs[name]), init, cfgs[name].train, 0, 1, pick)
+        for (name, _, init), pick in zip(specs, picks)
+    }
     samples = dataset_samples(args.data)
     schedule = Schedule(samples, 1, 2, base.train.seed)
     train_side_by_side(target, workers, schedule, args.steps, f"{len(workers)} recipes")

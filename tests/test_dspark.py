@@ -524,7 +524,7 @@ def test_teacher_forced_blocks_accept_what_decoding_accepts(tmp_path):
         forced = {a: (d, n) for a, d, n in blocks_accepted(drafter, embed, head, feats, seq, mask)}
         real = speculative_decode(target, drafter, embed, head, prompt, 48, set())
         anchor = len(prompt)
-        for (drafts, accepted), committed in zip(real.verified, real.acceptance):
+        for (_, accepted), committed in zip(real.verified, real.acceptance):
             if anchor in forced and forced[anchor][0] == K:  # the whole block lies inside the answer
                 assert forced[anchor][1] == accepted, (anchor, forced[anchor], accepted)
                 compared += 1
