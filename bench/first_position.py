@@ -1,6 +1,7 @@
 """The first draft position's suspects side by side: several drafter recipes trained on the same
 batches of one target worker, each scored on the target's own greedy answers to prompts of kinds
-none of the training samples holds, and to the kept-aside prompts.
+none of the training samples holds, and to the kept-aside prompts, with n-gram prompt lookup scored
+the same way on the first recipe's blocks.
 
 Every recipe is the demo's with one setting changed (`--variant NAME:KEY=VALUE[,KEY=VALUE]`; `init`
 is the start, `train.*` any training setting, the drafter's shape included). Each trains for
@@ -76,16 +77,26 @@ def answers_file(answers: list[dict[str, Any]], path: Path) -> list[tuple[str, i
     return [(str(path), i) for i in range(len(samples))]
 
 
-def score(worker, batches: list[dict[str, Any]]) -> dict[str, Any]:
+def score(worker, batches: list[dict[str, Any]], ngram: tuple[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Teacher-forced acceptance of blocks anchored at every answer position (`teacher_forced`): by
-    position (given the earlier ones), the first position's, and the mean acceptance length."""
-    from dflash_ray.drafter.speculative import acceptance_by_position
+    position (given the earlier ones), the first position's, and the mean acceptance length; and
+    prompt lookup's on the same blocks (`ngram`: its shortest and longest n)."""
+    from dflash_ray.drafter.ngram import accepted_at
     from dflash_ray.drafter.teacher_forced import blocks_accepted
 
-    blocks = []
+    blocks, lookup = [], []
     for batch in batches:
         feats, ids, mask = batch["features"].float(), batch["input_ids"], batch["loss_mask"]
-        blocks += blocks_accepted(worker.drafter, worker.embed.float(), worker.head.float(), feats, ids, mask)
+        mine = blocks_accepted(worker.drafter, worker.embed.float(), worker.head.float(), feats, ids, mask)
+        tokens = ids[0].tolist()  # one sample a batch
+        lookup += [(a, d, accepted_at(tokens, a, d, *ngram)) for a, d, _ in mine]
+        blocks += mine
+    return figures(blocks), figures(lookup)
+
+
+def figures(blocks: list[tuple[int, int, int]]) -> dict[str, Any]:
+    from dflash_ray.drafter.speculative import acceptance_by_position
+
     rates = acceptance_by_position([(drafted, accepted) for _, drafted, accepted in blocks])
     tau = statistics.fmean(accepted + 1 for _, _, accepted in blocks)
     return {"tau": round(tau, 4), "first_position": rates[0], "by_position": rates, "blocks": len(blocks)}
@@ -143,14 +154,21 @@ def main() -> None:
     schedule = Schedule(samples, 1, 2, base.train.seed)
     train_side_by_side(target, workers, schedule, args.steps, f"{len(workers)} recipes")
     rows = []
+    lookup: dict[str, Any] = {"variant": "prompt lookup", "settings": [], "init": None, "steps": 0}
+    ngram = (base.evaluate.ngram_min, base.evaluate.ngram_max)
     for name, overrides, init in specs:
         worker = workers[name]
         row: dict[str, Any] = {"variant": name, "settings": overrides, "init": init, "steps": args.steps}
         for set_name, refs in sets.items():
             batches = [worker_batch(target, worker, ref) for ref in refs]
-            row[set_name] = score(worker, batches)
+            row[set_name], on_blocks = score(worker, batches, ngram)
+            lookup.setdefault(set_name, on_blocks)  # on the first recipe's blocks (its drafts a block)
         rows.append(row)
         print(json.dumps(row) if args.json else row, flush=True)
+    drafts = max(len(lookup[set_name]["by_position"]) for set_name in sets)
+    lookup["settings"] = [f"drafts={drafts}", f"n={ngram[0]}..{ngram[1]}"]
+    rows.append(lookup)
+    print(json.dumps(lookup) if args.json else lookup, flush=True)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
 
 

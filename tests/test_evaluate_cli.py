@@ -11,7 +11,7 @@ from dflash_ray.stages.prompts import run_prompts
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.export import load_drafter, save_drafter
 from dflash_ray.drafter.model import DFlashDrafter
-from dflash_ray.drafter.ngram import simulate_steps
+from dflash_ray.drafter.ngram import accepted_at, simulate_steps
 
 
 def test_ngram_baseline_simulation():
@@ -25,6 +25,19 @@ def test_ngram_baseline_simulation():
     assert [(s.commit, s.drafted > 0) for s in steps] == [(1, False)] * 4 + [(4, True)]
     assert steps[-1] == (4, 3, 3)  # 3 drafted, all accepted, and the target's own token
     assert simulate_steps([7], [1, 2, 3, 1, 2, 3, 1, 2])[-1] == (3, 3, 3)  # the output ends: no token after
+
+
+def test_lookup_scored_at_an_anchor_accepts_what_its_decoding_step_accepts():
+    """`accepted_at` (lookup on the teacher-forced benches' blocks) agrees with every step of the
+    decoding simulation, each step anchored at the last token it had committed."""
+    prompt = [5, 1, 2, 3, 9, 4, 1, 2, 8]
+    output = [1, 2, 3, 9, 4, 7, 1, 2, 3, 9, 6, 1, 2, 8, 5, 1]
+    tokens, done = prompt + output, 1
+    for step in simulate_steps(prompt, output, num_tokens=3):
+        assert accepted_at(tokens, len(prompt) + done - 1, 3, 2, 4) == step.accepted
+        done += step.commit
+    # [1, 2, 3] ends at the anchor and in the prompt, where 9, 4, 1 follow; the target wrote 9, 4, 7
+    assert accepted_at(tokens, len(prompt) + 2, 3, 2, 4) == 2
 
 
 @pytest.mark.slow

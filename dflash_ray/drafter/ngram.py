@@ -22,6 +22,18 @@ def propose(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[
     return []
 
 
+def accepted_at(tokens: list[int], anchor: int, drafts: int, min_n: int, max_n: int) -> int:
+    """Drafts lookup gets accepted in a row from a block anchored at `anchor` of a greedy output
+    (its context: `tokens` up to the anchor; the tokens after it are what the target wrote), the
+    unit `teacher_forced.blocks_accepted` scores a drafter in."""
+    draft = propose(tokens[: anchor + 1], drafts, min_n, max_n)
+    truth = tokens[anchor + 1 : anchor + 1 + drafts]
+    accepted = 0
+    while accepted < min(len(draft), len(truth)) and draft[accepted] == truth[accepted]:
+        accepted += 1
+    return accepted
+
+
 class Step(NamedTuple):
     """One verify step of lookup: tokens committed (accepted + 1, fewer at the output's end), tokens
     drafted (0: no suffix matched, no draft) and tokens accepted."""
