@@ -4,7 +4,8 @@ The demo's target and drafter (its settings, `stages/demo.py`) on its own pipeli
 validation gate, with `--self-prompts` prompts the target writes itself beside the bundled ones;
 then, for each size in `--sizes`, a nested subset of the samples (a seeded order, the smaller sizes
 inside the larger) trains the drafter afresh for the same `--steps` optimizer steps (so the same
-samples seen: the smaller sizes see theirs more often), and the exported drafter is scored by real
+samples seen: the smaller sizes see theirs more often), or with `--epochs E` for E passes over its
+own samples (the steps grow with the size, as a real run's would), and the exported drafter is scored by real
 speculative decoding on the unseen prompts (`demo_unseen.jsonl` and `bench/unseen_kinds.jsonl`:
 never generated for, trained on or tuned on), n-gram prompt lookup beside it. A fit of tau against
 log(samples) says where the drafter crosses prompt lookup.
@@ -13,7 +14,7 @@ Printed, a row per size: samples, their tokens, tau on the unseen prompts (and p
 first draft position's acceptance, seconds of training; then the fit and the crossing. `scaling.png`
 (in the work folder) draws it; `--copy-png` also writes it where given (bench/scaling.png).
 
-    .venv/bin/python -m bench.scaling [--workdir DIR] [--sizes 125,250,500,1000] [--steps 500] [--json]
+    .venv/bin/python -m bench.scaling [--workdir DIR] [--sizes 125,250,500,1000] [--steps 500 | --epochs 1] [--json]
 
 Run it on a target of your own: `--set` takes any setting (`pipeline.target=...`,
 `pipeline.inputs=[...]`, `pipeline.unseen_prompts=[...]`), as `dflash-ray pipeline` does.
@@ -77,8 +78,11 @@ def prepare(cfg, progress: bool) -> tuple[Any, dict[str, Any]]:
     return run, run.summary
 
 
-def one_size(run, size: int, references: dict, progress: bool) -> dict[str, Any]:
-    """Train, export and score the drafter on the first `size` samples."""
+def one_size(run, size: int, references: dict, progress: bool, epochs: float | None = None) -> dict[str, Any]:
+    """Train, export and score the drafter on the first `size` samples (for `epochs` passes over
+    them when given, else for `train.max_steps` steps)."""
+    import dataclasses
+
     from dflash_ray.stages.evaluate import first_position, run_evaluate
     from dflash_ray.stages.export import run_export
     from dflash_ray.stages.pipeline import clear_training
@@ -86,6 +90,11 @@ def one_size(run, size: int, references: dict, progress: bool) -> dict[str, Any]
 
     cfg, folder = run.cfg, run.at(f"scaling/n{size}")
     data = subset(run.at("tokenized"), storage.join(folder, "tokenized"), size, cfg.seed)
+    if epochs is not None:
+        per_step = cfg.train.num_streams * cfg.train.batch_size
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, max_steps=steps_for(epochs, data["samples"], per_step))
+        )
     clear_training(storage.join(folder, "train"), cfg)
     started = time.time()
     trained = run_train(
@@ -115,6 +124,11 @@ def one_size(run, size: int, references: dict, progress: bool) -> dict[str, Any]
         "train_s": round(train_s, 1),
         "lossless": result["lossless"],
     }
+
+
+def steps_for(epochs: float, samples: int, per_step: int) -> int:
+    """Optimizer steps that pass over `samples` `epochs` times, `per_step` samples a step."""
+    return max(1, math.ceil(epochs * samples / per_step))
 
 
 def fit(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,6 +188,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="125,250,500,1000", help="samples per run, comma-separated")
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps of every run")
     parser.add_argument(
+        "--epochs", type=float, help="passes over each size's samples instead (steps grow with the samples)"
+    )
+    parser.add_argument(
         "--self-prompts", type=int, default=1400, help="candidates the target writes (selfprompt.count)"
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -213,7 +230,7 @@ def main() -> None:
     references: dict = {}  # the target's own outputs on the unseen prompts, decoded once
     rows = []
     for size in sizes:
-        rows.append(one_size(run, size, references, progress=not args.json))
+        rows.append(one_size(run, size, references, progress=not args.json, epochs=args.epochs))
         print(json.dumps(rows[-1]) if args.json else "  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     line = fit(rows)
     figure = storage.join(work, "scaling.png")
