@@ -7,7 +7,9 @@ side by side in one process on SmolLM2-135M-Instruct's shapes (hidden 576, vocab
   (`train.feature_cache_gb`), on a demo-length sample;
 - a drafter's whole training step (the demo's drafter) in fp32 against bf16 matmuls over fp32
   master weights (`train.dtype`), where the CPU has native bf16 (AVX512-BF16, AMX);
-- a decoding step's head product for a block of 7 rows, hidden @ head^T against head @ hidden^T.
+- a decoding step's head product for a block of 7 rows, hidden @ head^T against head @ hidden^T;
+- the demo's drafter step with hard labels alone (DSpark's tv_weight 0): the target's distribution
+  computed for the confidence label against skipped (the confidence labelled with the hits).
 
 The training cases on one thread, as a training actor has (`train.torch_threads`); the decoding one
 on every core, as evaluation runs. Each line: `name ratio` (old / new
@@ -101,6 +103,16 @@ def _cache_case(repeats: int) -> tuple[float, float]:
 
 
 def _dtype_case(repeats: int) -> tuple[float, float]:
+    return _step_case(repeats, ["train.dtype=float32"], ["train.dtype=bfloat16"])
+
+
+def _hard_label_case(repeats: int) -> tuple[float, float]:
+    # tv_weight 1e-9: the target's distribution computed, as hard labels alone computed it before
+    return _step_case(repeats, ["train.family.tv_weight=1e-9"], ["train.family.tv_weight=0"])
+
+
+def _step_case(repeats: int, old: list[str], new: list[str]) -> tuple[float, float]:
+    """A training step of the demo's drafter on one demo-length sample, under two sets of settings."""
     import json as json_
 
     from dflash_ray.config import load_config
@@ -111,10 +123,8 @@ def _dtype_case(repeats: int) -> tuple[float, float]:
 
     part = _sample()
     seconds = []
-    for dtype in ("float32", "bfloat16"):
-        cfg = load_config(
-            None, DEMO_SETTINGS + ["train.num_streams=1", "train.torch_threads=1", f"train.dtype={dtype}"]
-        )
+    for settings in (old, new):
+        cfg = load_config(None, DEMO_SETTINGS + ["train.num_streams=1", "train.torch_threads=1", *settings])
         drafter_json = json_.dumps(drafter_config(SMOLLM2, cfg))
         layers = json_.loads(drafter_json)["target_layer_ids"]
         batch = TargetWorker(SMOLLM2, layers, cfg.train).features([(part, 0)])
@@ -156,6 +166,7 @@ def main() -> None:
         "target_forward_over_cache": _cache_case,
         "drafter_step_fp32_over_bf16": _dtype_case,
         "block_head_product_over_head_first": _head_case,
+        "hard_label_step_target_distribution_over_skipped": _hard_label_case,
     }
     result = {}
     for name, case in cases.items():

@@ -251,6 +251,38 @@ def test_loss_terms_and_chunking():
     assert torch.equal(chunked.correct, out.correct)
 
 
+def test_hard_labels_alone_skip_the_targets_distribution_and_label_the_confidence_with_hits():
+    """With tv_weight 0 the loss is ce_weight x CE + BCE(confidence, [argmax = label]) whatever
+    target states come with the batch: the target's distribution is neither computed nor read."""
+    import dataclasses
+
+    from dflash_ray.drafter import dspark
+
+    drafter = _drafter()
+    drafter.cfg = drafter.cfg.replace(settings=dataclasses.replace(drafter.cfg.settings, ce_weight=0.5, tv_weight=0))
+    torch.nn.init.normal_(drafter.confidence_head.proj.weight, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(2, 6, H, generator=g), torch.randn(V, H, generator=g) * 0.2
+    prev, labels = torch.randint(0, V, (2, 6), generator=g), torch.randint(0, V, (2, 6), generator=g)
+    labels[0, :3] = drafter.logits(hidden[0, :3], head, prev[0, :3]).argmax(-1)  # some hits
+    weights = torch.rand(2, 6, generator=g)
+    losses = [
+        dspark.dspark_loss(drafter, hidden, head, prev, labels, weights, target).loss
+        for target in (torch.randn(2, 6, H, generator=g) * 3, torch.full((2, 6, H), float("nan")))
+    ]
+    h, p, y = hidden.reshape(-1, H), prev.reshape(-1), labels.reshape(-1)
+    logits = drafter.logits(h, head, p)
+    hit = (logits.argmax(-1) == y).float()
+    conf = drafter.confidence_head(h, drafter.markov_head.embed(p))
+    per = 0.5 * F.cross_entropy(logits, y, reduction="none") + F.binary_cross_entropy_with_logits(
+        conf, hit, reduction="none"
+    )
+    ref = (per * weights.reshape(-1)).sum() / weights.sum()
+    assert hit.sum() >= 3
+    torch.testing.assert_close(losses[0], ref)
+    torch.testing.assert_close(losses[1], ref)  # NaN target states: never read
+
+
 def test_export_round_trip_in_vllm_dspark_format(tmp_path):
     from safetensors import safe_open
 

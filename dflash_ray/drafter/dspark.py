@@ -18,7 +18,10 @@ target's whole next-token distribution there: the target sends its final-normed 
 and the frozen head turns them into p_t here, chunk by chunk beside the draft's own logits (a top-k
 renormalized would bias both terms by up to the mass outside it: 1% on average at k = 32 and 14% at
 the 99th percentile of SmolLM2's own answers, `bench/topk_mass.py`). Without the target's
-distribution the loss falls back to CE + BCE(confidence, [argmax = label]).
+distribution the loss falls back to CE + BCE(confidence, [argmax = label]). With `tv_weight` 0 (hard
+labels, for greedy serving) the target's distribution is not computed at all: CE weighs
+`ce_weight` and the confidence learns greedy acceptance, [argmax = label], which is what greedy
+decoding accepts (a step saves the target's head product, and its recompute in backward).
 Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
 `markov_head.markov_w{1,2}.weight` and `confidence_head.proj.{weight,bias}`.
 """
@@ -133,9 +136,9 @@ def _position_losses(hidden_NH, markov_Nr, conf_logit_N, head_VH, w2_Vr, labels_
     logp = torch.log_softmax(logits, -1)
     ce = -logp.gather(1, labels_N[:, None])[:, 0]
     correct = logits.argmax(-1) == labels_N
-    if target_hidden_NH is None:
+    if target_hidden_NH is None or own.tv_weight == 0:  # the confidence learns greedy acceptance
         bce = F.binary_cross_entropy_with_logits(conf_logit_N, correct.float(), reduction="none")
-        return ce + own.bce_weight * bce, correct
+        return (1.0 if target_hidden_NH is None else own.ce_weight) * ce + own.bce_weight * bce, correct
     with torch.no_grad():  # the target's distribution through the same frozen head
         pt = torch.softmax((target_hidden_NH.to(head_VH.dtype) @ head_VH.t()).float(), -1)
     tv = 0.5 * (logp.exp() - pt).abs().sum(-1)
@@ -164,9 +167,11 @@ def dspark_loss(
     else:  # no head to train: a constant the loss cannot move
         conf_logit = torch.zeros(hidden.shape[0], device=hidden.device)
     t_hidden = target_hidden_BQH.reshape(-1, H) if target_hidden_BQH is not None else None
+    # hard labels alone (tv_weight 0): the target's distribution is not computed
+    with_target = t_hidden is not None and drafter.cfg.settings.tv_weight > 0
     w2 = drafter.markov_head.markov_w2.weight
     # two [chunk, V] fp32 buffers at once with the target's distribution beside the draft's
-    chunk = max(1, MAX_CHUNK_LOGITS // head_VH.shape[0] // (2 if t_hidden is not None else 1))
+    chunk = max(1, MAX_CHUNK_LOGITS // head_VH.shape[0] // (2 if with_target else 1))
     total, hits = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk):
         part = slice(s, s + chunk)
