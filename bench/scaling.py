@@ -118,6 +118,7 @@ def one_size(run, size: int, references: dict, progress: bool, epochs: float | N
         "tau_unseen": result["tau"],
         "tau_ngram_unseen": result["tau_ngram"],
         "tau_per_source": result["tau_per_source"],
+        "tau_ngram_per_source": result["tau_ngram_per_source"],
         "first_position": first_position(result["acceptance_by_position"]),
         "acceptance_by_position": result["acceptance_by_position"],
         "train_loss": trained["loss"],
@@ -133,23 +134,35 @@ def steps_for(epochs: float, samples: int, per_step: int) -> int:
 
 def fit(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """tau = a + b ln(samples) by least squares, and the samples at which it meets prompt lookup's
-    tau (None when it does not rise)."""
+    tau (None when it does not rise); then the same for each source of unseen prompts (their
+    answers differ: lookup is strongest where the target repeats itself)."""
+    line = _fit_line(rows, lambda r: r["tau_unseen"], rows[0]["tau_ngram_unseen"])
+    line = {k.replace("tau_ngram", "tau_ngram_unseen"): v for k, v in line.items()}
+    by_source = rows[0].get("tau_ngram_per_source") or {}
+    line["per_source"] = {
+        source: _fit_line(rows, lambda r, s=source: r["tau_per_source"][s], ngram)
+        for source, ngram in by_source.items()
+        if ngram is not None
+    }
+    return line
+
+
+def _fit_line(rows: list[dict[str, Any]], tau, ngram: float) -> dict[str, Any]:
     xs = [math.log(r["samples"]) for r in rows]
-    ys = [r["tau_unseen"] for r in rows]
+    ys = [tau(r) for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
     a = my - b * mx
-    ngram = rows[0]["tau_ngram_unseen"]
     crossing = math.exp((ngram - a) / b) if b > 0 else None
     largest = max(r["samples"] for r in rows)
     return {
         "a": round(a, 4),
         "b_per_doubling": round(b * math.log(2), 4),
-        "tau_ngram_unseen": ngram,
+        "tau_ngram": ngram,
         "crossing_samples": None if crossing is None else round(crossing),
         # measured: the largest size already beats lookup; else the fit's extrapolation
-        "crossing_measured": any(r["tau_unseen"] > ngram for r in rows),
+        "crossing_measured": any(y > ngram for y in ys),
         "crossing_within_sizes": crossing is not None and crossing <= largest,
     }
 
@@ -175,6 +188,9 @@ def plot(rows: list[dict[str, Any]], line: dict[str, Any], path: str) -> None:
         )
         if near:
             ax.axvline(crossing, color="gray", alpha=0.4)
+        for (source, own), color in zip(line.get("per_source", {}).items(), ("#2ca02c", "#9467bd", "#8c564b")):
+            ax.plot(xs, [r["tau_per_source"][source] for r in rows], ".-", color=color, alpha=0.7, label=source)
+            ax.axhline(own["tau_ngram"], color=color, linestyle=":", alpha=0.7, label=f"lookup, {source}")
         ax.set_xscale("log")
         ax.set(xlabel="regenerated samples", ylabel="acceptance length (tau)", title="tau on prompts of unseen kinds")
         ax.grid(alpha=0.3)
