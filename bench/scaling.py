@@ -137,7 +137,7 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tau (None when it does not rise); then the same for each source of unseen prompts (their
     answers differ: lookup is strongest where the target repeats itself)."""
     line = _fit_line(rows, lambda r: r["tau_unseen"], rows[0]["tau_ngram_unseen"])
-    line = {k.replace("tau_ngram", "tau_ngram_unseen"): v for k, v in line.items()}
+    line["tau_ngram_unseen"] = line.pop("tau_ngram")
     by_source = rows[0].get("tau_ngram_per_source") or {}
     line["per_source"] = {
         source: _fit_line(rows, lambda r, s=source: r["tau_per_source"][s], ngram)

@@ -27,7 +27,11 @@ def accepted_at(tokens: list[int], anchor: int, drafts: int, min_n: int, max_n: 
     (its context: `tokens` up to the anchor; the tokens after it are what the target wrote), the
     unit `teacher_forced.blocks_accepted` scores a drafter in."""
     draft = propose(tokens[: anchor + 1], drafts, min_n, max_n)
-    truth = tokens[anchor + 1 : anchor + 1 + drafts]
+    return leading_matches(draft, tokens[anchor + 1 :])
+
+
+def leading_matches(draft: list[int], truth: list[int]) -> int:
+    """How many of the draft's tokens, from the first, equal what the target wrote."""
     accepted = 0
     while accepted < min(len(draft), len(truth)) and draft[accepted] == truth[accepted]:
         accepted += 1
@@ -51,9 +55,7 @@ def simulate_steps(
     done = 1  # the first output token comes from the prefill, as with any drafter
     while done < len(output):
         draft = propose(prompt + output[:done], num_tokens, min_n, max_n)
-        accepted = 0
-        while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
-            accepted += 1
+        accepted = leading_matches(draft, output[done:])
         commit = min(accepted + 1, len(output) - done)
         steps.append(Step(commit, len(draft), accepted))
         done += commit
