@@ -977,21 +977,32 @@ def check_drafters(entries: list) -> None:
 
 
 def expand_drafters(cfg: Any) -> list[tuple[str, Any]]:
-    """(name, RunConfig) for every drafter of the run; a drafter's own config lists no drafters."""
-    entries = cfg.train.drafters
-    if not entries:
+    """(name, RunConfig) for every drafter of the run; a drafter's own config lists no drafters.
+    Each is checked whole, a value out of range naming the entry it came from."""
+    if not cfg.train.drafters:
         return [("", cfg)]
     runs = []
-    for i, entry in enumerate(entries):
-        settings = {
-            k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}") for k, v in entry.items() if k != "name"
-        }
-        same = settings.get("drafter", cfg.train.drafter) == cfg.train.drafter
-        settings["family"] = {**(cfg.train.family if same else {}), **settings.get("family", {})}
+    for i, entry in enumerate(cfg.train.drafters):
+        train = _entry_train(cfg.train, i, entry)  # a value of the wrong type names its entry's field
         try:
-            train = dataclasses.replace(cfg.train, drafters=[], **settings)
             runs.append((entry["name"], dataclasses.replace(cfg, train=train)))
         except DFlashError as e:  # a value out of range: name the entry it came from
             field = f"train.drafters[{i}].{e.field.split('.', 1)[1]}" if e.field else f"train.drafters[{i}]"
             raise DFlashError(str(e).split(": ", 1)[-1] if e.field else str(e), field=field) from None
     return runs
+
+
+def expand_train(tcfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """(name, TrainConfig) for every drafter of a run whose config was checked (`expand_drafters`)."""
+    if not tcfg.drafters:
+        return [("", tcfg)]
+    return [(entry["name"], _entry_train(tcfg, i, entry)) for i, entry in enumerate(tcfg.drafters)]
+
+
+def _entry_train(tcfg: TrainConfig, i: int, entry: dict[str, Any]) -> TrainConfig:
+    """`train` with entry i's settings: its `family` settings on top of `train.family` when it keeps
+    the run's family, alone when it names another."""
+    settings = {k: coerce_field(TrainConfig, k, v, f"train.drafters[{i}].{k}") for k, v in entry.items() if k != "name"}
+    same = settings.get("drafter", tcfg.drafter) == tcfg.drafter
+    settings["family"] = {**(tcfg.family if same else {}), **settings.get("family", {})}
+    return dataclasses.replace(tcfg, drafters=[], **settings)

@@ -237,7 +237,6 @@ def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> 
     step's gradients (`simulate.drafter_step`)."""
     import torch
 
-    from dflash_ray.drafter import families
     from dflash_ray.drafter.export import to_hf_config
     from dflash_ray.train.devices import target_gpus
     from dflash_ray.train.drafters import union_layers
@@ -245,8 +244,8 @@ def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> 
     tr, gpu = cfg.train, gpu_of(cfg)
     teams = team_drafters(cfg, hf)
     layers, _ = union_layers([list(d.target_layer_ids) for _, _, d in teams])
-    distilled = [t.train.distill > 0 and not families.get(d.family).wants_target_distribution for _, t, d in teams]
-    last = any(families.get(d.family).wants_target_distribution for _, _, d in teams)
+    distilled = [t.train.distill > 0 and not d.settings.wants_target_distribution() for _, t, d in teams]
+    last = any(d.settings.wants_target_distribution() for _, _, d in teams)
     top_k = tr.distill_top_k if any(t.train.distill > 0 for _, t, _ in teams) else 0
     hf_json = json.dumps(hf.to_dict(), sort_keys=True, default=str)
     target = dict(_target_step(hf_json, tuple(layers), sample.seq_len, sample.prompt_len, sample.batch, top_k, last))

@@ -365,7 +365,7 @@ def _step_inputs(drafter_cfg, family, sample: Sample, tied_head: bool, teacher_k
     mask = torch.ones(B, S, dtype=torch.long)
     mask[:, : sample.prompt_len] = 0
     teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
-    if family.wants_target_distribution:  # the target's last hidden states
+    if drafter_cfg.settings.wants_target_distribution():  # the target's last hidden states
         teacher = torch.empty(B, S, H, dtype=torch.bfloat16)
     else:
         teacher = (torch.zeros(B, S, teacher_k, dtype=torch.long), torch.empty(B, S, teacher_k)) if teacher_k else None

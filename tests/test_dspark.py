@@ -1,6 +1,7 @@
 """The DSpark family: its blocks, loss, heads, export and speculative decoding (CPU, tiny sizes)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -498,6 +499,40 @@ def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     assert stats[-1]["loss"] < 0.8 * stats[0]["loss"], [s["loss"] for s in stats]
     assert 1 <= stats[-1]["tau"] <= 7 and 0 <= stats[-1]["acc_k1"] <= 1
     assert max(worker.evaluate(batch)) >= 1
+
+
+def test_hard_labels_alone_leave_the_targets_last_hidden_states_uncaptured(tmp_path):
+    """With `tv_weight` 0 no loss of the run reads the target's distribution: the target sends only
+    the features (nothing to capture, send or cache beyond them) and the drafter steps on them. A
+    second drafter with the TV term (`train.drafters`) makes the target send them again."""
+    from dflash_ray.config import load_config
+    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+
+    target, data = _tiny_run_inputs(tmp_path)
+    settings = [
+        "train.drafter=dspark",
+        "train.family.markov_rank=16",
+        "train.family.tv_weight=0",
+        "train.family.ce_weight=1",
+        "train.block_size=4",
+        "train.num_layers=1",
+        "train.target_layer_ids=[0,1,2]",
+        "train.num_anchors=8",
+    ]
+    cfg = load_config(None, settings)
+    sample = [(f"{data}/part-0.parquet", 0)]
+    batch = TargetWorker(target, [0, 1, 2], cfg.train).features(sample)
+    assert sorted(k for k in batch if k not in ("seconds", "read_bytes")) == ["features", "input_ids", "loss_mask"]
+    worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), "random", cfg.train, 0, 1)
+    worker.set_total_steps(2)
+    assert math.isfinite(worker.train_step(0, batch)["loss"])
+
+    soft = load_config(
+        None, [*settings, 'train.drafters=[{"name": "hard"}, {"name": "soft", "family": {"tv_weight": 0.9}}]']
+    )
+    batch = TargetWorker(target, [0, 1, 2], soft.train).features(sample)
+    assert batch["target_hidden"].shape == (1, 48, 64)
 
 
 def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):

@@ -21,7 +21,6 @@ class DFlash:
     architecture = "DFlashDraftModel"
     vllm_method = "dflash"
     first_prediction = 1
-    wants_target_distribution = False  # only with `train.distill`
     vllm_on_cpu = True
     hf_keys = frozenset({"dflash_config"})
     Settings = families.Settings  # none of its own

@@ -318,7 +318,6 @@ class DFlash2:
     architecture = "DFlash2DraftModel"
     vllm_method = "dflash"  # vLLM tells the two apart by the architecture
     first_prediction = 1
-    wants_target_distribution = False  # only with `train.distill`
     vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
     hf_keys = frozenset({"dflash_config"})
     Settings = Settings

