@@ -216,6 +216,7 @@ def main() -> None:
 
     from importlib import resources
 
+    from dflash_ray.cli import summary_stdout
     from dflash_ray.stages.demo import DEMO_FILES, UNSEEN_FILE, demo_config
     from dflash_ray.registry import SMOLLM2
 
@@ -242,12 +243,14 @@ def main() -> None:
     )
     started = time.time()
     storage.require_folder(work)
-    run, data = prepare(cfg, progress=not args.json)
-    references: dict = {}  # the target's own outputs on the unseen prompts, decoded once
-    rows = []
-    for size in sizes:
-        rows.append(one_size(run, size, references, progress=not args.json, epochs=args.epochs))
-        print(json.dumps(rows[-1]) if args.json else "  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    with summary_stdout(args.json) as out:  # Ray's worker logs to stderr: stdout holds the rows alone
+        run, data = prepare(cfg, progress=not args.json)
+        references: dict = {}  # the target's own outputs on the unseen prompts, decoded once
+        rows = []
+        for size in sizes:
+            rows.append(one_size(run, size, references, progress=not args.json, epochs=args.epochs))
+            shown = json.dumps(rows[-1]) if args.json else "  ".join(f"{k}={v}" for k, v in rows[-1].items())
+            print(shown, file=out, flush=True)
     line = fit(rows)
     figure = storage.join(work, "scaling.png")
     plot(rows, line, figure)

@@ -8,12 +8,13 @@ naming the file, record and field on bad input: 2 for bad input, 3 for a failed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
 import sys
 import traceback
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from dflash_ray import stages
 from dflash_ray.config import RunConfig, load_config
@@ -140,6 +141,23 @@ def _ray_initialized() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+@contextlib.contextmanager
+def summary_stdout(json_summary: bool) -> Iterator[TextIO]:
+    """With `json_summary`, stdout carries the summary alone: what is printed inside (the worker logs
+    Ray forwards to the driver, progress) goes to stderr, and the summary to the stream yielded. A Ray
+    started inside is shut down on the way out: its log thread must not print after the summary."""
+    out = sys.stdout
+    if json_summary:
+        sys.stdout = sys.stderr
+    joined = _ray_initialized()
+    try:
+        yield out
+    finally:
+        if not joined and _ray_initialized():
+            sys.modules["ray"].shutdown()
+        sys.stdout = out
+
+
 def _refused(e: UsageError, argv: list[str]) -> int:
     """A command line argparse refuses: said, and with `--json` the summary line a script reads, as
     for any other refusal."""
@@ -212,26 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         return _refused(e, argv)
     previous_sigterm = catch_sigterm()  # SIGTERM stops a command as Ctrl-C does (exit 143)
-    out = sys.stdout
-    if args.json:  # stdout carries the summary alone: worker logs Ray forwards go to stderr
-        sys.stdout = sys.stderr
-    joined = _ray_initialized()
     try:
-        try:
-            summary = _run_stage(args)
-        except DFlashError:
-            raise
-        except Exception as e:
-            clear = _user_error(e)
-            if clear is not None:
-                raise clear from None
-            return _internal_error(e, args, out)
-    except DFlashError as e:
-        return _failed(e, args, out)
+        with summary_stdout(args.json) as out:
+            try:
+                try:
+                    summary = _run_stage(args)
+                except DFlashError:
+                    raise
+                except Exception as e:
+                    clear = _user_error(e)
+                    if clear is not None:
+                        raise clear from None
+                    return _internal_error(e, args, out)
+            except DFlashError as e:
+                return _failed(e, args, out)
     finally:
-        if not joined and _ray_initialized():  # Ray's log thread must not print after the summary
-            sys.modules["ray"].shutdown()
-        sys.stdout = out
         release_sigterm(previous_sigterm)
     if args.json:
         print(json.dumps(_json_safe({"ok": True, **summary}), allow_nan=False), flush=True)

@@ -39,6 +39,36 @@ def test_a_local_cluster_binds_to_loopback_only():
     assert set(result["listening"]) <= {"127.0.0.1", "::ffff:127.0.0.1"}, result["listening"]
 
 
+QUIET = """
+import json, time, ray
+from dflash_ray.cli import summary_stdout
+from dflash_ray.cluster import connect
+from dflash_ray.config import RayConfig
+
+with summary_stdout(True) as out:
+    connect(RayConfig(num_cpus=1, include_dashboard=False))  # a local cluster forwards its workers' logs
+
+    @ray.remote
+    def speak():
+        print("a worker's line", flush=True)
+
+    ray.get(speak.remote())
+    print("the driver's line", flush=True)
+    time.sleep(5)  # Ray's log thread forwards the worker's line meanwhile
+print(json.dumps({"ray_up": ray.is_initialized()}), file=out, flush=True)
+"""
+
+
+def test_a_json_summary_is_the_only_line_on_stdout_with_a_local_cluster():
+    """`cli.summary_stdout` (every command's `--json`, and the benchmarks that start Ray): what the
+    driver and Ray's workers print goes to stderr, and Ray is down before the summary is written."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", QUIET], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ['{"ray_up": false}'], proc.stdout[-3000:]
+    assert "a worker's line" in proc.stderr and "the driver's line" in proc.stderr
+
+
 RUNNING = """
 import sys, ray
 from dflash_ray.cluster import connect
