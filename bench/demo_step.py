@@ -9,7 +9,9 @@ side by side in one process on SmolLM2-135M-Instruct's shapes (hidden 576, vocab
   master weights (`train.dtype`), where the CPU has native bf16 (AVX512-BF16, AMX);
 - a decoding step's head product for a block of 7 rows, hidden @ head^T against head @ hidden^T;
 - the demo's drafter step with hard labels alone (DSpark's tv_weight 0): the target's distribution
-  computed for the confidence label against skipped (the confidence labelled with the hits).
+  computed for the confidence label against skipped (the confidence labelled with the hits);
+- the target's side of that step: its last hidden states computed and sent (the whole forward)
+  against the features alone (the forward stops after the deepest captured layer).
 
 The training cases on one thread, as a training actor has (`train.torch_threads`); the decoding one
 on every core, as evaluation runs. Each line: `name ratio` (old / new
@@ -111,6 +113,26 @@ def _hard_label_case(repeats: int) -> tuple[float, float]:
     return _step_case(repeats, ["train.family.tv_weight=1e-9"], ["train.family.tv_weight=0"])
 
 
+def _hard_label_target_case(repeats: int) -> tuple[float, float]:
+    """The target's batch for the demo's drafter, as it was with hard labels alone (tv_weight 1e-9
+    reads the last hidden states) against now."""
+    from dflash_ray.config import load_config
+    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.stages.demo import DEMO_SETTINGS
+    from dflash_ray.train.workers import TargetWorker
+
+    part = _sample()
+    seconds = []
+    for tv in ("1e-9", "0"):  # each batch a forward: the feature cache off
+        overrides = ["train.torch_threads=1", "train.feature_cache_gb=0", f"train.family.tv_weight={tv}"]
+        cfg = load_config(None, DEMO_SETTINGS + overrides)
+        layers = drafter_config(SMOLLM2, cfg)["target_layer_ids"]
+        target = TargetWorker(SMOLLM2, layers, cfg.train)
+        seconds.append(_median_seconds(lambda: target.features([(part, 0)]), repeats))
+    return seconds[0], seconds[1]
+
+
 def _step_case(repeats: int, old: list[str], new: list[str]) -> tuple[float, float]:
     """A training step of the demo's drafter on one demo-length sample, under two sets of settings."""
     import json as json_
@@ -167,6 +189,7 @@ def main() -> None:
         "drafter_step_fp32_over_bf16": _dtype_case,
         "block_head_product_over_head_first": _head_case,
         "hard_label_step_target_distribution_over_skipped": _hard_label_case,
+        "hard_label_target_last_hidden_over_features_alone": _hard_label_target_case,
     }
     result = {}
     for name, case in cases.items():

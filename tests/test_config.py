@@ -251,6 +251,11 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     from dflash_ray.stages.demo import DFLASH_SETTINGS
 
     preflight.check_settings(demo_config(None, DFLASH_SETTINGS))
+    # the demo with the data to beat lookup on unseen kinds too, as docs/demo.md gives it
+    more = demo_config(str(Path(__file__).parents[1] / "configs" / "demo-more-data.yaml"), [])
+    preflight.check_settings(more)
+    assert more.pipeline.beat_ngram and more.pipeline.beat_ngram_unseen and more.selfprompt.count >= 1000
+    assert (more.train.epochs, more.train.drafter, more.train.family) == (1, "dspark", cfg.train.family)
 
 
 def test_train_drafters_are_checked_entry_by_entry_and_expand_to_whole_configs():
