@@ -297,7 +297,7 @@ def drafter_step(
     with _fake_group(world) as group, fake_run() as mode:
         drafter = fake_module(lambda: family.build(drafter_cfg), mode, torch.float32)
         parameters = sum(p.numel() for p in drafter.parameters())
-        embed, head, features, ids, mask, teacher = _step_inputs(drafter_cfg, family, sample, tied_head, teacher_k)
+        embed, head, features, ids, mask, teacher = _step_inputs(drafter_cfg, sample, tied_head, teacher_k)
         if group is not None:
             from dflash_ray.train.fsdp import apply_fsdp
 
@@ -353,7 +353,7 @@ def drafter_step(
     }
 
 
-def _step_inputs(drafter_cfg, family, sample: Sample, tied_head: bool, teacher_k: int) -> tuple:
+def _step_inputs(drafter_cfg, sample: Sample, tied_head: bool, teacher_k: int) -> tuple:
     """What a drafter rank receives for one step, as fake tensors of the shapes a run sends: the
     frozen embedding and head, the target's features, the ids and loss mask, and the teacher (the
     target's last hidden states, its top-k, or none)."""
