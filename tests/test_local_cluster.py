@@ -125,7 +125,7 @@ def test_status_and_scale_reach_a_generation_on_the_local_cluster(tmp_path):
 
 
 STOPPED = """
-import sys, time
+import faulthandler, signal, sys, time
 from dflash_ray.cli import main
 from dflash_ray.cluster import connect
 from dflash_ray.config import RayConfig
@@ -137,6 +137,7 @@ def long_stage(*args, **kwargs):  # a long command on a cluster of its own: Ray 
     time.sleep(900)
 
 plan.run_plan = long_stage
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's look at a command that does not stop
 sys.exit(main(["plan", "--json"]))
 """
 
@@ -159,7 +160,14 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143():
                 break
         start = time.monotonic()
         proc.send_signal(sent)
-        out, err = proc.communicate(timeout=300)  # a loaded 2-core machine stops a local cluster slowly
+        try:
+            out, err = proc.communicate(timeout=300)  # a loaded 2-core machine stops a local cluster slowly
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, on its stderr
+            time.sleep(5)
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"still running 300 s after {sent.name}; its threads then:\n{err[-8000:]}") from None
         summary = json.loads(out.strip().splitlines()[-1])
         assert proc.returncode == summary["exit_code"] == code, (proc.returncode, summary, err[-2000:])
         assert "interrupted" in summary["error"] and ("SIGTERM: " in summary["error"]) == (code == 143)
