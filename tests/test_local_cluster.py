@@ -149,10 +149,20 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143():
     import signal
     import time
 
+    def as_in_a_terminal():
+        # a command in a terminal's foreground takes Ctrl-C; one a non-interactive shell started with `&`
+        # (a suite run in the background) inherits SIGINT ignored, and Python keeps it ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     for sent, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         proc = subprocess.Popen(
-            [sys.executable, "-c", STOPPED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", STOPPED],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            preexec_fn=as_in_a_terminal,
         )
         assert proc.stderr is not None
         for line in proc.stderr:
