@@ -239,14 +239,13 @@ def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> 
 
     from dflash_ray.drafter.export import to_hf_config
     from dflash_ray.train.devices import target_gpus
-    from dflash_ray.train.drafters import union_layers
+    from dflash_ray.train.drafters import target_sends, union_layers
 
     tr, gpu = cfg.train, gpu_of(cfg)
     teams = team_drafters(cfg, hf)
     layers, _ = union_layers([list(d.target_layer_ids) for _, _, d in teams])
     distilled = [t.train.distill > 0 and not d.settings.wants_target_distribution() for _, t, d in teams]
-    last = any(d.settings.wants_target_distribution() for _, _, d in teams)
-    top_k = tr.distill_top_k if any(t.train.distill > 0 for _, t, _ in teams) else 0
+    top_k, last = target_sends(tr)
     hf_json = json.dumps(hf.to_dict(), sort_keys=True, default=str)
     target = dict(_target_step(hf_json, tuple(layers), sample.seq_len, sample.prompt_len, sample.batch, top_k, last))
     spread = max(1, int(target_gpus(tr) or 1))

@@ -13,12 +13,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_ray.config import expand_drafters
+from dflash_ray.config import expand_drafters, expand_train
 
 
 def expand(cfg: Any) -> list[tuple[str, Any]]:
     """(name, RunConfig) for every drafter of the run (`config.expand_drafters`)."""
     return expand_drafters(cfg)
+
+
+def target_sends(tcfg: Any) -> tuple[int, bool]:
+    """What the target sends beside the features, when any drafter of the run uses it (entries change
+    `distill`, `drafter` and `family`): distillation's top-k (0: none), and whether its last hidden
+    states go too, for a loss that turns them into the whole distribution (not hard labels alone)."""
+    from dflash_ray.drafter import families
+
+    teams = [t for _, t in expand_train(tcfg)]
+    top_k = tcfg.distill_top_k if any(t.distill > 0 for t in teams) else 0
+    return top_k, any(families.settings(t.drafter, t.family).wants_target_distribution() for t in teams)
 
 
 def outputs(output: str, cfg: Any) -> list[str]:

@@ -67,15 +67,9 @@ class TargetWorker:
         self.cache = FeatureCache(int(cfg.feature_cache_gb * 1024**3))
         self.clock = Clock(cfg.clocks)  # the GPU's durations, when the run replays them (`train.clocks`)
         self._sent: list = []  # `handoff.Sent` of batches whose receivers may still be taking them
-        # sent when any drafter of the run uses it (`train.drafters` entries change `distill`, `drafter`
-        # and `family`): distillation's top-k, and the last hidden states a loss turns into the whole
-        # distribution (not with hard labels alone)
-        from dflash_ray.config import expand_train
-        from dflash_ray.drafter import families
+        from dflash_ray.train.drafters import target_sends
 
-        teams = [t for _, t in expand_train(cfg)]
-        self.top_k = cfg.distill_top_k if any(t.distill > 0 for t in teams) else 0
-        self.last_hidden = any(families.settings(t.drafter, t.family).wants_target_distribution() for t in teams)
+        self.top_k, self.last_hidden = target_sends(cfg)
 
     def kernels(self) -> list[str]:
         """The fast kernels a hybrid target goes without on its GPU (`fastpath.check`: refused
