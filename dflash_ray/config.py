@@ -314,6 +314,14 @@ class TrainConfig:
     colocate: bool = operational(
         False
     )  # target and drafter of a stream in one actor on one device: no feature transfer
+    # how the drafters' ranks hold the weights (train/mesh.py): fsdp (sharded over every rank), hsdp
+    # (sharded over a node's ranks, replicated across nodes), replicate (whole on every rank); auto:
+    # the plan's choice (`dflash-ray plan` prints it and why: layout_choice.py), hsdp where no plan ran
+    layout: Literal["auto", "fsdp", "hsdp", "replicate"] = operational("auto")
+    # the dtype gradients are reduced in across ranks; auto: the compute dtype (bf16 on GPU actors)
+    reduce_dtype: Literal["auto", "float32", "bfloat16"] = operational("auto")
+    # a layer's weights stay gathered from its forward to its backward (one all-gather a step, not two)
+    keep_gathered: bool = operational(True)
     # how a paired stream's features reach its drafters: torch.distributed send/recv (NCCL on GPUs, gloo on
     # the CPU), or Ray's object store (serialized and copied: the slower path, kept to compare with)
     feature_transport: Literal["direct", "object_store"] = operational("direct")
@@ -517,6 +525,9 @@ class PlanConfig:
     # GB/s of all-reduce bus bandwidth between the drafters' nodes (`dflash-ray netcheck`'s figure);
     # 0: train.min_bus_bandwidth, the least a run accepts
     bus_bandwidth: float = at_least(0, default=0.0)
+    # GB/s of all-reduce bus bandwidth between the GPUs of one node (NVLink); 0: the GPU's figure
+    node_bus_bandwidth: float = at_least(0, default=0.0)
+    gpus_per_node: int = at_least(1, default=8)  # the training nodes' GPUs (a node's drafter ranks shard together)
     load_gb_per_s: float = above(0, default=1.0)  # a GPU's process reads the target's weights from storage
     checkpoint_gb_per_s: float = above(0, default=1.0)  # a drafter rank writes its checkpoint shard
     engine_start_s: float = at_least(0, default=120.0)  # a vLLM engine's start past loading its weights

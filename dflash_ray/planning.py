@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -211,7 +212,12 @@ def _drafter_step(
     gamma: float | None,
     bucket: int,
     zero_grad_first: bool = True,
+    replicas: int = 1,
+    reduce_bf16: bool = False,
+    keep_gathered: bool = False,
 ) -> dict:
+    import torch
+
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.simulate import Sample, drafter_step
 
@@ -222,6 +228,9 @@ def _drafter_step(
         Sample(seq, prompt, batch),
         num_anchors=anchors,
         world=world,
+        replicas=replicas,
+        reduce_dtype=torch.bfloat16 if reduce_bf16 else torch.float32,
+        keep_gathered=keep_gathered,
         tied_head=tied,
         teacher_k=top_k,
         distill=distill,
@@ -231,17 +240,62 @@ def _drafter_step(
     )
 
 
-def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> dict[str, dict]:
+@dataclass(frozen=True)
+class Sharding:
+    """How the drafters' ranks hold the weights on the GPUs (`train/mesh.py`): the kind, drafter
+    ranks to a node, gradients reduced in bf16, layers kept gathered from forward to backward."""
+
+    kind: str = "fsdp"
+    per_node: int = 8
+    reduce_bf16: bool = True
+    keep_gathered: bool = False
+
+    def shape(self, ranks: int) -> tuple[int, int]:
+        """(replicas, shard size) over `ranks` ranks."""
+        from dflash_ray.train.mesh import shape_of
+
+        return shape_of(self.kind, ranks, self.per_node) if ranks > 1 else (1, 1)
+
+
+def sharding_of(cfg: RunConfig, kind: str = "") -> Sharding:
+    """The sharding a GPU run of `cfg` takes: `kind` (else train.layout; `auto`: hsdp, which
+    `layout_choice.choose` refines), its nodes' GPUs, and the gradients' and gathers' settings."""
+    tr, p = cfg.train, cfg.plan
+    kind = kind or tr.layout
+    return Sharding(
+        kind="hsdp" if kind == "auto" else kind,
+        per_node=max(1, p.gpus_per_node // stream_gpus(cfg)),
+        reduce_bf16=tr.reduce_dtype != "float32",  # auto: the compute dtype, bf16 on a GPU
+        keep_gathered=bool(tr.keep_gathered),
+    )
+
+
+def stream_gpus(cfg: RunConfig) -> int:
+    """GPUs one stream holds: its colocated actor's, or its target's and each drafter's."""
+    from dflash_ray.train.devices import target_gpus
+
+    tr = cfg.train
+    if tr.colocate:
+        return 1
+    return max(1, int(target_gpus(tr) or 1)) + max(1, len(tr.drafters))
+
+
+def simulate_roles(
+    cfg: RunConfig, hf, sample, zero_grad_first: bool = True, sharding: Sharding | None = None
+) -> dict[str, dict]:
     """Each GPU role's step at `sample`: memory by category per GPU at the drafters' steady-state
-    peak, FLOPs, and seconds on `plan.gpu`. `zero_grad_first`: where the drafter's step frees last
-    step's gradients (`simulate.drafter_step`)."""
+    peak, FLOPs (and the decoder layers' share), the bytes each mesh dimension's collectives send a
+    step, and seconds on `plan.gpu`. `zero_grad_first`: where the drafter's step frees last step's
+    gradients (`simulate.drafter_step`); `sharding`: the drafters' (`sharding_of` by default)."""
     import torch
 
     from dflash_ray.drafter.export import to_hf_config
     from dflash_ray.train.devices import target_gpus
     from dflash_ray.train.drafters import target_sends, union_layers
+    from dflash_ray.train.mesh import dims_cross_nodes
 
     tr, gpu = cfg.train, gpu_of(cfg)
+    sharding = sharding or sharding_of(cfg)
     teams = team_drafters(cfg, hf)
     layers, _ = union_layers([list(d.target_layer_ids) for _, _, d in teams])
     distilled = [t.train.distill > 0 and not d.settings.wants_target_distribution() for _, t, d in teams]
@@ -263,32 +317,42 @@ def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> 
     tied = bool(getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False))
     for (name, team, dcfg), wanted in zip(teams, distilled):
         t = team.train
+        replicas, shard = sharding.shape(t.num_streams)
         step = _drafter_step(
             json.dumps(to_hf_config(dcfg, torch.float32), sort_keys=True),
             sample.seq_len,
             sample.prompt_len,
             sample.batch,
             t.num_anchors,
-            t.num_streams,
+            replicas * shard,
             tied,
             top_k if wanted else 0,
             t.distill,
             t.loss_decay,
             t.length_bucket,
             zero_grad_first,
+            replicas,
+            sharding.reduce_bf16,
+            sharding.keep_gathered,
         )
-        shard_gb = step["parameters"] * 4 / t.num_streams / 1e9
+        shard_gb = step["parameters"] * 4 / shard / 1e9
+        crosses = dims_cross_nodes(sharding.kind, t.num_streams, sharding.per_node)
         role = {
             "gpus": 1,
             "memory_gb": dict(step["memory_gb"]),
             "flops_per_step": step["flops_per_step"],
             "step_seconds": _seconds(step["flops_per_step"], shard_gb, gpu),
+            "layer_seconds": _seconds(step["layer_flops_per_step"], 0, gpu),
+            "fsdp_units": dcfg.num_layers + 1,
             "parameters": step["parameters"],
             "simulated_in_s": step["simulated_in_s"],
         }
-        if t.num_streams > 1:  # FSDP2: bf16 weights gathered forward and backward, fp32 gradients reduce-scattered
-            moved = step["parameters"] * (2 + 2 + 4) * (t.num_streams - 1) / t.num_streams / 1e9
-            role["collective_gb_per_step"] = float(f"{moved:.4g}")  # priced at the bus: simulate_job.training_step
+        if t.num_streams > 1:  # counted from the step's own collectives (`simulate_traffic`), priced at the
+            # bus of each mesh dimension: simulate_job.training_step
+            role["traffic"] = {
+                dim: {"gb": gb, "crosses_nodes": crosses.get(dim, True)} for dim, gb in step["traffic_gb"].items()
+            }
+            role["collective_gb_per_step"] = float(f"{sum(step['traffic_gb'].values()):.4g}")
         roles[f"drafter:{name}" if name else "drafter"] = role
     if tr.colocate:  # one GPU holds both: the drafter's step runs after the target's forward
         drafter = roles.pop("drafter")
@@ -303,6 +367,8 @@ def simulate_roles(cfg: RunConfig, hf, sample, zero_grad_first: bool = True) -> 
             "memory_gb": memory,
             "flops_per_step": drafter["flops_per_step"] + target["flops_per_step"],
             "step_seconds": drafter["step_seconds"] + target["step_seconds"],
+            "target_seconds": target["step_seconds"],
+            "target_flops": target["flops_per_step"],
             "weights_gb": target["weights_gb"],
         }
     return roles

@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from dflash_ray.simulate_traffic import CountedTraffic
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -49,13 +51,15 @@ class Gpu:
     memory_gb: float  # what the device reports (nvidia-smi), in 1e9 bytes
     bf16_tflops: float  # dense bf16 peak
     bandwidth_tbs: float  # HBM
+    nvlink_gb_per_s: float  # all-reduce bus bandwidth between a node's GPUs (NCCL over NVLink)
 
 
-# the peaks from the vendors' datasheets; memory as the driver reports it
+# the peaks from the vendors' datasheets; memory as the driver reports it; NVLink at 80% of its
+# one-way figure (NVLink 4: 450 GB/s, NVLink 5: 900 GB/s), what NCCL's all-reduce tests reach on a node
 GPUS = {
-    "H100": Gpu("H100", 85.5, 989.0, 3.35),
-    "H200": Gpu("H200", 150.7, 989.0, 4.8),
-    "B200": Gpu("B200", 192.3, 2250.0, 8.0),
+    "H100": Gpu("H100", 85.5, 989.0, 3.35, 360.0),
+    "H200": Gpu("H200", 150.7, 989.0, 4.8, 360.0),
+    "B200": Gpu("B200", 192.3, 2250.0, 8.0, 720.0),
 }
 
 aten = torch.ops.aten
@@ -72,6 +76,12 @@ class _EveryEntryTrue(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(a, FakeTensor) for a in tensors):
+            with unset_fake_temporarily():  # a real tensor (a device mesh's ranks) keeps its real values
+                return func(*args, **kwargs)
         if func is aten.nonzero.default:
             return _all_indices(args[0])
         if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
@@ -269,6 +279,9 @@ def drafter_step(
     *,
     num_anchors: int,
     world: int,
+    replicas: int = 1,
+    reduce_dtype: torch.dtype = torch.float32,
+    keep_gathered: bool = False,
     tied_head: bool,
     teacher_k: int,
     distill: float,
@@ -279,8 +292,12 @@ def drafter_step(
 ) -> dict[str, Any]:
     """One steady-state training step of a drafter rank: its family's own forward and loss, the
     backward, the clipped gradients and AdamW (its moments made by a first step before this one),
-    sharded with FSDP2 over `world` ranks (a fake process group) as a run shards it. Returns memory
-    by category (GB) at the step's peak, FLOPs and the simulator's own seconds.
+    sharded with FSDP2 over `world` ranks (a fake process group) as a run shards it: `replicas` rows
+    of `world // replicas` ranks (`train/mesh.py`), gradients reduced in `reduce_dtype`, the layers'
+    weights kept gathered from forward to backward with `keep_gathered`. Returns memory by category
+    (GB) at the step's peak, FLOPs (and those of the decoder layers, which the layers' traffic hides
+    behind), the bytes a rank's collectives send by mesh dimension (`simulate_traffic`) and the
+    simulator's own seconds.
 
     `zero_grad_first`: the worker's placement (last step's gradients freed before the forward);
     False keeps them, zeroed, through the forward, as code that zeroes after the forward does.
@@ -294,14 +311,14 @@ def drafter_step(
     family = families.get(family_name)
     started = time.perf_counter()
     S, B = sample.seq_len, sample.batch
-    with _fake_group(world) as group, fake_run() as mode:
+    with _fake_group(world, replicas) as (group, names), fake_run() as mode:
         drafter = fake_module(lambda: family.build(drafter_cfg), mode, torch.float32)
         parameters = sum(p.numel() for p in drafter.parameters())
         embed, head, features, ids, mask, teacher = _step_inputs(drafter_cfg, sample, tied_head, teacher_k)
         if group is not None:
             from dflash_ray.train.fsdp import apply_fsdp
 
-            apply_fsdp(drafter, "cpu", group, torch.bfloat16)
+            apply_fsdp(drafter, "cpu", group, torch.bfloat16, reduce_dtype=reduce_dtype, keep_gathered=keep_gathered)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, foreach=group is None)  # see the module's note
         for p in drafter.parameters():  # the first step's state: AdamW's moments, made at its first step()
             p.grad = torch.zeros_like(p)
@@ -311,7 +328,8 @@ def drafter_step(
         if group is None:
             tracker.track_external(drafter, opt)
         flops = FlopCounterMode(display=False)
-        with tracker, flops:
+        traffic = CountedTraffic(names)
+        with tracker, flops, traffic:
             if zero_grad_first:
                 opt.zero_grad(set_to_none=True)  # `averaged_gradients`: before the forward
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -344,13 +362,26 @@ def drafter_step(
     memory["inputs"] = round(memory["inputs"] + tensor_gb(features) + sent, 2)
     memory["total"] = round(sum(memory.values()), 2)
     counted: float = flops.get_total_flops()  # one rank's own batch
-    counted += attention_flops(drafter_cfg, S, sample.prompt_len, num_anchors, backward=True) * B
+    attention = attention_flops(drafter_cfg, S, sample.prompt_len, num_anchors, backward=True) * B
+    counted += attention
+    in_layers = attention + _layer_flops(flops, type(drafter).__name__)
     return {
         "memory_gb": memory,
         "flops_per_step": counted,
+        "layer_flops_per_step": in_layers,
+        "traffic_gb": traffic.gigabytes(),
         "parameters": parameters,
         "simulated_in_s": round(time.perf_counter() - started, 1),
     }
+
+
+def _layer_flops(flops, root: str) -> float:
+    """FLOPs inside the drafter's decoder layers: the drafter module's own, less its other direct
+    children's (fc, the norms, a family's heads). The counter's per-layer figures cannot serve: under
+    FSDP2 its backward attribution piles each layer's backward onto the layers after it."""
+    counts = {name: sum(by_op.values()) for name, by_op in flops.get_flop_counts().items()}
+    children = [n for n in counts if n.count(".") == 1 and n.startswith(root + ".")]
+    return counts.get(root, 0.0) - sum(counts[n] for n in children if not n.endswith(".layers"))
 
 
 def _step_inputs(drafter_cfg, sample: Sample, tied_head: bool, teacher_k: int) -> tuple:
@@ -373,23 +404,31 @@ def _step_inputs(drafter_cfg, sample: Sample, tied_head: bool, teacher_k: int) -
 
 
 @contextlib.contextmanager
-def _fake_group(world: int):
-    """A fake process group of `world` ranks (this process rank 0) for FSDP2 to shard over; None for
-    one rank. Its collectives move nothing."""
+def _fake_group(world: int, replicas: int = 1):
+    """A fake process group of `world` ranks (this process rank 0) for FSDP2 to shard over, as a mesh
+    of `replicas` rows (1: one dimension, every rank sharding), and the mesh's group names by
+    dimension; (None, {}) for one rank. Its collectives move nothing."""
     if world <= 1:
-        yield None
+        yield None, {}
         return
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("the simulation needs a process without a process group")
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if world % replicas:
+        raise ValueError(f"{world} ranks do not make {replicas} equal rows")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         assert dist.group.WORLD is not None  # set by init_process_group
-        yield DeviceMesh.from_group(dist.group.WORLD, "cpu")  # made outside the fake mode
+        if replicas == 1:  # made outside the fake mode
+            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+            yield mesh, {dist.group.WORLD.group_name: "shard"}
+        else:
+            mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+            yield mesh, {mesh.get_group(d).group_name: d for d in ("replicate", "shard")}
     finally:
         dist.destroy_process_group()
 

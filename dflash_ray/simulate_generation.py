@@ -299,6 +299,23 @@ def simulate(engine: Engine, lengths: Lengths, engines: int, batch_size: int) ->
     }
 
 
+def workload_lengths(cfg) -> Lengths:
+    """Every sequence's prompt and response: from `plan.dataset`, else drawn from the settings."""
+    p, g = cfg.plan, cfg.generate
+    sequences = p.prompts * g.samples_per_prompt
+    if p.dataset:
+        return lengths_from_dataset(p.dataset, sequences, g.max_tokens, cfg.seed)
+    prompt_cap = cfg.prompts.max_prompt_tokens or max(1, g.max_model_len - g.max_tokens)
+    return lengths_from_settings(
+        sequences,
+        max(1.0, (p.train_tokens - p.output_tokens) / p.prompts),
+        prompt_cap,
+        p.response_mean_tokens or p.output_tokens / p.prompts,
+        g.max_tokens,
+        cfg.seed,
+    )
+
+
 def plan_generation(cfg, target_config, weights_bytes: float, gpus: int, gpu) -> dict[str, Any]:
     """The generation stage of `cfg` on `gpus` GPUs: its lengths, its engines, their wall time (the
     last engine's finish, after their start) and GPU-hours (every GPU held until then)."""
@@ -309,19 +326,7 @@ def plan_generation(cfg, target_config, weights_bytes: float, gpus: int, gpu) ->
             f"{gpus} generation GPUs cannot hold one engine of generate.tensor_parallel_size={tp}",
             field="generate.tensor_parallel_size",
         )
-    sequences = p.prompts * g.samples_per_prompt
-    if p.dataset:
-        lengths = lengths_from_dataset(p.dataset, sequences, g.max_tokens, cfg.seed)
-    else:
-        prompt_cap = cfg.prompts.max_prompt_tokens or max(1, g.max_model_len - g.max_tokens)
-        lengths = lengths_from_settings(
-            sequences,
-            max(1.0, (p.train_tokens - p.output_tokens) / p.prompts),
-            prompt_cap,
-            p.response_mean_tokens or p.output_tokens / p.prompts,
-            g.max_tokens,
-            cfg.seed,
-        )
+    lengths = workload_lengths(cfg)
     engines = gpus // tp
     engine = engine_of(target_config, weights_bytes, gpu, g, p.generation_roofline_share)
     sim = simulate(engine, lengths, engines, g.batch_size)

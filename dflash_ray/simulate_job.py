@@ -51,32 +51,94 @@ def bus_bandwidth(cfg) -> float:
     return cfg.plan.bus_bandwidth or cfg.train.min_bus_bandwidth
 
 
-def training_step(cfg, at_mean: dict[str, dict], stragglers: dict | None) -> dict[str, Any]:
-    """A stream's step at the workload's mean length, by path."""
+def node_bandwidth(cfg, gpu) -> float:
+    """GB/s between the GPUs of one node: `plan.node_bus_bandwidth`, else the GPU's NVLink figure."""
+    return cfg.plan.node_bus_bandwidth or gpu.nvlink_gb_per_s
+
+
+def traffic_seconds(cfg, gpu, role: dict) -> dict[str, float]:
+    """Seconds each mesh dimension's counted bytes take at its bus: the nodes' where its groups cross
+    them, NVLink inside one; 0 where the bus between nodes is unknown (`check_bus` says so)."""
+    bus, node = bus_bandwidth(cfg), node_bandwidth(cfg, gpu)
+    out = {}
+    for dim, t in role.get("traffic", {}).items():
+        bw = bus if t["crosses_nodes"] else node
+        out[dim] = t["gb"] / bw if bw else 0.0
+    return out
+
+
+def exposed_traffic(traffic_s: float, layer_s: float, units: int) -> float:
+    """Traffic the step waits for: each layer's gathers and reductions overlap the compute of the
+    layers beside them, but not the frozen head, the loss or AdamW (no layer's traffic lies there),
+    and the first gather and the last reduction have no layer to hide behind (a unit's share)."""
+    return max(traffic_s / max(1, units), traffic_s - layer_s)
+
+
+def length_scale(lengths, mean: int, longest: int, at_mean: float, at_longest: float):
+    """The target's forward at each of `lengths` over the one at the mean: FLOPs a·L + b·L² (weights
+    and linear attention per token; softmax attention per pair) through its simulated figures at the
+    mean and longest sequences."""
+    import numpy as np
+
+    L = np.minimum(np.asarray(lengths, dtype=float), longest)
+    if longest <= mean or at_longest <= at_mean:
+        return L / mean
+    b = max(0.0, (at_longest / longest - at_mean / mean) / (longest - mean))
+    a = at_mean / mean - b * mean
+    return (a * L + b * L * L) / at_mean
+
+
+def training_step(cfg, at_mean: dict[str, dict], stragglers: dict | None, gpu, scale=None) -> dict[str, Any]:
+    """A stream's step, by path: the drafter's compute plus the traffic it cannot hide, and the
+    target's forward (with the features' trip) beside it, or before it on a colocated GPU. `scale`:
+    the target's time at the workload's lengths over its time at the mean (`length_scale`): with
+    length grouping a step's streams are all long or all short together, and the target's time
+    grows with length where the drafter's (anchors x block) barely does, so the step is the mean of
+    the slower path over the lengths, not the slower path at the mean length."""
+    import numpy as np
+
     tr = cfg.train
-    bus = bus_bandwidth(cfg)
     drafters = {k: r for k, r in at_mean.items() if k.startswith("drafter") or k == "stream"}
-    compute = max(r["step_seconds"] for r in drafters.values())
-    traffic = max(r.get("collective_gb_per_step", 0.0) for r in drafters.values())
-    collective = traffic / bus if bus else 0.0
-    drafter = max(compute, collective)
+    name = max(drafters, key=lambda k: drafters[k]["step_seconds"])
+    role = drafters[name]
+    by_dim = traffic_seconds(cfg, gpu, role)
+    traffic_s = sum(by_dim.values())
+    target_alone = role.get("target_seconds", 0.0)  # a colocated stream's forward, inside its step_seconds
+    compute = role["step_seconds"] - target_alone
+    exposed = exposed_traffic(traffic_s, role.get("layer_seconds", 0.0), role.get("fsdp_units", 1))
+    drafter = compute + exposed
+    scale = np.ones(1) if scale is None else np.asarray(scale, dtype=float)
+    straggle = stragglers["balanced"] if stragglers else 1.0
     out: dict[str, Any] = {
         "drafter_compute_s": _sig(compute),
-        "fsdp2_gb": traffic,
-        "fsdp2_s": _sig(collective),
-        "bus_gb_per_s": bus or None,
+        "drafter_layer_compute_s": _sig(role.get("layer_seconds", 0.0)),
+        "traffic_gb": {d: t["gb"] for d, t in role.get("traffic", {}).items()},
+        "traffic_s": {d: _sig(v) for d, v in by_dim.items()},
+        "traffic_exposed_s": _sig(exposed),
+        "fsdp2_gb": role.get("collective_gb_per_step", 0.0),
+        "fsdp2_s": _sig(traffic_s),
+        "bus_gb_per_s": bus_bandwidth(cfg) or None,
+        "node_bus_gb_per_s": node_bandwidth(cfg, gpu),
     }
-    paths = {"drafter compute": compute, "FSDP2 traffic": collective}
     if tr.colocate:
-        step = drafter
+        target_s = target_alone * straggle * scale
+        steps = drafter + target_s
+        paths = {"drafter compute": compute, "traffic not hidden": exposed, "target forward": float(target_s.mean())}
+        at_mean_s = drafter + target_alone * straggle
+        out["target_s"] = _sig(target_alone)
     else:
-        target = at_mean["target"]["step_seconds"] * (stragglers["balanced"] if stragglers else 1.0)
+        target = at_mean["target"]["step_seconds"] * straggle
         sent = max(r["memory_gb"].get("inputs", 0.0) for r in drafters.values())  # what a batch carries
         transfer = sent / TRANSFER_GB_PER_S
-        paths["target and transfer"] = target + transfer
-        step = max(drafter, target + transfer) if tr.max_in_flight else drafter + target + transfer
+        feed = (target + transfer) * scale
+        steps = np.maximum(drafter, feed) if tr.max_in_flight else drafter + feed
+        paths = {"drafter compute": compute, "traffic not hidden": exposed, "target and transfer": float(feed.mean())}
+        at_mean_s = max(drafter, target + transfer) if tr.max_in_flight else drafter + target + transfer
         out |= {"target_s": _sig(target), "features_gb": sent, "transfer_s": _sig(transfer)}
+    step = float(steps.mean())
+    out["step_s_at_mean_length"] = _sig(at_mean_s)
     out["step_s"] = _sig(step)
+    out["traffic_exposed_share"] = round(exposed / step, 3) if step else 0.0
     out["bound"] = max(paths, key=lambda k: paths[k])
     return out
 
@@ -85,15 +147,15 @@ def plan_training(
     cfg,
     step: dict[str, Any],
     sample,
-    gpus: int,
     per_stream: int,
     target_weights_bytes: float,
     drafter_parameters: int,
     eval_step_s: float,
 ) -> dict[str, Any]:
-    """The training stage on `gpus` GPUs (`gpus // per_stream` streams)."""
+    """The training stage: `train.num_streams` streams of `per_stream` GPUs each."""
     tr, p = cfg.train, cfg.plan
-    streams = max(1, gpus // per_stream)
+    streams = tr.num_streams
+    gpus = streams * per_stream
     step_s = step["step_s"]
     samples_per_step = streams * tr.batch_size
     steps = math.ceil(p.train_tokens * p.epochs / (sample.seq_len * samples_per_step))
@@ -102,7 +164,8 @@ def plan_training(
     shapes = math.ceil(cfg.tokenize.max_seq_len / tr.length_bucket) * (2 if tr.eval_every and tr.heldout else 1)
     compile_s = shapes * COMPILE_S_PER_SHAPE
     evals = steps // tr.eval_every + 1 if tr.eval_every and tr.heldout else 0
-    eval_s = evals * math.ceil(tr.heldout / samples_per_step) * eval_step_s
+    one_eval_s = math.ceil(tr.heldout / samples_per_step) * eval_step_s
+    eval_s = evals * one_eval_s
     interval_s = tr.checkpoint_every * step_s
     checkpoints = steps // tr.checkpoint_every
     if tr.checkpoint_every_minutes:
@@ -134,6 +197,9 @@ def plan_training(
         },
         "compiled_shapes": shapes,
         "evaluations": evals,
+        "evaluation_share": round(eval_s / compute_s, 4) if compute_s else 0.0,
+        # the least eval_every that keeps the held-out evaluations within 3% of the steps' time
+        "eval_every_for_3_percent": math.ceil(one_eval_s / (0.03 * step_s)) if one_eval_s else None,
         "checkpoints": checkpoints,
         "checkpoint_gb": round(drafter_parameters * CHECKPOINT_BYTES_PER_PARAMETER / 1e9, 1),
         "checkpoint_write_s": round(shard / p.checkpoint_gb_per_s, 1),  # a rank's shard, in the background
@@ -188,29 +254,22 @@ def job_total(cfg, stages: dict[str, dict]) -> dict[str, Any]:
     return total
 
 
-def check_bus(cfg, at_mean: dict[str, dict]) -> list[str]:
-    """Warnings on the bus: unknown when the drafters shard, slower than their compute when known."""
-    tr = cfg.train
-    bus = bus_bandwidth(cfg)
+def check_bus(cfg, at_mean: dict[str, dict], step: dict[str, Any]) -> list[str]:
+    """Warnings on the bus: unknown where the drafters' traffic crosses nodes, and traffic the step
+    waits for (more than a fifth of it)."""
     out = []
     for name, role in at_mean.items():
-        traffic = role.get("collective_gb_per_step")
-        if not traffic:
-            continue
-        if not bus:
+        crossing = sum(t["gb"] for t in role.get("traffic", {}).values() if t["crosses_nodes"])
+        if crossing and not bus_bandwidth(cfg):
             out.append(
-                f"the {name} role's FSDP2 traffic ({traffic} GB a step) is not priced: no bus bandwidth is "
-                "known (set plan.bus_bandwidth to `dflash-ray netcheck`'s figure, or train.min_bus_bandwidth)"
+                f"the {name} role's traffic across nodes ({crossing:.3g} GB a step) is not priced: no bus "
+                "bandwidth is known (set plan.bus_bandwidth to `dflash-ray netcheck`'s figure, or "
+                "train.min_bus_bandwidth)"
             )
-        elif traffic / bus > role["step_seconds"]:
-            source = (
-                f"plan.bus_bandwidth={bus:g}"
-                if cfg.plan.bus_bandwidth
-                else f"train.min_bus_bandwidth={tr.min_bus_bandwidth:g}"
-            )
-            out.append(
-                f"the {name} role's FSDP2 traffic ({traffic} GB a step) takes {traffic / bus:.2f} s at "
-                f"{source} GB/s, more than its {role['step_seconds']:.2f} s of compute: the step waits for "
-                f"it (priced so); it hides behind the compute from {traffic / role['step_seconds']:.0f} GB/s"
-            )
+    if step.get("traffic_exposed_share", 0) > 0.2:
+        out.append(
+            f"the step waits {step['traffic_exposed_s']:.3g} s for the drafters' traffic "
+            f"({step['traffic_exposed_share']:.0%} of it; {step['fsdp2_gb']} GB a rank a step): a layout that "
+            "keeps it inside a node (train.layout=hsdp) or a faster bus would hide it"
+        )
     return out

@@ -145,4 +145,4 @@ def test_family_presets_carry_the_published_shapes_on_top_of_the_reference_recip
             variant.train.epochs,
             variant.train.num_streams,
             variant.train.intermediate_size,
-        ) == (512, 6e-4, 6, 8, 17408)
+        ) == (512, 6e-4, 6, 16, 17408)

@@ -32,11 +32,35 @@ from dflash_ray.planning import (
     samples,
     simulate_roles,
     straggler_ratios,
+    stream_gpus,
     target_config,
     target_summary,
     team_drafters,
 )
+from dflash_ray.layout_choice import choose
 from dflash_ray.stages import Stage
+
+
+def _length_scale(cfg: RunConfig, lengths, longest, mean, draws: int = 20_000):
+    """The target's time at each of a draw of the workload's trained lengths over its time at the
+    mean (`simulate_job.length_scale`), from a layout's simulated roles at the mean and longest."""
+    import numpy as np
+
+    from dflash_ray import simulate_job
+
+    rng = np.random.default_rng(cfg.seed)
+    picked = rng.integers(0, lengths.prompt.size, min(draws, lengths.prompt.size))
+    tokens = np.minimum(lengths.prompt[picked] + lengths.response[picked], cfg.tokenize.max_seq_len)
+
+    def target_flops(roles: dict) -> float:
+        return roles["stream"]["target_flops"] if "stream" in roles else roles["target"]["flops_per_step"]
+
+    def scale(variant, peak: dict, at_mean: dict):
+        return simulate_job.length_scale(
+            tokens, mean.seq_len, longest.seq_len, target_flops(at_mean), target_flops(peak)
+        )
+
+    return scale
 
 
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
@@ -55,35 +79,48 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     tokenized = bool(p.dataset) and simulate_generation.dataset_kind(p.dataset) == "tokenized"
     stragglers = straggler_ratios(cfg) if tokenized else None
     longest, mean = samples(cfg)
-    peak = simulate_roles(cfg, hf, longest)
+    generation_lengths = simulate_generation.workload_lengths(cfg)
+    scale = _length_scale(cfg, generation_lengths, longest, mean)
+    layout = choose(cfg, hf, longest, mean, stragglers, scale)
+    sharding = layout.pop("sharding")
+    peak = simulate_roles(cfg, hf, longest, sharding=sharding)
     peak["generator"] = generator_role(cfg, hf, (peak.get("target") or peak["stream"])["weights_gb"])
     fitting(cfg, peak)
-    at_mean = simulate_roles(cfg, hf, mean)
+    at_mean = simulate_roles(cfg, hf, mean, sharding=sharding)
 
-    per_stream = sum(r["gpus"] for r in at_mean.values())
-    step = simulate_job.training_step(cfg, at_mean, stragglers)
+    per_stream = stream_gpus(cfg)
+    step = simulate_job.training_step(cfg, at_mean, stragglers, gpu, scale(cfg, peak, at_mean))
     if p.training_tokens_per_s_per_gpu > 0:
         step |= {"step_s": mean.seq_len * mean.batch / (p.training_tokens_per_s_per_gpu * per_stream)}
         step["bound"] = "measured (plan.training_tokens_per_s_per_gpu)"
-    warnings += simulate_job.check_bus(cfg, at_mean)
+    warnings += simulate_job.check_bus(cfg, at_mean, step)
+    if "better" in layout:
+        warnings.append(f"a better layout for these GPUs: {layout['better']}")
     weights = (peak.get("target") or peak["stream"])["weights_gb"] * 1e9
     drafter_parameters = sum(r["parameters"] for k, r in at_mean.items() if "parameters" in r)
     generation = simulate_generation.plan_generation(cfg, hf, weights, gen_gpus, gpu)
-    # an evaluation batch: the target's forward, and the drafter's (a third of its step, its bf16 weights
-    # gathered: a quarter of the step's FSDP2 bytes)
-    eval_step_s = (0 if tr.colocate else at_mean["target"]["step_seconds"]) + max(
-        step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4
-    )
-    training = simulate_job.plan_training(
-        cfg, step, mean, train_gpus, per_stream, weights, drafter_parameters, eval_step_s
-    )
+    # an evaluation batch: the target's forward, and the drafter's (a third of its compute, its bf16
+    # weights gathered: a quarter of the step's traffic)
+    eval_step_s = step.get("target_s", 0.0) + max(step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4)
+    training = simulate_job.plan_training(cfg, step, mean, per_stream, weights, drafter_parameters, eval_step_s)
+    if training["gpus"] > train_gpus:
+        warnings.append(
+            f"{tr.num_streams} streams of {per_stream} GPU(s) need {training['gpus']} GPUs; the training nodes "
+            f"have {train_gpus} (plan.training_gpus or the cluster's train_node GPUs)"
+        )
+    if training["evaluation_share"] > 0.03:
+        warnings.append(
+            f"held-out evaluations take {training['evaluation_share']:.1%} of training's steps; "
+            f"train.eval_every={training['eval_every_for_3_percent']} keeps them within 3%"
+        )
     training |= {
         "gpus_per_stream": per_stream,
+        "layout": layout,
         "straggler_ratio": stragglers or "no tokenized plan.dataset: the step assumes streams of equal lengths",
         "rate_source": step["bound"]
         if step["bound"].startswith("measured")
-        else f"simulated step at the mean length ({mean.seq_len} tokens): {step['step_s']:.3g} s on "
-        f"{per_stream} GPUs, bound by {step['bound']}",
+        else f"simulated step over the workload's lengths (mean {mean.seq_len} tokens): {step['step_s']:.3g} s "
+        f"on {per_stream} GPU(s), bound by {step['bound']}",
     }
     stages = simulate_job.plan_stages(
         cfg, generation, training, generation["engine"]["decode_step_s_at_batch_1"], weights, drafter_parameters

@@ -398,6 +398,7 @@ def _step(run: PipelineRun) -> dict[str, Any]:
     return {
         "training_steps": train["step"],
         "stream_nodes": train["stream_nodes"],
+        "layout": train["layout"],
         "coordinator_node": train["coordinator_node"],
         "train_restarts": train["restarts"],
         "train_seconds_lost": train["seconds_lost"],

@@ -306,6 +306,7 @@ class Coordinator:
             "samples": times_taken(self.taken, len(self.samples.train)),
             "coordinator_node": ray.util.get_node_ip_address(),
             "stream_nodes": sorted(self.streams.nodes),
+            "layout": {"kind": self.streams.sharding, "rows": self.streams.rows},
             "seconds": round(seconds, 1),
             "trackers": tracked,
         }

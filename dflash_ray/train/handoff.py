@@ -29,6 +29,9 @@ class Layout:
 
     streams: int
     teams: int
+    # the drafters' mesh (`train/mesh.py`) as stream indices, rows replicating one another; () or one
+    # row: every drafter rank shards the weights
+    rows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def world(self) -> int:
@@ -43,17 +46,25 @@ class Layout:
     def team_ranks(self, team: int) -> list[int]:
         return [self.drafter(team, s) for s in range(self.streams)]
 
+    def team_rows(self, team: int) -> list[list[int]]:
+        """The team's mesh rows as global ranks; [] where its ranks form one row."""
+        if len(self.rows) < 2:
+            return []
+        return [[self.drafter(team, s) for s in row] for row in self.rows]
+
 
 def join(
     backend: str, address: str, port: int, rank: int, layout: Layout, timeout_s: float, watchdog_s: float | None = None
-) -> tuple[list[Any], list[Any]]:
+) -> tuple[list[Any], list[Any], list[tuple]]:
     """Join the run's process group as `rank`, then make every team's subgroups (collective: every
     rank makes all of them, in order): one on the run's backend for training, one over gloo for
-    checkpoints (`checkpoint_files`). Returns both lists, one group per team each. `watchdog_s`: the ledger's
+    checkpoints (`checkpoint_files`), and its mesh's rows and columns where it has several rows
+    (`fsdp.make_mesh_groups`). Returns the three lists, one entry per team each. `watchdog_s`: the ledger's
     NCCL watchdog (`p2p`) when it runs on another clock than the CPU's collectives (`train.clocks`)."""
     import torch.distributed as dist
 
     from dflash_ray.train import p2p
+    from dflash_ray.train.fsdp import make_mesh_groups
 
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
@@ -61,7 +72,8 @@ def join(
     )
     p2p.start(rank, backend, watchdog_s or timeout_s)
     groups = [dist.new_group(layout.team_ranks(t), timeout=timeout) for t in range(layout.teams)]
-    return groups, [dist.new_group(layout.team_ranks(t), timeout=timeout, backend="gloo") for t in range(layout.teams)]
+    ckpt = [dist.new_group(layout.team_ranks(t), timeout=timeout, backend="gloo") for t in range(layout.teams)]
+    return groups, ckpt, [make_mesh_groups(layout.team_rows(t), timeout) for t in range(layout.teams)]
 
 
 def greet(peers: list[int], sending: bool, device: str) -> None:

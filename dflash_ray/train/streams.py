@@ -25,6 +25,7 @@ from dflash_ray.train import elastic
 from dflash_ray.train.deadlines import Deadlines, Stalled
 from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
+from dflash_ray.train import mesh
 from dflash_ray.train.handoff import Layout
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
 
@@ -126,6 +127,9 @@ class Streams:
         self.lost: list[dict[str, Any]] = []  # nodes the streams ran on that left the cluster
         self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
         self.deadlines = Deadlines(cfg.train.deadline_floor_s, cfg.train.deadline_factor)
+        # how the drafters hold their weights (`train/mesh.py`): the kind, and its rows of streams
+        self.sharding = "hsdp" if cfg.train.layout == "auto" else cfg.train.layout
+        self.rows: list[list[int]] = []
 
     @property
     def direct(self) -> bool:
@@ -135,7 +139,7 @@ class Streams:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.count, len(self.teams))
+        return Layout(self.count, len(self.teams), tuple(tuple(r) for r in self.rows))
 
     @property
     def drafters(self) -> list:
@@ -193,7 +197,10 @@ class Streams:
         # actors load their weights in their constructors: the start-up's deadline allows for it
         actors = self.targets + self.drafters
         starting = self.deadlines.floor_s + tcfg.placement_timeout_s
-        self.nodes.update(self.wait([a.__ray_call__.remote(node_of) for a in actors], actors, "start-up", starting))
+        placed = self.wait([a.__ray_call__.remote(node_of) for a in actors], actors, "start-up", starting)
+        self.nodes.update(placed)
+        # a stream's actors share a node: its first actor's (the target, or the colocated one) is the stream's
+        self.rows = mesh.rows_of(self.sharding, placed[:n])
         # a hybrid target on its GPU without its fast kernels: refused now, not found slow in hour five
         probed = self.drafters if tcfg.colocate else self.targets
         missing = self.wait([a.kernels.remote() for a in probed], probed, "the kernel check")
@@ -219,7 +226,7 @@ class Streams:
                     team.drafters[0].__ray_call__.remote(rendezvous_of), timeout=self.deadlines.limit()
                 )
                 self.wait(
-                    [d.init_group.remote(*team.rendezvous) for d in team.drafters],
+                    [d.init_group.remote(*team.rendezvous, self.rows) for d in team.drafters],
                     team.drafters,
                     "joining the drafters' process group",
                 )

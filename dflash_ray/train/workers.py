@@ -22,6 +22,7 @@ import torch
 from dflash_ray.config import TrainConfig
 from dflash_ray.train import handoff
 from dflash_ray.train.clocks import Clock
+from dflash_ray.train.fsdp import make_mesh_groups
 from dflash_ray.train.devices import actor_placement, wait_compute
 from dflash_ray.train.schedule import Sample
 
@@ -266,9 +267,9 @@ class DrafterWorker:
         )
 
     # -- collective -------------------------------------------------------------------------
-    def init_group(self, address: str, port: int) -> None:
+    def init_group(self, address: str, port: int, rows: list[list[int]] | None = None) -> None:
         """Join the drafters' process group and shard the drafter over it; `address` is rank 0's own
-        node (it hosts the store)."""
+        node (it hosts the store); `rows`: the ranks' mesh (`train/mesh.py`) where it has several rows."""
         import torch.distributed as dist
 
         if self.world > 1:  # a rank that never reaches a collective fails the others after the timeout
@@ -281,12 +282,13 @@ class DrafterWorker:
                 timeout=timeout,
             )
             self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-            self._shard(dist.group.WORLD)
+            rows = rows if rows and len(rows) > 1 else []
+            self._shard(dist.group.WORLD, rows, make_mesh_groups(rows, timeout))
 
     def join_run(self, address: str, port: int, team: int, layout) -> None:
         """Join the run's process group (`handoff`: features come from this stream's target by
         send/recv) and shard the drafter over this team's subgroup of it."""
-        groups, ckpt_groups = handoff.join(
+        groups, ckpt_groups, mesh_groups = handoff.join(
             self.place.backend,
             address,
             port,
@@ -299,13 +301,20 @@ class DrafterWorker:
         self.source = source = layout.target(self.rank)
         handoff.greet([source], False, self.place.device)
         if self.world > 1:
-            self._shard(groups[team])
+            self._shard(groups[team], layout.team_rows(team), mesh_groups[team])
 
-    def _shard(self, group) -> None:
-        from dflash_ray.train.fsdp import apply_fsdp
+    def _shard(self, group, rows: list[list[int]], mesh_groups: tuple) -> None:
+        """Shard (or replicate) the drafter over `group`'s ranks: one row of them, or the 2-D mesh of
+        `rows` (global ranks) from this rank's row and column groups."""
+        from dflash_ray.train.fsdp import apply_fsdp, mesh_of
 
         self.group = group
-        apply_fsdp(self.drafter, self.place.device.split(":")[0], group, self.dtype)
+        device_type = self.place.device.split(":")[0]
+        mesh = mesh_of(rows, mesh_groups, device_type) if rows else group
+        reduce = self.dtype if self.cfg.reduce_dtype == "auto" else getattr(torch, self.cfg.reduce_dtype)
+        apply_fsdp(
+            self.drafter, device_type, mesh, self.dtype, reduce_dtype=reduce, keep_gathered=self.cfg.keep_gathered
+        )
         # the optimizer over the shards this rank now holds (its state was still empty)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 

@@ -1,0 +1,135 @@
+"""The layout a run's drafters take, chosen by the plan: for the run's GPUs, every way of holding
+the drafter (`train/mesh.py`: fsdp, hsdp, replicate), with each stream's target and drafter on
+GPUs of their own or colocated on one, is simulated from the real step code (memory at the longest
+sequence, FLOPs and counted collective bytes at the mean) and priced by `simulate_job.training_step`
+at the buses it would use. The layout that fits and trains the most samples a GPU a second wins;
+`train.layout: auto` takes its sharding (`choose`), and the plan names a colocation or stream count
+that would beat the config's. No Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dflash_ray.planning import Sharding, gpu_of, sharding_of, simulate_roles, stream_gpus
+from dflash_ray.train.mesh import KINDS
+
+
+def _fits(cfg, roles: dict[str, dict]) -> bool:
+    room = gpu_of(cfg).memory_gb * cfg.plan.memory_headroom
+    return all(r["memory_gb"]["total"] <= room for r in roles.values())
+
+
+def _variant(cfg, colocate: bool, gpus: int):
+    """`cfg` with its streams colocated or not, as many as `gpus` hold."""
+    tr = dataclasses.replace(cfg.train, colocate=colocate)
+    probe = dataclasses.replace(cfg, train=tr)
+    streams = max(1, gpus // stream_gpus(probe))
+    return dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=streams))
+
+
+def price(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale) -> dict[str, Any]:
+    """One layout: whether it fits at the longest sequence (the layers kept gathered only where they
+    fit), its step and throughput at the workload's lengths."""
+    from dflash_ray import simulate_job
+
+    peak = simulate_roles(cfg, hf, longest, sharding=sharding)
+    if not _fits(cfg, peak) and sharding.keep_gathered:
+        sharding = dataclasses.replace(sharding, keep_gathered=False)
+        peak = simulate_roles(cfg, hf, longest, sharding=sharding)
+    at_mean = simulate_roles(cfg, hf, mean, sharding=sharding)
+    step = simulate_job.training_step(cfg, at_mean, stragglers, gpu_of(cfg), scale(cfg, peak, at_mean))
+    tr = cfg.train
+    gpus = tr.num_streams * stream_gpus(cfg)
+    replicas, shard = sharding.shape(tr.num_streams)
+    return {
+        "layout": sharding.kind,
+        "colocate": tr.colocate,
+        "streams": tr.num_streams,
+        "gpus": gpus,
+        "mesh": {"replicas": replicas, "shard": shard},
+        "keep_gathered": sharding.keep_gathered,
+        "reduce_dtype": "bfloat16" if sharding.reduce_bf16 else "float32",
+        "fits": _fits(cfg, peak),
+        "peak_gb": max(r["memory_gb"]["total"] for r in peak.values()),
+        "step_s": step["step_s"],
+        "bound": step["bound"],
+        "traffic_gb": step["traffic_gb"],
+        "traffic_exposed_share": step["traffic_exposed_share"],
+        "samples_per_s_per_gpu": round(tr.num_streams * tr.batch_size / step["step_s"] / gpus, 3),
+        "_sharding": sharding,
+    }
+
+
+def _settings(c: dict) -> str:
+    return (
+        f"train.colocate={str(c['colocate']).lower()} train.num_streams={c['streams']} train.layout={c['layout']}"
+        + ("" if c["keep_gathered"] else " train.keep_gathered=false")
+    )
+
+
+def _reason(best: dict, others: list[dict], cfg) -> str:
+    bus = cfg.plan.bus_bandwidth or cfg.train.min_bus_bandwidth
+    shape = best["mesh"]
+    where = {
+        "fsdp": f"sharded over all {shape['shard']} drafter ranks",
+        "hsdp": f"sharded over the {shape['shard']} drafter ranks of a node and replicated across "
+        f"{shape['replicas']} node(s)",
+        "replicate": f"whole on each of the {shape['replicas']} drafter ranks",
+    }[best["layout"]]
+    parts = [
+        f"{best['layout']}: the drafter {where}; {best['samples_per_s_per_gpu']} samples/s a GPU, the step "
+        f"{best['step_s']:.3g} s bound by {best['bound']}, {best['traffic_exposed_share']:.0%} of it traffic not "
+        f"hidden (bus between nodes {bus or 'unknown'} GB/s)"
+    ]
+    for c in others:
+        why = (
+            "does not fit" if not c["fits"] else f"{c['samples_per_s_per_gpu']} samples/s a GPU, bound by {c['bound']}"
+        )
+        parts.append(f"{c['layout']}: {why}")
+    return "; ".join(parts)
+
+
+def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
+    """Every layout priced at the run's GPUs; the sharding the run takes (the config's
+    `train.layout`, or the best that fits with its colocation when `auto`), why, and the best of all."""
+    gpus = cfg.train.num_streams * stream_gpus(cfg)
+    colocations = [cfg.train.colocate]
+    if not cfg.train.drafters and (cfg.train.target_gpus or 1) <= 1:
+        colocations.append(not cfg.train.colocate)
+    table = []
+    for colocate in colocations:
+        variant = cfg if colocate == cfg.train.colocate else _variant(cfg, colocate, gpus)
+        for kind in KINDS:
+            if variant.train.num_streams == 1 and kind != "fsdp":
+                continue  # one rank: nothing to shard or replicate
+            table.append(price(variant, hf, sharding_of(variant, kind), longest, mean, stragglers, scale))
+    own = [c for c in table if c["colocate"] == cfg.train.colocate]
+    fitting = [c for c in own if c["fits"]]
+    if cfg.train.layout != "auto":
+        chosen = next(c for c in own if c["layout"] == cfg.train.layout)
+        reason = f"train.layout={cfg.train.layout}, as the config sets it"
+    elif fitting:
+        chosen = max(fitting, key=lambda c: c["samples_per_s_per_gpu"])
+        reason = _reason(chosen, [c for c in own if c is not chosen], cfg)
+    else:  # the plan's memory check (`planning.fitting`) refuses it, naming what would bring it under
+        chosen = min(own, key=lambda c: c["peak_gb"])
+        reason = "no layout fits the GPU at the longest sequence; the one nearest to fitting"
+    best = max((c for c in table if c["fits"]), key=lambda c: c["samples_per_s_per_gpu"], default=chosen)
+    public = [{k: v for k, v in c.items() if not k.startswith("_")} for c in table]
+    out: dict[str, Any] = {
+        "chosen": chosen["layout"],
+        "keep_gathered": chosen["keep_gathered"],
+        "reduce_dtype": chosen["reduce_dtype"],
+        "mesh": chosen["mesh"],
+        "reason": reason,
+        "candidates": public,
+        "sharding": chosen["_sharding"],
+    }
+    if best is not chosen and best["samples_per_s_per_gpu"] > chosen["samples_per_s_per_gpu"] * 1.02:
+        out["better"] = (
+            f"{_settings(best)} trains {best['samples_per_s_per_gpu']} samples/s a GPU on the same {gpus} GPUs "
+            f"against this config's {chosen['samples_per_s_per_gpu']}"
+        )
+    return out

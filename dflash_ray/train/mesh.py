@@ -1,0 +1,59 @@
+"""How a drafter's ranks hold its weights: the 2-D arrangement of its streams, rows that replicate
+one another and columns inside a row that shard the weights (FSDP2 over a `DeviceMesh` of
+(replicate, shard)).
+
+- `fsdp`: one row of every rank: each holds 1/N of the weights; every layer's weights are gathered
+  and its gradients reduce-scattered over all N, across the nodes when the ranks span several.
+- `hsdp`: a row per node: the weights shard over the ranks of a node (NVLink) and replicate across
+  nodes, whose bus carries only one all-reduce of a rank's gradient shard a step.
+- `replicate`: every rank holds the whole drafter; one all-reduce of the gradients a step.
+
+No torch, no Ray: the plan prices these shapes and the run builds them from its actors' nodes.
+"""
+
+from __future__ import annotations
+
+import math
+
+KINDS = ("fsdp", "hsdp", "replicate")
+
+
+def rows_of(kind: str, nodes: list[str]) -> list[list[int]]:
+    """The ranks (stream indices; `nodes[i]`: rank i's node) as rows that replicate one another, each
+    row's ranks sharding the weights. `hsdp` keeps every row inside one node; where the nodes hold
+    unequal counts of ranks, the rows are the largest size that divides every node's count (FSDP2
+    shards evenly), down to one rank: plain replication."""
+    n = len(nodes)
+    if kind == "fsdp":
+        return [list(range(n))]
+    if kind == "replicate":
+        return [[i] for i in range(n)]
+    if kind != "hsdp":
+        raise ValueError(f"{kind!r} is not one of {KINDS}")
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    size = math.gcd(*[len(ranks) for ranks in by_node.values()])
+    return [ranks[i : i + size] for ranks in by_node.values() for i in range(0, len(ranks), size)]
+
+
+def shape_of(kind: str, ranks: int, per_node: int) -> tuple[int, int]:
+    """(replicas, shard size) of `kind` for `ranks` drafter ranks placed `per_node` to a node, filled
+    node by node (the plan's view of `rows_of`)."""
+    per_node = max(1, min(per_node, ranks))
+    nodes = [f"node{i // per_node}" for i in range(ranks)]
+    rows = rows_of(kind, nodes)
+    return len(rows), len(rows[0])
+
+
+def spans_nodes(ranks: list[int], per_node: int) -> bool:
+    """Whether a group of ranks (placed `per_node` to a node, in order) crosses a node boundary."""
+    return len({r // max(1, per_node) for r in ranks}) > 1
+
+
+def dims_cross_nodes(kind: str, ranks: int, per_node: int) -> dict[str, bool]:
+    """For each mesh dimension, whether its groups cross the nodes (their traffic takes the slow bus)."""
+    replicas, shard = shape_of(kind, ranks, per_node)
+    row = list(range(shard))  # the first row; every row alike
+    column = [i * shard for i in range(replicas)]
+    return {"shard": spans_nodes(row, per_node), "replicate": spans_nodes(column, per_node)}
