@@ -145,10 +145,12 @@ def test_a_pipeline_whose_actors_are_killed_finishes_as_an_undisturbed_one(input
 
 
 @pytest.mark.timeout(900)
-def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(three_nodes, target, data, tmp_path):
+def test_two_streams_on_two_nodes_train_the_chosen_layout_and_resume_under_another(three_nodes, target, data, tmp_path):
     """The coordinator on the head, a stream on each worker node: the network between the nodes is
     measured first (`train.min_bus_bandwidth`, gloo across the two nodes), the drafters' process
-    group meets at rank 0's node, not the coordinator's, and 3 steps of 2 streams train."""
+    group meets at rank 0's node, not the coordinator's, and 3 steps of 2 streams train with the
+    drafter in the layout `auto` takes (hsdp: a node each, so replicated across the two). The run
+    then resumes from step 3's checkpoint with the drafter sharded over both nodes' ranks (fsdp)."""
     address, env = three_nodes
     out = str(tmp_path / "two-nodes")
     workers = {"127.0.0.2", "127.0.0.3"}
@@ -166,6 +168,12 @@ def test_two_streams_on_two_nodes_meet_at_rank_0s_node_after_the_network_check(t
     assert set(pair["nodes"]) == workers and not pair["within_node"] and pair["bus_gbs"] >= 0.001, summary
     assert summary["rendezvous"].split(":")[0] in workers, summary
     assert summary["coordinator_node"] not in workers, summary  # the head (it reports the machine's address)
+    assert summary["layout"] == {"kind": "hsdp", "rows": [[0], [1]]}, summary
+    resumed = _cli([*args[:-2], "--resume"], [*settings, "train.layout=fsdp"], env, timeout=800)
+    assert resumed["layout"] == {"kind": "fsdp", "rows": [[0, 1]]}, resumed
+    assert resumed["step"] == resumed["total_steps"] == 8 and resumed["restarts"] == 0, resumed
+    rows = [json.loads(x) for x in storage.read_text(out + "/metrics.jsonl").splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # steps 4-8 went on from step 3's checkpoint
 
 
 @pytest.mark.timeout(900)
