@@ -292,12 +292,10 @@ def drafter_step(
 ) -> dict[str, Any]:
     """One steady-state training step of a drafter rank: its family's own forward and loss, the
     backward, the clipped gradients and AdamW (its moments made by a first step before this one),
-    sharded with FSDP2 over `world` ranks (a fake process group) as a run shards it: `replicas` rows
-    of `world // replicas` ranks (`train/mesh.py`), gradients reduced in `reduce_dtype`, the layers'
-    weights kept gathered from forward to backward with `keep_gathered`. Returns memory by category
-    (GB) at the step's peak, FLOPs (and those of the decoder layers, which the layers' traffic hides
-    behind), the bytes a rank's collectives send by mesh dimension (`simulate_traffic`) and the
-    simulator's own seconds.
+    sharded with FSDP2 over `world` ranks (a fake group) in `replicas` rows (`train/mesh.py`) as a run
+    shards it. Returns memory by category (GB) at the step's peak, FLOPs (and the decoder layers',
+    which their traffic hides behind), the bytes a rank's collectives send by mesh dimension
+    (`simulate_traffic`) and the simulator's own seconds.
 
     `zero_grad_first`: the worker's placement (last step's gradients freed before the forward);
     False keeps them, zeroed, through the forward, as code that zeroes after the forward does.

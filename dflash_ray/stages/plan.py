@@ -63,6 +63,22 @@ def _length_scale(cfg: RunConfig, lengths, longest, mean, draws: int = 20_000):
     return scale
 
 
+def _training_warnings(cfg: RunConfig, training: dict, per_stream: int, train_gpus: int) -> list[str]:
+    """More GPUs than the nodes hold, and evaluations that cost more than 3% of the steps."""
+    out = []
+    if training["gpus"] > train_gpus:
+        out.append(
+            f"{cfg.train.num_streams} streams of {per_stream} GPU(s) need {training['gpus']} GPUs; the training "
+            f"nodes have {train_gpus} (plan.training_gpus or the cluster's train_node GPUs)"
+        )
+    if training["evaluation_share"] > 0.03:
+        out.append(
+            f"held-out evaluations take {training['evaluation_share']:.1%} of training's steps; "
+            f"train.eval_every={training['eval_every_for_3_percent']} keeps them within 3%"
+        )
+    return out
+
+
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray import simulate_generation, simulate_job
     from dflash_ray.preflight import preflight
@@ -94,25 +110,14 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         step |= {"step_s": mean.seq_len * mean.batch / (p.training_tokens_per_s_per_gpu * per_stream)}
         step["bound"] = "measured (plan.training_tokens_per_s_per_gpu)"
     warnings += simulate_job.check_bus(cfg, at_mean, step)
-    if "better" in layout:
-        warnings.append(f"a better layout for these GPUs: {layout['better']}")
+    warnings += [f"a better layout for these GPUs: {layout['better']}"] if "better" in layout else []
     weights = (peak.get("target") or peak["stream"])["weights_gb"] * 1e9
     drafter_parameters = sum(r["parameters"] for k, r in at_mean.items() if "parameters" in r)
     generation = simulate_generation.plan_generation(cfg, hf, weights, gen_gpus, gpu)
-    # an evaluation batch: the target's forward, and the drafter's (a third of its compute, its bf16
-    # weights gathered: a quarter of the step's traffic)
+    # an evaluation batch: the target's forward, and a third of the drafter's compute or a quarter of its traffic
     eval_step_s = step.get("target_s", 0.0) + max(step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4)
     training = simulate_job.plan_training(cfg, step, mean, per_stream, weights, drafter_parameters, eval_step_s)
-    if training["gpus"] > train_gpus:
-        warnings.append(
-            f"{tr.num_streams} streams of {per_stream} GPU(s) need {training['gpus']} GPUs; the training nodes "
-            f"have {train_gpus} (plan.training_gpus or the cluster's train_node GPUs)"
-        )
-    if training["evaluation_share"] > 0.03:
-        warnings.append(
-            f"held-out evaluations take {training['evaluation_share']:.1%} of training's steps; "
-            f"train.eval_every={training['eval_every_for_3_percent']} keeps them within 3%"
-        )
+    warnings += _training_warnings(cfg, training, per_stream, train_gpus)
     training |= {
         "gpus_per_stream": per_stream,
         "layout": layout,
