@@ -85,7 +85,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray.train.drafters import union_layers
 
     warnings = preflight(cfg)  # every check a run of this config makes before it starts
-    p, tr, gpu = cfg.plan, cfg.train, gpu_of(cfg)
+    p, gpu = cfg.plan, gpu_of(cfg)
     gen_gpus, train_gpus = cluster_gpus(p.cluster) if p.cluster else (p.generation_gpus, p.training_gpus)
     if gen_gpus < 1 or train_gpus < 1:
         raise DFlashError("needs at least one GPU for each stage", field="plan.generation_gpus")
