@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash_ray.planning import Sharding, gpu_of, sharding_of, simulate_roles, stream_gpus
+from dflash_ray import simulate_job
+from dflash_ray.planning import Sharding, gpu_of, room_gb, sharding_of, simulate_roles, stream_gpus
 from dflash_ray.train.mesh import KINDS
 
 
 def _fits(cfg, roles: dict[str, dict]) -> bool:
-    room = gpu_of(cfg).memory_gb * cfg.plan.memory_headroom
-    return all(r["memory_gb"]["total"] <= room for r in roles.values())
+    return all(r["memory_gb"]["total"] <= room_gb(cfg) for r in roles.values())
 
 
 def _variant(cfg, colocate: bool, gpus: int):
@@ -31,15 +31,14 @@ def _variant(cfg, colocate: bool, gpus: int):
 
 def price(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale) -> dict[str, Any]:
     """One layout: whether it fits at the longest sequence (the layers kept gathered only where they
-    fit), its step and throughput at the workload's lengths."""
-    from dflash_ray import simulate_job
-
+    fit), its step and throughput at the workload's lengths; its simulated roles and step kept
+    (`_`-keys) for the plan to go on with."""
     peak = simulate_roles(cfg, hf, longest, sharding=sharding)
     if not _fits(cfg, peak) and sharding.keep_gathered:
         sharding = dataclasses.replace(sharding, keep_gathered=False)
         peak = simulate_roles(cfg, hf, longest, sharding=sharding)
     at_mean = simulate_roles(cfg, hf, mean, sharding=sharding)
-    step = simulate_job.training_step(cfg, at_mean, stragglers, gpu_of(cfg), scale(cfg, peak, at_mean))
+    step = simulate_job.training_step(cfg, at_mean, stragglers, gpu_of(cfg), scale(peak, at_mean))
     tr = cfg.train
     gpus = tr.num_streams * stream_gpus(cfg)
     replicas, shard = sharding.shape(tr.num_streams)
@@ -59,6 +58,9 @@ def price(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale) -> dict
         "traffic_exposed_share": step["traffic_exposed_share"],
         "samples_per_s_per_gpu": round(tr.num_streams * tr.batch_size / step["step_s"] / gpus, 3),
         "_sharding": sharding,
+        "_peak": peak,
+        "_at_mean": at_mean,
+        "_step": step,
     }
 
 
@@ -70,7 +72,7 @@ def _settings(c: dict) -> str:
 
 
 def _reason(best: dict, others: list[dict], cfg) -> str:
-    bus = cfg.plan.bus_bandwidth or cfg.train.min_bus_bandwidth
+    bus = simulate_job.bus_bandwidth(cfg)
     shape = best["mesh"]
     where = {
         "fsdp": f"sharded over all {shape['shard']} drafter ranks",
@@ -93,7 +95,8 @@ def _reason(best: dict, others: list[dict], cfg) -> str:
 
 def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
     """Every layout priced at the run's GPUs; the sharding the run takes (the config's
-    `train.layout`, or the best that fits with its colocation when `auto`), why, and the best of all."""
+    `train.layout`, or the best that fits with its colocation when `auto`), why, and the best of all;
+    `chosen` holds its candidate whole (its simulated roles and step)."""
     gpus = cfg.train.num_streams * stream_gpus(cfg)
     colocations = [cfg.train.colocate]
     if not cfg.train.drafters and (cfg.train.target_gpus or 1) <= 1:
@@ -125,7 +128,7 @@ def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
         "mesh": chosen["mesh"],
         "reason": reason,
         "candidates": public,
-        "sharding": chosen["_sharding"],
+        "chosen_candidate": chosen,
     }
     if best is not chosen and best["samples_per_s_per_gpu"] > chosen["samples_per_s_per_gpu"] * 1.02:
         out["better"] = (

@@ -245,10 +245,10 @@ class Sharding:
     """How the drafters' ranks hold the weights on the GPUs (`train/mesh.py`): the kind, drafter
     ranks to a node, gradients reduced in bf16, layers kept gathered from forward to backward."""
 
-    kind: str = "fsdp"
-    per_node: int = 8
-    reduce_bf16: bool = True
-    keep_gathered: bool = False
+    kind: str
+    per_node: int
+    reduce_bf16: bool
+    keep_gathered: bool
 
     def shape(self, ranks: int) -> tuple[int, int]:
         """(replicas, shard size) over `ranks` ranks."""
@@ -258,12 +258,13 @@ class Sharding:
 
 
 def sharding_of(cfg: RunConfig, kind: str = "") -> Sharding:
-    """The sharding a GPU run of `cfg` takes: `kind` (else train.layout; `auto`: hsdp, which
+    """The sharding a GPU run of `cfg` takes: `kind` (else train.layout, whose `auto`
     `layout_choice.choose` refines), its nodes' GPUs, and the gradients' and gathers' settings."""
+    from dflash_ray.train.mesh import kind_of
+
     tr, p = cfg.train, cfg.plan
-    kind = kind or tr.layout
     return Sharding(
-        kind="hsdp" if kind == "auto" else kind,
+        kind=kind_of(kind or tr.layout),
         per_node=max(1, p.gpus_per_node // stream_gpus(cfg)),
         reduce_bf16=tr.reduce_dtype != "float32",  # auto: the compute dtype, bf16 on a GPU
         keep_gathered=bool(tr.keep_gathered),
@@ -409,10 +410,14 @@ def generator_role(cfg: RunConfig, hf, weights_gb: float) -> dict:
     }
 
 
+def room_gb(cfg: RunConfig) -> float:
+    """What a role's simulated peak may take of the GPU (`plan.memory_headroom`)."""
+    return gpu_of(cfg).memory_gb * cfg.plan.memory_headroom
+
+
 def fitting(cfg: RunConfig, roles: dict[str, dict]) -> None:
     """Mark each role `fits`; refuse the first that does not, naming what would bring it under."""
-    gpu = gpu_of(cfg)
-    room = gpu.memory_gb * cfg.plan.memory_headroom
+    gpu, room = gpu_of(cfg), room_gb(cfg)
     for name, role in roles.items():
         if "fits" in role:
             continue

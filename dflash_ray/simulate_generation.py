@@ -316,9 +316,10 @@ def workload_lengths(cfg) -> Lengths:
     )
 
 
-def plan_generation(cfg, target_config, weights_bytes: float, gpus: int, gpu) -> dict[str, Any]:
-    """The generation stage of `cfg` on `gpus` GPUs: its lengths, its engines, their wall time (the
-    last engine's finish, after their start) and GPU-hours (every GPU held until then)."""
+def plan_generation(cfg, target_config, weights_bytes: float, gpus: int, gpu, lengths: Lengths) -> dict[str, Any]:
+    """The generation stage of `cfg` on `gpus` GPUs for the workload's `lengths` (`workload_lengths`):
+    its engines, their wall time (the last engine's finish, after their start) and GPU-hours (every
+    GPU held until then)."""
     p, g = cfg.plan, cfg.generate
     tp = g.tensor_parallel_size
     if gpus < tp:
@@ -326,7 +327,6 @@ def plan_generation(cfg, target_config, weights_bytes: float, gpus: int, gpu) ->
             f"{gpus} generation GPUs cannot hold one engine of generate.tensor_parallel_size={tp}",
             field="generate.tensor_parallel_size",
         )
-    lengths = workload_lengths(cfg)
     engines = gpus // tp
     engine = engine_of(target_config, weights_bytes, gpu, g, p.generation_roofline_share)
     sim = simulate(engine, lengths, engines, g.batch_size)

@@ -99,8 +99,7 @@ def training_step(cfg, at_mean: dict[str, dict], stragglers: dict | None, gpu, s
 
     tr = cfg.train
     drafters = {k: r for k, r in at_mean.items() if k.startswith("drafter") or k == "stream"}
-    name = max(drafters, key=lambda k: drafters[k]["step_seconds"])
-    role = drafters[name]
+    role = max(drafters.values(), key=lambda r: r["step_seconds"])
     by_dim = traffic_seconds(cfg, gpu, role)
     traffic_s = sum(by_dim.values())
     target_alone = role.get("target_seconds", 0.0)  # a colocated stream's forward, inside its step_seconds

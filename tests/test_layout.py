@@ -5,6 +5,7 @@ fp32's do."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -74,7 +75,7 @@ def _rank(rank: int, world: int, store: str, jobs: list[dict], out: str) -> None
             mask[:, :16] = 0
             features = torch.randn(1, S, 2 * 128, generator=data).bfloat16()
             traffic = CountedTraffic(names)
-            with traffic if step == 0 else torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
+            with traffic if step == 0 else contextlib.nullcontext():
                 opt.zero_grad(set_to_none=True)
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = family.forward_loss(

@@ -30,7 +30,6 @@ from dflash_ray.planning import (
     generator_role,
     gpu_of,
     samples,
-    simulate_roles,
     straggler_ratios,
     stream_gpus,
     target_config,
@@ -55,7 +54,7 @@ def _length_scale(cfg: RunConfig, lengths, longest, mean, draws: int = 20_000):
     def target_flops(roles: dict) -> float:
         return roles["stream"]["target_flops"] if "stream" in roles else roles["target"]["flops_per_step"]
 
-    def scale(variant, peak: dict, at_mean: dict):
+    def scale(peak: dict, at_mean: dict):
         return simulate_job.length_scale(
             tokens, mean.seq_len, longest.seq_len, target_flops(at_mean), target_flops(peak)
         )
@@ -98,14 +97,12 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     generation_lengths = simulate_generation.workload_lengths(cfg)
     scale = _length_scale(cfg, generation_lengths, longest, mean)
     layout = choose(cfg, hf, longest, mean, stragglers, scale)
-    sharding = layout.pop("sharding")
-    peak = simulate_roles(cfg, hf, longest, sharding=sharding)
+    chosen = layout.pop("chosen_candidate")  # the config's own layout, simulated and priced
+    peak, at_mean, step = dict(chosen["_peak"]), chosen["_at_mean"], dict(chosen["_step"])
     peak["generator"] = generator_role(cfg, hf, (peak.get("target") or peak["stream"])["weights_gb"])
     fitting(cfg, peak)
-    at_mean = simulate_roles(cfg, hf, mean, sharding=sharding)
 
     per_stream = stream_gpus(cfg)
-    step = simulate_job.training_step(cfg, at_mean, stragglers, gpu, scale(cfg, peak, at_mean))
     if p.training_tokens_per_s_per_gpu > 0:
         step |= {"step_s": mean.seq_len * mean.batch / (p.training_tokens_per_s_per_gpu * per_stream)}
         step["bound"] = "measured (plan.training_tokens_per_s_per_gpu)"
@@ -113,7 +110,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     warnings += [f"a better layout for these GPUs: {layout['better']}"] if "better" in layout else []
     weights = (peak.get("target") or peak["stream"])["weights_gb"] * 1e9
     drafter_parameters = sum(r["parameters"] for k, r in at_mean.items() if "parameters" in r)
-    generation = simulate_generation.plan_generation(cfg, hf, weights, gen_gpus, gpu)
+    generation = simulate_generation.plan_generation(cfg, hf, weights, gen_gpus, gpu, generation_lengths)
     # an evaluation batch: the target's forward, and a third of the drafter's compute or a quarter of its traffic
     eval_step_s = step.get("target_s", 0.0) + max(step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4)
     training = simulate_job.plan_training(cfg, step, mean, per_stream, weights, drafter_parameters, eval_step_s)

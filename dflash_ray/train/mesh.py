@@ -18,6 +18,12 @@ import math
 KINDS = ("fsdp", "hsdp", "replicate")
 
 
+def kind_of(layout: str) -> str:
+    """`train.layout` as a kind: `auto` is hsdp wherever no plan refined it (the plan's choice
+    wherever the ranks span nodes; on one node it is fsdp)."""
+    return "hsdp" if layout == "auto" else layout
+
+
 def rows_of(kind: str, nodes: list[str]) -> list[list[int]]:
     """The ranks (stream indices; `nodes[i]`: rank i's node) as rows that replicate one another, each
     row's ranks sharding the weights. `hsdp` keeps every row inside one node; where the nodes hold

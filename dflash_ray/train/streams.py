@@ -128,7 +128,7 @@ class Streams:
         self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
         self.deadlines = Deadlines(cfg.train.deadline_floor_s, cfg.train.deadline_factor)
         # how the drafters hold their weights (`train/mesh.py`): the kind, and its rows of streams
-        self.sharding = "hsdp" if cfg.train.layout == "auto" else cfg.train.layout
+        self.sharding = mesh.kind_of(cfg.train.layout)
         self.rows: list[list[int]] = []
 
     @property
