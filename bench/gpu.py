@@ -24,6 +24,9 @@ One JSON line per check, each with "ok":
   batch of two lengths against each row alone.
 - speculative: greedy speculative decoding with a (briefly trained) drafter on the device equals the
   target's own greedy output; its acceptance length.
+- layout_step: one drafter rank of the preset's layout (hsdp over 2 x 8 ranks, bf16 reductions, the
+  layers kept gathered) on a fake group (`bench/gpu_layout.py`): its step, peak memory and the bytes
+  its collectives would send, beside the plan's simulation of the same step.
 - ray_free: nothing above imported Ray or vLLM (the GPU machine has neither).
 - compile_cache (with `--compile-cache PATH`, a file or a folder): the compiled artifacts loaded from
   PATH before the first check and saved there after the last (`dflash_ray.train.compile_cache`), and
@@ -68,6 +71,7 @@ _map_kernels()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.gpu_layout import check_layout_step  # noqa: E402
 from dflash_ray.train import compile_cache  # noqa: E402
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -739,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_step": lambda: check_train_step(sz, args.device, Path(tmp), args.peak_tflops),
             "hybrid_target": lambda: check_hybrid_target(sz, args.device, Path(tmp)),
             "speculative": lambda: check_speculative(sz, args.device, Path(tmp)),
+            "layout_step": lambda: check_layout_step(sz, args.device, world=4 if args.tiny else 16, replicas=2),
             "ray_free": check_ray_free,
         }
         for name, run in checks.items():

@@ -28,6 +28,7 @@ def test_gpu_check_runs_every_check_on_cpu_tiny(tmp_path):
         "train_step",
         "hybrid_target",
         "speculative",
+        "layout_step",
         "ray_free",
         "compile_cache",
     ], done.stderr[-3000:]
@@ -35,6 +36,8 @@ def test_gpu_check_runs_every_check_on_cpu_tiny(tmp_path):
     assert done.returncode == 0
     assert checks["train_step"]["tokens_per_s"] > 0 and checks["train_step"]["attention"] == "sdpa"
     assert checks["speculative"]["equal_outputs"] == checks["speculative"]["prompts"]
+    layout = checks["layout_step"]  # the bytes a rank of the preset's layout sends, as the plan counts them
+    assert set(layout["traffic_ratio"]) == {"shard", "replicate"} and layout["step_s"] > 0, layout
     hybrid = checks["hybrid_target"]
     assert hybrid["layers"].count("linear_attention") == 3 and hybrid["tokens_per_s"] > 0
     assert hybrid["gated_deltanet"] == "torch fallback" and hybrid["batch_row_rel_err"] < 1e-4  # no fla on the CPU
