@@ -94,10 +94,19 @@ def _reason(best: dict, others: list[dict], cfg) -> str:
 
 
 def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
-    """Every layout priced at the run's GPUs; the sharding the run takes (the config's
-    `train.layout`, or the best that fits with its colocation when `auto`), why, and the best of all;
-    `chosen` holds its candidate whole (its simulated roles and step)."""
+    """With `train.layout: auto`, every layout priced at the run's GPUs: the sharding the run takes
+    (the best that fits with its colocation), why, and the best of all; a layout the config sets is
+    priced alone. `chosen_candidate` holds the choice whole (its simulated roles and step)."""
     gpus = cfg.train.num_streams * stream_gpus(cfg)
+    if cfg.train.layout != "auto":
+        alone = price(cfg, hf, sharding_of(cfg), longest, mean, stragglers, scale)
+        return {
+            **{k: alone[k] for k in ("keep_gathered", "reduce_dtype", "mesh")},
+            "chosen": alone["layout"],
+            "reason": f"train.layout={cfg.train.layout}, as the config sets it (auto: the plan compares them all)",
+            "candidates": [{k: v for k, v in alone.items() if not k.startswith("_")}],
+            "chosen_candidate": alone,
+        }
     colocations = [cfg.train.colocate]
     if not cfg.train.drafters and (cfg.train.target_gpus or 1) <= 1:
         colocations.append(not cfg.train.colocate)
@@ -110,10 +119,7 @@ def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
             table.append(price(variant, hf, sharding_of(variant, kind), longest, mean, stragglers, scale))
     own = [c for c in table if c["colocate"] == cfg.train.colocate]
     fitting = [c for c in own if c["fits"]]
-    if cfg.train.layout != "auto":
-        chosen = next(c for c in own if c["layout"] == cfg.train.layout)
-        reason = f"train.layout={cfg.train.layout}, as the config sets it"
-    elif fitting:
+    if fitting:
         chosen = max(fitting, key=lambda c: c["samples_per_s_per_gpu"])
         reason = _reason(chosen, [c for c in own if c is not chosen], cfg)
     else:  # the plan's memory check (`planning.fitting`) refuses it, naming what would bring it under

@@ -318,9 +318,10 @@ def test_a_targets_attention_is_counted_where_the_flop_counter_sees_none():
 def test_dspark_and_dflash2_presets_count_what_their_losses_add(capsys):
     """DSpark's target also runs its head for the top-k it sends; DFlash2's drafter walks the head's
     full-vocabulary top-K: the simulation counts them from their code."""
-    dflash = _plan(capsys, *PRESET)["roles"]
+    hsdp = ["--set", "train.layout=hsdp"]  # auto's choice here, priced alone
+    dflash = _plan(capsys, *PRESET, *hsdp)["roles"]
     for preset in ("qwen3.6-27b-dspark.yaml", "qwen3.6-27b-dflash2.yaml"):
-        roles = _plan(capsys, "--config", str(ROOT / "configs" / preset))["roles"]
+        roles = _plan(capsys, "--config", str(ROOT / "configs" / preset), *hsdp)["roles"]
         assert all(r["fits"] for r in roles.values())
         if "dspark" in preset:  # the colocated stream's forward
             assert roles["stream"]["target_flops"] > dflash["stream"]["target_flops"]
