@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from dflash_ray import storage
+from dflash_ray import model_fetch, storage
 from dflash_ray.errors import DFlashError
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -125,6 +125,15 @@ def resolve(name_or_path: str, *, need: str = "model") -> str:
     )
 
 
+def tensor_source(name_or_path: str) -> str:
+    """Where single tensors of a model are read from: an `s3://` folder as it is (each tensor by its
+    byte range, `tensor_ranges`: a drafter that needs 5 GB of a 54 GB target reads 5), any other
+    name resolved to its local folder."""
+    if storage.is_s3(name_or_path):
+        return name_or_path
+    return resolve(name_or_path)
+
+
 def _node_lock(name: str):
     """A lock that one process per node holds while it fills the cache entry `name`."""
     from filelock import FileLock
@@ -138,10 +147,7 @@ def _download_folder(uri: str) -> str:
     bucket, key = storage.split_s3(uri)
     out = cache_dir() / "s3" / bucket / key.strip("/")
     with _node_lock(f"s3--{bucket}--{key}"):  # actors of one node share one copy
-        for remote in storage.list_files(uri):
-            target = out / storage.basename(remote)
-            if not target.exists() or target.stat().st_size != storage.size(remote):
-                storage.write_bytes(str(target), storage.read_bytes(remote))  # atomic; a full disk named
+        model_fetch.fetch_folder(uri, out)  # ranged reads in parallel; resumed where a killed one stopped
     return str(out)
 
 

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 from dflash_ray.errors import DFlashError, DiskFull, MissingObject
@@ -315,12 +316,47 @@ def _s3_errors(uri: str, action: str):
         raise clear from None
 
 
+# bytes this process has read through `read_bytes` and `read_range`: what a start-up costs the store
+_read = [0]
+_read_lock = threading.Lock()
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from storage so far (`read_bytes`, `read_range`)."""
+    return _read[0]
+
+
+def _count(data: bytes) -> bytes:
+    with _read_lock:
+        _read[0] += len(data)
+    return data
+
+
 def read_bytes(uri: str) -> bytes:
     if is_s3(uri):
         bucket, key = split_s3(uri)
         with _s3_errors(uri, "GetObject"):
-            return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-    return local_path(uri).read_bytes()
+            data = s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    else:
+        data = local_path(uri).read_bytes()
+    return _count(data)
+
+
+def read_range(uri: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file: one ranged GET on S3 (many may run at once on one object)."""
+    if end <= start:
+        return b""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        with _s3_errors(uri, "GetObject"):
+            data = s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read()
+    else:
+        with open(local_path(uri), "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+    if len(data) != end - start:
+        raise DFlashError(f"asked for bytes {start}-{end} and got {len(data)}: the file changed or is short", file=uri)
+    return _count(data)
 
 
 def sha256(uri: str, chunk: int = 8 << 20) -> str:

@@ -4,7 +4,10 @@ over probes placed as the training streams are (one per stream, in its drafter's
 
 `train.min_bus_bandwidth` (GB/s) is the floor: `dflash-ray train` (and the pipeline's training)
 measures first and refuses to start when a node pair is below it, naming the pair, rather than
-crawling for hours over a socket fallback. 0 (the default) measures nothing."""
+crawling for hours over a socket fallback. 0 (the default) measures nothing.
+
+`--storage URI` measures instead the rate a training node reads a model folder at, in the ranged
+reads a stream's start-up makes: the figure `plan.storage_gb_per_s` prices the cold start with."""
 
 from __future__ import annotations
 
@@ -49,16 +52,44 @@ def run_netcheck(cfg: RunConfig, megabytes: float = MEGABYTES, iters: int = 5) -
     }
 
 
+def run_storage_check(cfg: RunConfig, uri: str, megabytes: float) -> dict[str, Any]:
+    """The rate a training node reads `uri` (a model folder or file) at, in the ranged reads a
+    stream's start-up makes (`model_fetch`): `plan.storage_gb_per_s`'s figure."""
+    import ray
+
+    from dflash_ray.cluster import connect, on_node
+    from dflash_ray.model_fetch import measure
+
+    if not 1 <= megabytes <= 1e6:
+        raise DFlashError(f"{megabytes:g}: allowed: from 1 to 1000000 MB read", field="--megabytes")
+    connect(cfg.ray)
+    task = ray.remote(measure).options(num_cpus=0, resources=on_node(cfg.train.node_resource))
+    measured = ray.get(task.remote(uri, int(megabytes * 1e6)))
+    return {**measured, "set": f"--set plan.storage_gb_per_s={measured['storage_gb_per_s']}"}
+
+
+def _netcheck(args, cfg: RunConfig) -> dict[str, Any]:
+    if args.storage:
+        return run_storage_check(cfg, args.storage, args.megabytes if args.megabytes != MEGABYTES else 4096)
+    return run_netcheck(cfg, megabytes=args.megabytes, iters=args.iters)
+
+
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megabytes", type=float, default=MEGABYTES, help="all-reduced by each rank (default 64)")
     p.add_argument("--iters", type=int, default=5, help="timed all-reduces per measurement (default 5)")
+    p.add_argument(
+        "--storage",
+        metavar="URI",
+        help="instead, the rate a training node reads this model folder at (ranged reads; the first "
+        "--megabytes of its largest file, default 4096): plan.storage_gb_per_s",
+    )
 
 
 STAGES = (
     Stage(
         name="netcheck",
         help="all-reduce bus bandwidth between the training ranks, per node pair (train.min_bus_bandwidth)",
-        command=lambda args, cfg: run_netcheck(cfg, megabytes=args.megabytes, iters=args.iters),
+        command=_netcheck,
         arguments=_arguments,
         section="train",
         order=91,

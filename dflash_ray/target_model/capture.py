@@ -160,9 +160,16 @@ def embedding_rows(target_dir: str | Path, rows: list[int]) -> torch.Tensor:
 
 def read_tensors(target_dir: str | Path, want) -> dict[str, torch.Tensor]:
     """The checkpoint tensors whose names `want(name)` accepts, read from the target's safetensors
-    alone (sharded or not); nothing else of the target is loaded."""
+    alone (sharded or not); nothing else of the target is loaded. On an `s3://` folder each is read
+    by its own byte range (`tensor_ranges`): nothing else of the files crosses the network."""
     from safetensors import safe_open
 
+    from dflash_ray import storage
+
+    if storage.is_s3(str(target_dir)):
+        from dflash_ray import tensor_ranges
+
+        return tensor_ranges.read_tensors(str(target_dir), want)
     target_dir = Path(target_dir)
     weight_map = _weight_map(target_dir)
     out = {}

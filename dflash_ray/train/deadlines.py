@@ -4,7 +4,9 @@ send pending has no watchdog anywhere: without a deadline its stream's GPUs, and
 stream's in the next collective, idle until a person notices. A wait here ends after
 `train.deadline_floor_s` + `train.deadline_factor` x the median of the last steps' seconds (what
 the run has shown a step takes), and raises `Stalled` naming the actors that missed it, which the
-coordinator treats as a failure: it restarts the run from its checkpoint.
+coordinator treats as a failure: it restarts the run from its checkpoint. Work whose length the
+floor cannot bound (a start-up fetching 54 GB, a warm-up compiling dozens of graphs) tells its
+progress instead (`dflash_ray.progress`), and its wait ends only once it stops moving for the floor.
 """
 
 from __future__ import annotations
@@ -13,22 +15,26 @@ import collections
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 RECENT = 20  # steps the expected step time is measured over
+PROGRESS_LOOK_S = 1.0  # how often a wait on work that tells its progress looks at it
 
 
 class Stalled(RuntimeError):
     """Actors that missed a deadline: alive, but stuck."""
 
-    def __init__(self, what: str, late: list[str], limit_s: float):
+    def __init__(self, what: str, late: list[str], limit_s: float, progressing: bool = False):
         self.late = late
-        super().__init__(
-            f"{what}: {', '.join(late)} did not answer within {limit_s:.0f} s (train.deadline_floor_s + "
-            "train.deadline_factor x the recent step time): alive but stuck; restarting from the checkpoint"
+        why = (
+            f"made no progress for {limit_s:.0f} s (train.deadline_floor_s)"
+            if progressing
+            else f"did not answer within {limit_s:.0f} s (train.deadline_floor_s + train.deadline_factor x the "
+            "recent step time)"
         )
+        super().__init__(f"{what}: {', '.join(late)} {why}: alive but stuck; restarting from the checkpoint")
 
 
 class Deadlines:
@@ -47,11 +53,21 @@ class Deadlines:
         expected = statistics.median(self.recent) if self.recent else 0.0
         return self.floor_s + self.factor * expected * steps
 
-    def miss(self, what: str, late: list[str], limit_s: float) -> None:
+    def miss(self, what: str, late: list[str], limit_s: float, progressing: bool = False) -> None:
         """`late` missed the deadline of `what`: recorded, logged and raised (`Stalled`)."""
         self.missed.append({"what": what, "late": late, "limit_s": round(limit_s, 1), "at": time.time()})
-        log.error("%s: %s missed the deadline of %.0f s", what, ", ".join(late), limit_s)
-        raise Stalled(what, late, limit_s)
+        how = "made no progress for" if progressing else "missed the deadline of"
+        log.error("%s: %s %s %.0f s", what, ", ".join(late), how, limit_s)
+        raise Stalled(what, late, limit_s, progressing)
+
+    def wait_progressing(self, refs: list, names: list[str], what: str, first_s: float) -> list:
+        """A wait on work that says how far it is (`dflash_ray.progress`: a start-up's weight bytes, a
+        warm-up's shapes): `first_s` for it to begin moving (processes start, imports), then as long
+        as it moves, ending `train.deadline_floor_s` after it last moved. A slow start is never cut
+        off; a stuck one still is, and the log says which."""
+        from dflash_ray import progress
+
+        return self.wait(refs, names, what, self.floor_s, progress=progress.seen, first_s=first_s)
 
     def wait(
         self,
@@ -60,23 +76,34 @@ class Deadlines:
         what: str,
         limit_s: float | None = None,
         watch: list | None = None,
+        progress: Callable[[], int] | None = None,
+        first_s: float | None = None,
     ) -> list:
         """The results of `refs` (the calls of the actors `names`, in order). An error is raised as
         soon as it is known (the other ranks may be waiting for the failed one in a collective), and
         so is one of `watch` (calls in flight that are not waited for: a target's batch ahead, whose
         death would otherwise be seen only at its turn); past the deadline, `Stalled` names the
-        actors whose calls have not returned."""
+        actors whose calls have not returned. With `progress` (a count that moves while the work
+        does), the deadline is `limit_s` past the last time the count moved, looked at every
+        `PROGRESS_LOOK_S` at most, and `first_s` (default `limit_s`) before it first moves."""
         import ray
 
         limit_s = self.limit() if limit_s is None else limit_s
-        deadline = time.monotonic() + limit_s
+        deadline = time.monotonic() + (limit_s if first_s is None else first_s)
         pending = list(refs)
         watched = list(watch or [])
+        seen = first_seen = progress() if progress else None
         while pending:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if progress is not None and (count := progress()) != seen:
+                seen, deadline = count, now + limit_s  # the work moved: the deadline moves with it
+            left = deadline - now
             if left <= 0:
-                self.miss(what, sorted({names[i] for i, r in enumerate(refs) if r in pending}), limit_s)
-            ready, _ = ray.wait(pending + watched, num_returns=1, timeout=left)
+                late = sorted({names[i] for i, r in enumerate(refs) if r in pending})
+                moved = progress is not None and seen != first_seen
+                self.miss(what, late, limit_s if first_s is None or moved else first_s, moved)
+            look = min(left, PROGRESS_LOOK_S) if progress is not None else left
+            ready, _ = ray.wait(pending + watched, num_returns=1, timeout=look)
             for ref in ready:
                 if ref in watched:
                     watched.remove(ref)
