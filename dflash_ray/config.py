@@ -528,7 +528,10 @@ class PlanConfig:
     # GB/s of all-reduce bus bandwidth between the GPUs of one node (NVLink); 0: the GPU's figure
     node_bus_bandwidth: float = at_least(0, default=0.0)
     gpus_per_node: int = at_least(1, default=8)  # the training nodes' GPUs (a node's drafter ranks shard together)
-    load_gb_per_s: float = above(0, default=1.0)  # a GPU's process reads the target's weights from storage
+    # GB/s a node reads the target's folder from storage at, in ranged reads run at once
+    # (DFLASH_RAY_S3_CONCURRENCY of DFLASH_RAY_S3_CHUNK_MB each); `dflash-ray netcheck --storage URI` measures it
+    storage_gb_per_s: float = above(0, default=1.0)
+    load_gb_per_s: float = above(0, default=1.0)  # a GPU's process reads the target's weights from the node's disk
     checkpoint_gb_per_s: float = above(0, default=1.0)  # a drafter rank writes its checkpoint shard
     engine_start_s: float = at_least(0, default=120.0)  # a vLLM engine's start past loading its weights
     # interruptions per GPU-hour a restart recovers from (Llama 3's 54 days on 16,384 H100s: 419 unexpected)

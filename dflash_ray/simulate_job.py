@@ -21,6 +21,9 @@ import math
 from typing import Any
 
 COMPILE_S_PER_SHAPE = 16.5  # the H200 check's first compiled step (bench/RESULTS.md, 2026-11-30)
+# a shape whose artifacts a restart loads: dynamo traces it again and inductor builds nothing (the CPU
+# check's hit against its miss, bench/RESULTS.md; not yet timed on a GPU): a tenth of the compile, assumed
+CACHED_COMPILE_S_PER_SHAPE = COMPILE_S_PER_SHAPE / 10
 # the H200 check: 157 MB of features device -> page-locked host -> device in 2 x 2.9 ms (2026-11-30)
 TRANSFER_GB_PER_S = 0.157 / 0.0058
 # tokenization on CPU workers: the seed's 1.87B tokens in 6.5 min on 128 workers
@@ -159,6 +162,9 @@ def plan_training(
     samples_per_step = streams * tr.batch_size
     steps = math.ceil(p.train_tokens * p.epochs / (sample.seq_len * samples_per_step))
     compute_s = steps * step_s
+    # a node's copy of the target from storage (ranged reads, once a node, the nodes at once), then
+    # each GPU's share of it from the local disk; the drafters read their few tensors meanwhile
+    fetch_s = target_weights_bytes / 1e9 / p.storage_gb_per_s
     load_s = target_weights_bytes / max(1.0, float(tr.target_gpus or tr.actor_gpus or 1)) / 1e9 / p.load_gb_per_s
     shapes = math.ceil(cfg.tokenize.max_seq_len / tr.length_bucket) * (2 if tr.eval_every and tr.heldout else 1)
     compile_s = shapes * COMPILE_S_PER_SHAPE
@@ -174,9 +180,12 @@ def plan_training(
     # next checkpoint waits for that write when it outlasts the interval
     shard = drafter_parameters * CHECKPOINT_BYTES_PER_PARAMETER / tr.num_streams / 1e9
     checkpoint_s = shard / TRANSFER_GB_PER_S + max(0.0, shard / p.checkpoint_gb_per_s - interval_s)
-    base_s = load_s + compile_s + compute_s + eval_s + checkpoints * checkpoint_s
+    base_s = fetch_s + load_s + compile_s + compute_s + eval_s + checkpoints * checkpoint_s
     failures = p.failures_per_gpu_hour * gpus * base_s / 3600
-    restart_s = failures * (load_s + interval_s / 2)
+    # a restart: the lost node's replacement fetches the target again (the others keep their copy),
+    # every GPU loads it, the warm-up loads the saved artifacts, and half a checkpoint interval is redone
+    restart_each_s = fetch_s + load_s + shapes * CACHED_COMPILE_S_PER_SHAPE + interval_s / 2
+    restart_s = failures * restart_each_s
     wall_s = base_s + restart_s
     return {
         "gpus": gpus,
@@ -187,6 +196,7 @@ def plan_training(
         "samples_per_s_per_gpu": round(samples_per_step / step_s / gpus, 3),
         "tokens_per_s_per_gpu": round(samples_per_step * sample.seq_len / step_s / gpus, 1),
         "seconds": {
+            "weights_fetch": round(fetch_s, 1),
             "weights_load": round(load_s, 1),
             "compile": round(compile_s, 1),
             "steps": round(compute_s, 1),
@@ -203,6 +213,8 @@ def plan_training(
         "checkpoint_gb": round(drafter_parameters * CHECKPOINT_BYTES_PER_PARAMETER / 1e9, 1),
         "checkpoint_write_s": round(shard / p.checkpoint_gb_per_s, 1),  # a rank's shard, in the background
         "expected_restarts": round(failures, 3),
+        "cold_start_s": round(fetch_s + load_s + compile_s, 1),
+        "restart_s": round(restart_each_s, 1),  # each: fetch, load, the cached warm-up, half an interval redone
         "wall_hours": round(wall_s / 3600, 2),
         "gpu_hours": round(wall_s * gpus / 3600, 1),
     }

@@ -429,3 +429,26 @@ def test_a_target_config_plan_cannot_read_is_one_line_naming_it(tmp_path, capsys
     for name, says in (("a.json", "needs a `model_type`"), ("b.json", "no-such-model"), ("empty", "config.json")):
         error = _refused(capsys, "--set", f"plan.target_config={tmp_path / name}")
         assert error.startswith(str(tmp_path / name)) and says in error and len(error) < 400
+
+
+def test_plan_prices_the_cold_start_from_the_storage_rate_and_a_restart_with_its_warm_up():
+    """The preset's training around its steps: the node's fetch at `plan.storage_gb_per_s`, each
+    GPU's load, every compile; a restart pays a fetch, a load and a warm-up from the saved artifacts."""
+    from dflash_ray.config import load_config
+    from dflash_ray.simulate import Sample
+    from dflash_ray.simulate_job import CACHED_COMPILE_S_PER_SHAPE, plan_training
+
+    def planned(*settings: str) -> dict:
+        cfg = load_config(str(ROOT / "configs" / "qwen3.6-27b.yaml"), list(settings))
+        step = {"step_s": 0.5}
+        return plan_training(cfg, step, Sample(seq_len=3072, prompt_len=300), 1, 54e9, 1_700_000_000, 0.3)
+
+    s3, slow = planned(), planned("plan.storage_gb_per_s=0.1")
+    assert s3["seconds"]["weights_fetch"] == 54.0 and slow["seconds"]["weights_fetch"] == 540.0
+    assert slow["cold_start_s"] - s3["cold_start_s"] == pytest.approx(486, abs=0.2)
+    warm = s3["compiled_shapes"] * CACHED_COMPILE_S_PER_SHAPE
+    redone = 500 * 0.5 / 2  # half a checkpoint interval (the preset's 500 steps)
+    fetch_and_load = s3["seconds"]["weights_fetch"] + s3["seconds"]["weights_load"]
+    assert s3["restart_s"] == pytest.approx(fetch_and_load + warm + redone, abs=0.2), s3
+    assert s3["cold_start_s"] == pytest.approx(fetch_and_load + s3["seconds"]["compile"], abs=0.2)
+    assert slow["seconds"]["restarts"] > s3["seconds"]["restarts"] > 0
