@@ -445,7 +445,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     for step in range(total):
         _sync(device)
         start = time.perf_counter()
-        stats.append(worker.train_samples(step, [(data, step % 2)]))
+        stats.append(worker.train_samples(step, [[(data, step % 2)]]))
         _sync(device)
         walls.append(time.perf_counter() - start)
     timed, wall = stats[sz.warmup :], sum(walls[sz.warmup :]) / sz.steps
@@ -462,7 +462,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     ]
     graphs, breaks = _graphs_and_breaks()
     for i in range(len(sz.lengths)):
-        worker.train_samples(total + i, [(varied, i)])
+        worker.train_samples(total + i, [[(varied, i)]])
     now_graphs, now_breaks = _graphs_and_breaks()
     for hook in hooks:
         hook.remove()
@@ -484,7 +484,7 @@ def check_train_step(sz: Sizes, device: str, tmp: Path, peak_tflops: float) -> d
     worker.cfg = worker.target.cfg = dataclasses.replace(cfg, distill=0.5, distill_top_k=32)
     distilled = []
     for step in range(total + len(sz.lengths), total + len(sz.lengths) + 1 + sz.warmup):
-        distilled.append(worker.train_samples(step, [(data, step % 2)]))
+        distilled.append(worker.train_samples(step, [[(data, step % 2)]]))
     distilled = distilled[1:]
 
     # the paired (non-colocated) path moves each batch's features through host memory: time that trip

@@ -21,6 +21,7 @@ rank's error, an actor past a deadline) restarts every stream actor from the las
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -31,10 +32,22 @@ from dflash_ray.train.deadlines import Stalled
 from dflash_ray.train.feeding import Feeder
 from dflash_ray.train.profile import step_trace
 from dflash_ray.train.recovery import Checkpoints, Origin
-from dflash_ray.train.schedule import RunSamples, Schedule, sample_lengths
+from dflash_ray.train.schedule import RunSamples, Schedule, passes, sample_lengths, slots
 from dflash_ray.train.step_figures import Gauges, step_row, team_summary, times_taken
 from dflash_ray.train.streams import Streams, Team, make_teams
 from dflash_ray.train.trackers import Trackers
+
+
+log = logging.getLogger(__name__)
+
+
+class GrowBack(Exception):
+    """Lost streams can be placed again: the run stops its streams at a checkpoint it has just
+    committed and starts again from it on more of them."""
+
+    def __init__(self, streams: int):
+        super().__init__(f"room for {streams} streams again")
+        self.streams = streams
 
 
 class Coordinator:
@@ -61,6 +74,7 @@ class Coordinator:
         self.step, self.restarts = 0, 0
         self.begun_at: int | None = None  # the step this run began at (its resume's), once resumed
         self.failures: list[str] = []  # what each restart recovered from
+        self.grew_back: list[dict[str, int]] = []  # each time lost streams came back: the step, the streams
         self.resumed_from: list[int] = []  # the checkpoint step each restart went on from (0: the start)
         # the wall time failures cost: from a failure at step s until the run is past step s again
         self.seconds_lost = 0.0
@@ -93,6 +107,9 @@ class Coordinator:
                     self._start()
                     self._train(stop_after_step)
                     break
+                except GrowBack as e:  # not a failure: the run starts again on more streams
+                    log.warning("step %d: %s; the run goes on from this step's checkpoint on them", self.step, e)
+                    self.grew_back.append({"at_step": self.step, "streams": e.streams})
                 except (RayActorError, RayTaskError, Stalled) as e:
                     if self.stopping:
                         raise DFlashError("stopped by the driver") from None
@@ -134,11 +151,11 @@ class Coordinator:
             )
 
     def _schedule_from(self, origin: tuple[int, int, int]) -> None:
-        self.schedule, self.total_steps = self.samples.schedule(self.streams.count, origin)
+        """The schedule over `train.num_streams`, however many are placed (`schedule.slots`)."""
+        self.schedule, self.total_steps = self.samples.schedule(self.cfg.train.num_streams, origin)
 
     def _start(self) -> None:
         """Place and start the streams, go on from the newest checkpoint, meet every graph shape."""
-        import ray
 
         self.streams.start(self.step)
         self.step = 0
@@ -150,7 +167,6 @@ class Coordinator:
             self.samples.group = states[0].get("length_group", self.samples.group)
             self._schedule_from((self.step, *states[0]["position"]))
         self.taken = {k: v for k, v in self.taken.items() if k <= self.step}  # the steps past it are taken again
-        ray.get([d.set_total_steps.remote(self.total_steps) for d in self.streams.drafters])
         if self.shapes:
             self.warm.append(self.streams.warm_up(self.shapes))
         if self.begun_at is None:
@@ -199,20 +215,36 @@ class Coordinator:
             self.trackers.log_rows(self.step, {team.name: team.metrics[-1] for team in self.teams})
             stopping = stop_after_step is not None and self.step >= stop_after_step
             if self.checkpoints.due(self.step, self.step == self.total_steps or stopping):
-                self._checkpoint()
+                taken = self._checkpoint()
+                if taken and self.step < self.total_steps and not stopping and (grown := self.streams.grown()):
+                    self.checkpoints.commit(wait=True)  # the run goes on from this checkpoint
+                    raise GrowBack(self.streams.count + grown)
             else:
                 self.checkpoints.commit(wait=False)  # the checkpoint in flight, as soon as its files are written
             if stopping:
                 break
         self.checkpoints.commit(wait=True)
 
+    def _point(self) -> dict[str, Any]:
+        """What every drafter call of this step is told: where it stands in samples (its learning
+        rate), and the passes each rank makes (more than one while streams are lost)."""
+        assert self.schedule is not None and self.total_steps is not None
+        return {
+            "point": self.schedule.point(self.step, self.total_steps),
+            "passes": passes(self.streams.count, self.schedule.streams),
+        }
+
     def _colocated_step(self) -> tuple[list[dict[str, Any]], float]:
         """Each stream computes its own features in place and trains on them."""
         assert self.schedule is not None
-        drafters = self.streams.drafters
+        drafters, n, wanted = self.streams.drafters, self.streams.count, self.schedule.streams
         refs = [
             d.train_samples.remote(
-                self.step, self.schedule.batch_for(self.step, s), self._fault(s), self._trace(self.step, "stream", s)
+                self.step,
+                [self.schedule.batch_for(self.step, slot) for slot in slots(s, n, wanted)],
+                **self._point(),
+                fault=self._fault(s),
+                profile=self._trace(self.step, "stream", s),
             )
             for s, d in enumerate(drafters)
         ]
@@ -227,9 +259,10 @@ class Coordinator:
         refs = self.feeder.take(self.step)
         ready_at = time.perf_counter()
         # a target stuck in its forward or its read is named here, past the deadline
-        limit = streams.deadlines.limit()
-        ready, _ = ray.wait(refs, num_returns=n, timeout=limit)
-        late = [s for s in range(n) if refs[s] not in ready]
+        limit = streams.deadlines.limit(len(refs[0]))
+        every = [r for stream in refs for r in stream]
+        ready, _ = ray.wait(every, num_returns=len(every), timeout=limit)
+        late = [s for s in range(n) if any(r not in ready for r in refs[s])]
         if late:
             streams.missed(f"step {self.step + 1}'s features", [streams.targets[s] for s in late], limit)
         wait_s = time.perf_counter() - ready_at
@@ -238,7 +271,13 @@ class Coordinator:
         # target that dies is known now, not when its drafter's receive times out
         watch = self.feeder.in_flight() if streams.direct else None
         refs = [
-            d.train_step.remote(self.step, refs[s], self._fault(s), self._trace(self.step, "drafter", s, team))
+            d.train_step.remote(
+                self.step,
+                *refs[s],
+                **self._point(),
+                fault=self._fault(s),
+                profile=self._trace(self.step, "drafter", s, team),
+            )
             for team in self.teams
             for s, d in enumerate(team.drafters)
         ]
@@ -248,7 +287,9 @@ class Coordinator:
         """Step bookkeeping: the samples taken, the clocks, each drafter's metric row."""
         assert self.schedule is not None
         n = self.streams.count
-        self.taken[self.step + 1] = [x for s in range(n) for x in self.schedule.batch_for(self.step, s)]
+        self.taken[self.step + 1] = [
+            x for slot in range(self.schedule.streams) for x in self.schedule.batch_for(self.step, slot)
+        ]
         self.step += 1
         self._regained()
         self.streams.deadlines.observe(step_s)
@@ -264,11 +305,13 @@ class Coordinator:
         """Each drafter's simulated tau on the held-out samples, in waves (`evaluation`)."""
         return evaluation.evaluate(self.streams, self.heldout_batches, self.cfg.train.max_in_flight + 1, self.step)
 
-    def _checkpoint(self) -> None:
-        """A checkpoint of this step (`recovery`): where the data stands, for any stream count."""
+    def _checkpoint(self) -> bool:
+        """A checkpoint of this step (`recovery`): where the data stands, for any stream count. Put off
+        (False) while the targets' sends are posted and the last checkpoint is still being written."""
         assert self.schedule is not None and self.total_steps is not None  # `_plan` ran
         position = list(self.schedule.position(self.step))
-        self.checkpoints.take(self.step, self.total_steps, position, self.samples.group)
+        posted = self.streams.direct and bool(self.feeder.in_flight()) and self.step < self.total_steps
+        return self.checkpoints.take(self.step, self.total_steps, position, self.samples.group, posted)
 
     def _regained(self) -> None:
         if self.lost_since is not None and self.step >= self.lost_since[0]:
@@ -301,6 +344,7 @@ class Coordinator:
             "streams": self.streams.count,
             "lost_nodes": self.streams.lost,
             "steps_on_fewer_streams": sum(m.get("streams", wanted) < wanted for m in self.metrics),
+            "grew_back": self.grew_back,
             "deadlines_missed": self.streams.deadlines.missed,
             "warm_up": self.warm,
             "samples": times_taken(self.taken, len(self.samples.train)),

@@ -4,8 +4,10 @@
 stood whatever the number of streams, so a run resumed on fewer streams takes every sample of the
 epoch once. So when a restart cannot place all of `train.num_streams` within
 `train.placement_timeout_s` (a node lost and not yet replaced), it goes on with the streams that
-were placed, down to `train.min_streams`; every restart asks for all of them again, so the run
-grows back once Ray's autoscaler (or a person) returns the capacity.
+were placed, down to `train.min_streams`, standing in for the others (`schedule.slots`: the same
+steps, samples and learning rates). The streams not placed stay asked for, so Ray's autoscaler
+keeps their demand; once they are placed (the capacity returned by it or a person), the run grows
+back at its next checkpoint, without counting a failure.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ log = logging.getLogger(__name__)
 
 
 def place_streams(tcfg, bundles: list[dict], what: str = "actors") -> list:
-    """STRICT_PACK placement groups (a stream's bundles on one node) for up to `train.num_streams`
-    streams, all asked for at once and waited for together: those ready within
-    `train.placement_timeout_s`, when at least `train.min_streams` are (the rest are removed);
-    otherwise none, and an error naming the bundles and what the cluster has free."""
+    """STRICT_PACK placement groups (a stream's bundles on one node) for `train.num_streams`
+    streams, all asked for at once and waited for together, returned once all are placed or
+    `train.placement_timeout_s` has passed with at least `train.min_streams` placed (`placed` tells
+    which); otherwise none (all removed), and an error naming the bundles and what the cluster has
+    free. The groups not placed stay asked for: the autoscaler keeps their demand, and the run grows
+    back when they are placed (`Streams.grown`)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -40,9 +44,6 @@ def place_streams(tcfg, bundles: list[dict], what: str = "actors") -> list:
             f"{ray.available_resources()} free; other work holds the rest, or the autoscaler cannot add such a node",
             field="train.placement_timeout_s",
         )
-    for g in groups:
-        if g not in placed:
-            remove_placement_group(g)
     if len(placed) < wanted:
         log.warning(
             "%d of %d streams placed in %g s: the run goes on with %d (train.min_streams=%d)",
@@ -52,7 +53,16 @@ def place_streams(tcfg, bundles: list[dict], what: str = "actors") -> list:
             len(placed),
             floor,
         )
-    return placed
+    return groups
+
+
+def placed(groups: list) -> list:
+    """Those of `groups` placed now (a group stays asked for until it is removed)."""
+    import ray
+
+    refs = [g.ready() for g in groups]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return [g for g, ref in zip(groups, refs) if ref in ready]
 
 
 def group_nodes(groups: list) -> set[str]:

@@ -25,6 +25,8 @@ from dflash_ray.train.streams import CHECKPOINT_THREAD, Streams
 # settings that change how a run executes, not what it trains: free to differ on resume (each marked
 # so beside its field, `config.operational`): num_streams, for one, since checkpoints reshard and the
 # data goes on from its position (`Schedule`); max_steps recomputes the rates' schedule over the new total
+log = logging.getLogger(__name__)
+
 OPERATIONAL = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("operational")}
 
 
@@ -66,21 +68,37 @@ class Checkpoints:
         self.streams, self.origin, self.on_commit = streams, origin, on_commit
         self.uploading: tuple[int, list[dict]] | None = None  # (step, run states) of a checkpoint uploading
         self.step = -1  # the step of the newest checkpoint taken
+        self.put_off: int | None = None  # the step of a checkpoint put off while sends were posted
         self.taken_at = time.monotonic()
 
     def due(self, step: int, last: bool) -> bool:
-        """A checkpoint is due after `step`: every `checkpoint_every` steps, at the end, or
-        `checkpoint_every_minutes` after the last one."""
+        """A checkpoint is due after `step`: every `checkpoint_every` steps, at the end,
+        `checkpoint_every_minutes` after the last one, or put off from an earlier step (`take`)."""
         tcfg = self.origin.cfg.train
         minutes = tcfg.checkpoint_every_minutes
         late = minutes > 0 and time.monotonic() - self.taken_at >= 60 * minutes
-        return step % tcfg.checkpoint_every == 0 or last or late
+        return step % tcfg.checkpoint_every == 0 or last or late or self.put_off is not None
 
-    def take(self, step: int, total_steps: int, position: list[int], length_group: int) -> None:
+    def take(
+        self, step: int, total_steps: int, position: list[int], length_group: int, sends_posted: bool = False
+    ) -> bool:
         """Take a checkpoint of `step`: every drafter rank writes its files in the background; the
         run state of each drafter (the step, where the data stands, every rank's anchor RNG) is taken
-        now, and committed with the manifest once every rank's files are written (`commit`)."""
+        now, and committed with the manifest once every rank's files are written (`commit`).
+
+        One upload at a time: the last one must be committed first. With `sends_posted` (the targets'
+        sends of the next steps wait for their drafters, and NCCL's watchdog counts their age), a
+        checkpoint whose previous upload is still being written is put off to the next step rather
+        than waited for; returns False then."""
+        if sends_posted and self.uploading is not None:
+            self.commit(wait=False)
+            if self.uploading is not None:
+                if self.put_off is None:
+                    self.put_off = step
+                    log.info("checkpoint %d put off: checkpoint %d is still being written", step, self.uploading[0])
+                return False
         self.commit(wait=True)
+        self.put_off = None
         teams, origin = self.streams.teams, self.origin
         for team in teams:  # a manifest of an earlier run at this step no longer counts
             checkpoint.begin(team.output, step)
@@ -111,6 +129,7 @@ class Checkpoints:
             for i, team in enumerate(teams)
         ]
         self.uploading = (step, states)
+        return True
 
     def commit(self, wait: bool) -> None:
         """Commit the checkpoint in flight once every drafter rank has written its files (now, with
@@ -204,9 +223,7 @@ class Checkpoints:
                 rejected.append(f"step {step}: {e.cause}")  # the drafter's own words, not its traceback
                 continue
             if rejected:
-                logging.getLogger(__name__).warning(
-                    "resuming from step %d; newer checkpoints do not verify: %s", step, "; ".join(rejected)
-                )
+                log.warning("resuming from step %d; newer checkpoints do not verify: %s", step, "; ".join(rejected))
             for team, state in zip(teams, states):  # row k: the k-th step, done
                 history.drop_after(team.output, step)  # the steps past it are taken again
                 # a checkpoint older than the run's history carried its rows in its state

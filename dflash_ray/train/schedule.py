@@ -67,6 +67,17 @@ class Schedule:
         k -= self._first
         return o_epoch + 1 + k // self.steps_per_epoch, (k % self.steps_per_epoch) * self.per_step
 
+    def seen(self, step: int) -> int:
+        """Samples behind `step`: every epoch before its own counted whole, and its offset into its
+        own. The same count whatever the number of streams that took the run there, so what follows
+        it (the learning rate) goes on smoothly across a resume on another `train.num_streams`."""
+        epoch, offset = self.position(step)
+        return epoch * len(self.samples) + offset
+
+    def point(self, step: int, total_steps: int) -> tuple[int, int, int]:
+        """Where `step` stands in the run, in samples: (behind it, its own, the run's by `total_steps`)."""
+        return self.seen(step), self.per_step, self.seen(total_steps)
+
     def total_steps(self, epochs: int) -> int:
         """The step at which `epochs` epochs are done."""
         o_step, o_epoch, _ = self.origin
@@ -131,6 +142,19 @@ class Schedule:
             ]
             ratios.append(max(tokens) / max(1e-9, sum(tokens) / len(tokens)))
         return sum(ratios) / max(1, len(ratios))
+
+
+def slots(stream: int, placed: int, wanted: int) -> list[int]:
+    """The schedule's streams (of `wanted`: `train.num_streams`) that placed stream `stream` (of
+    `placed`) takes at each step: its own, and those of the streams lost, shared round the placed
+    ones. So a run short of streams keeps its global batch and its steps, and with them every
+    sample's step and learning rate (`DrafterWorker.accumulated_gradients`)."""
+    return list(range(stream, wanted, placed))
+
+
+def passes(placed: int, wanted: int) -> int:
+    """Forward and backward passes every drafter rank makes a step (the most slots a placed stream takes)."""
+    return -(-wanted // placed)
 
 
 def dataset_samples(data: str) -> list[tuple[str, int]]:

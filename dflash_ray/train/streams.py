@@ -123,6 +123,7 @@ class Streams:
         self.count = cfg.train.num_streams  # the streams placed now: num_streams, or fewer (`elastic`)
         self.targets: list[Any] = []  # actor handles
         self.groups: list[Any] = []  # placement groups
+        self.pending: list[Any] = []  # those of lost streams, still asked for (`elastic`)
         self.nodes: set[str] = set()  # every node a stream ran on, over restarts too
         self.lost: list[dict[str, Any]] = []  # nodes the streams ran on that left the cluster
         self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
@@ -154,11 +155,17 @@ class Streams:
             names.update({a: f"{role} {s}" for s, a in enumerate(team.drafters)})
         return [names.get(a, "actor") for a in actors]
 
-    def wait(self, refs: list, actors: list, what: str, limit_s: float | None = None, watch=None) -> list:
+    def wait(
+        self, refs: list, actors: list, what: str, limit_s: float | None = None, watch=None, progressing: bool = False
+    ) -> list:
         """The results of calls on `actors` (one each, in order) under a deadline (`deadlines`): an
         error as soon as it is known, and an actor past the deadline named (a log line, the
-        `dflash_train_stalls` counter)."""
+        `dflash_train_stalls` counter). `progressing`: work that tells its progress (a start-up, a
+        warm-up), given `limit_s` to begin and then waited for while it moves (`Deadlines.wait_progressing`)."""
         try:
+            if progressing:
+                first_s = self.deadlines.floor_s if limit_s is None else limit_s
+                return self.deadlines.wait_progressing(refs, self.names(actors), what, first_s)
             return self.deadlines.wait(refs, self.names(actors), what, limit_s, watch)
         except Stalled as e:
             self._count(e)
@@ -188,16 +195,20 @@ class Streams:
         for team in self.teams:
             team.drafters = []
         # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
-        self.groups = elastic.place_streams(tcfg, stream_bundles(tcfg))
+        asked = elastic.place_streams(tcfg, stream_bundles(tcfg))
+        self.groups = elastic.placed(asked)
+        self.pending = [g for g in asked if g not in self.groups]  # still asked for: the run grows back
         self.count = n = len(self.groups)
         self.nodes |= elastic.group_nodes(self.groups)
         self.note_lost(step)  # Ray may take seconds to call a node dead: named here if not at the failure
         for s, pg in enumerate(self.groups):
             self._start_stream(s, pg, n)
-        # actors load their weights in their constructors: the start-up's deadline allows for it
+        # actors load their weights in their constructors: the start-up waits while bytes arrive
         actors = self.targets + self.drafters
-        starting = self.deadlines.floor_s + tcfg.placement_timeout_s
-        placed = self.wait([a.__ray_call__.remote(node_of) for a in actors], actors, "start-up", starting)
+        starting = self.deadlines.floor_s + tcfg.placement_timeout_s  # processes start, torch imports
+        placed = self.wait(
+            [a.__ray_call__.remote(node_of) for a in actors], actors, "start-up", starting, progressing=True
+        )
         self.nodes.update(placed)
         # a stream's actors share a node: its first actor's (the target, or the colocated one) is the stream's
         self.rows = mesh.rows_of(self.sharding, placed[:n])
@@ -280,8 +291,7 @@ class Streams:
         from dflash_ray.train import compile_cache
 
         started = time.perf_counter()
-        # a compile a shape (tens of seconds at the real width on a GPU): the floor per 16 of them
-        limit = self.deadlines.floor_s * (1 + len(shapes) / 16)
+        # a compile a shape (tens of seconds at the real width on a GPU): waited for while shapes are met
         done = self.wait(
             [
                 d.warm_up.remote(shapes, compile_cache.uri_for(team.output))
@@ -290,13 +300,18 @@ class Streams:
             ],
             self.drafters,
             f"the warm-up of {len(shapes)} graph shapes",
-            limit,
+            progressing=True,
         )
         return {
             "shapes": len(shapes),
             "seconds": round(time.perf_counter() - started, 1),
             "loaded_bytes": max(d["loaded_bytes"] for d in done),
         }
+
+    def grown(self) -> int:
+        """Streams the cluster has room for again (their placement groups, asked for since the
+        start, now placed): the run grows back at its next checkpoint."""
+        return len(elastic.placed(self.pending)) if self.pending else 0
 
     def note_lost(self, step: int) -> None:
         """Name the nodes the streams ran on that have left the cluster (once each)."""
@@ -312,8 +327,8 @@ class Streams:
 
         for actor in self.targets + self.drafters:
             ray.kill(actor)
-        for pg in self.groups:
+        for pg in self.groups + self.pending:
             remove_placement_group(pg)
-        self.targets, self.groups = [], []
+        self.targets, self.groups, self.pending = [], [], []
         for team in self.teams:
             team.drafters = []

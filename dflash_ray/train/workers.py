@@ -15,7 +15,7 @@ import datetime
 import json
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -203,12 +203,14 @@ class TargetWorker:
         return view
 
 
-def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
-    """Linear warmup then cosine decay to zero."""
-    warmup = max(1, int(round(total * warmup_ratio)))
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+def lr_at(done: int, total: int, peak: float, warmup_ratio: float, unit: int = 1) -> float:
+    """Linear warmup then cosine decay to zero, over `total` samples of which `done` are behind the
+    step (`unit`: the step's own samples). By samples, not steps: a run whose step count changes (a
+    resume on another `train.num_streams`) keeps its rate where it was."""
+    warmup = max(unit, int(round(total * warmup_ratio)))
+    if done < warmup:
+        return peak * (done + unit) / warmup
+    progress = (done - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -228,14 +230,16 @@ class DrafterWorker:
         from dflash_ray.drafter import families
         from dflash_ray.drafter.export import from_hf_config
         from dflash_ray.drafter.init import initial_drafter
-        from dflash_ray.registry import resolve
+        from dflash_ray.registry import tensor_source
         from dflash_ray.target_model.capture import load_embed_and_head
 
         torch.set_num_threads(cfg.torch_threads)
         self.cfg, self.rank, self.world, self.pick = cfg, rank, world, pick
         self.place = actor_placement(cfg)
         self.dtype, device = self.place.dtype, self.place.device
-        target_dir = resolve(target)
+        # only the tensors it needs (the embedding, the head, the layers it starts from): by their
+        # byte ranges from an s3:// target, never the whole folder (`registry.tensor_source`)
+        target_dir = tensor_source(target)
         # fp32 master weights on the device; the frozen embedding and head in the compute dtype beside them
         self.drafter = initial_drafter(from_hf_config(json.loads(drafter_cfg_json)), target_dir, init, cfg.seed).to(
             device
@@ -251,7 +255,7 @@ class DrafterWorker:
         self.peak_flops = peak_flops(device)  # None: a device without a known peak (no MFU)
         # anchors are drawn on the CPU on every device, so a run's anchors do not depend on where it runs
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-        self.total_steps = 1
+        self.total_steps = 1  # the rate's schedule in steps, for a worker driven by hand (`set_total_steps`)
         self.upload: Upload | None = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
         self.group = None  # this drafter's ranks (torch.distributed), when the run has several streams
         # the same ranks over gloo, for checkpoints alone (DCP plans its saves from a background
@@ -319,6 +323,8 @@ class DrafterWorker:
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     def set_total_steps(self, total: int) -> None:
+        """A worker driven by hand (a benchmark, a test): its rate scheduled over `total` steps, where
+        a run gives each step its point in samples (`train_step`'s `point`)."""
         self.total_steps = total
 
     # -- training ---------------------------------------------------------------------------
@@ -330,6 +336,17 @@ class DrafterWorker:
             return features
         return features.unflatten(-1, (-1, self.drafter.cfg.hidden_size))[:, :, self.pick].flatten(2)
 
+    def _extra(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The loss's arguments besides the batch: its decay, and the target's distribution where
+        the family or distillation wants it (what the batch carries may be another drafter's)."""
+        device = self.place.device
+        teacher = None
+        if self.drafter.cfg.settings.wants_target_distribution():  # the whole distribution, from its last hidden states
+            teacher = batch["target_hidden"].to(device, self.dtype)
+        elif self.cfg.distill > 0 and "teacher_ids" in batch:  # distillation's top-k
+            teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
+        return {"gamma": self.cfg.loss_decay, "teacher": teacher, "distill": self.cfg.distill}
+
     def averaged_gradients(self, batch: dict[str, Any]):
         """Set every parameter's gradient (this rank's shard of it) to that of the loss over the union
         of all streams' batches: the loss sums and weights are all-reduced first (two numbers), each
@@ -338,17 +355,10 @@ class DrafterWorker:
         union's (loss, weight sum)."""
         import torch.distributed as dist
 
-        device = self.place.device
-        teacher = None  # what the batch carries may be another drafter's of the run
-        if self.drafter.cfg.settings.wants_target_distribution():  # the whole distribution, from its last hidden states
-            teacher = batch["target_hidden"].to(device, self.dtype)
-        elif self.cfg.distill > 0 and "teacher_ids" in batch:  # distillation's top-k
-            teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
         # last step's gradients go before this forward, not after it: alive through it they would
         # add a whole set of gradients to the step's peak
         self.opt.zero_grad(set_to_none=True)
-        extra = {"gamma": self.cfg.loss_decay, "teacher": teacher, "distill": self.cfg.distill}
-        out = self._forward(batch, self.generator, True, **extra)
+        out = self._forward(batch, self.generator, True, **self._extra(batch))
         weight = out.loss.weight_sum.detach().float()
         sums = torch.stack([out.loss.loss.detach().float() * weight, weight])
         if self.group is not None:
@@ -356,6 +366,37 @@ class DrafterWorker:
         total = sums[1].clamp_min(1e-12)
         (out.loss.loss * (weight / total)).backward()
         return out, float(sums[0] / total), float(total)
+
+    def accumulated_gradients(self, batches: Iterator[dict[str, Any]], passes: int):
+        """`averaged_gradients` over several batches of this rank (a stream standing in for lost
+        ones: `schedule.slots`), one forward and backward at a time so the peak is one batch's.
+        Every rank makes `passes` of them (FSDP2 gathers and reduces in each, together): a rank
+        with fewer batches runs its last again at zero weight. Each backward is weighted by its own
+        weight sum, and the gradients are divided by the union's once all are in (the reductions
+        sum). Returns each real batch's figures (`_figures`) and the union's (loss, weight sum)."""
+        import torch.distributed as dist
+
+        self.opt.zero_grad(set_to_none=True)
+        figures: list[dict[str, Any]] = []
+        sums = torch.zeros(2, device=self.place.device)
+        batch: dict[str, Any] | None = None
+        for _ in range(passes):
+            fresh = next(batches, None)
+            batch = fresh if fresh is not None else batch  # past this rank's own: its last again
+            assert batch is not None, "a rank has at least one batch a step"
+            out = self._forward(batch, self.generator, True, **self._extra(batch))
+            weight = out.loss.weight_sum.detach().float() * (1.0 if fresh is not None else 0.0)
+            sums += torch.stack([out.loss.loss.detach().float() * weight, weight])
+            (out.loss.loss * weight).backward()
+            if fresh is not None:
+                figures.append(self._figures(out, batch))
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
+        total = sums[1].clamp_min(1e-12)
+        for p in self.drafter.parameters():
+            if p.grad is not None:
+                p.grad.div_(total)
+        return figures, float(sums[0] / total), float(total)
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, Any]) -> list[float]:
@@ -399,25 +440,40 @@ class DrafterWorker:
         return warm_up(self, shapes, cache)
 
     def train_step(
-        self, step: int, batch: dict[str, Any], fault: bool = False, profile: str | None = None
+        self,
+        step: int,
+        *batches: dict[str, Any],
+        point: tuple[int, int, int] | None = None,
+        passes: int = 1,
+        fault: bool = False,
+        profile: str | None = None,
     ) -> dict[str, float]:
-        """Averaged gradients, clipping, the scheduled learning rate, one AdamW step. `fault`: raise
-        before the step's collectives, as an out-of-memory error would (chaos testing). `profile`:
-        where to write a trace of the step (`train.profile_steps`)."""
+        """Averaged gradients over this rank's batches of the step (one, or several when it stands in
+        for lost streams: `passes` forward and backward passes on every rank), clipping, the learning
+        rate at the step's `point` (samples behind it, its own, the run's: `schedule.Schedule.point`;
+        None: the step of `set_total_steps`'s), one AdamW step. `fault`: raise before the step's
+        collectives, as an out-of-memory error would (chaos testing). `profile`: where to write a
+        trace of the step (`train.profile_steps`)."""
         from dflash_ray.train.profile import traced
 
         with traced(profile):
-            return self._train_step(step, batch, fault)
+            return self._train_step(step, iter(batches), passes, point or (step, 1, self.total_steps), fault)
 
-    def _train_step(self, step: int, batch: dict[str, Any], fault: bool) -> dict[str, Any]:
-        from dflash_ray.drafter.loss import per_position_accuracy
+    def _train_step(
+        self, step: int, batches: Iterator[dict[str, Any]], passes: int, point: tuple[int, int, int], fault: bool
+    ) -> dict[str, Any]:
         from dflash_ray.train.fsdp import full
 
         if fault:
             raise RuntimeError(f"injected fault at step {step + 1} on drafter rank {self.rank} (train.fault_step)")
-        batch = handoff.taken(batch, self.source, self.place.device)
         start = time.perf_counter()
-        out, loss, _ = self.averaged_gradients(batch)  # reads figures back: the device is idle after
+        taken = (handoff.taken(b, self.source, self.place.device) for b in batches)  # received in turn
+        if passes == 1:
+            batch = next(taken)
+            out, loss, _ = self.averaged_gradients(batch)  # reads figures back: the device is idle after
+            figures = [self._figures(out, batch)]
+        else:
+            figures, loss, _ = self.accumulated_gradients(taken, passes)
         stepping = time.perf_counter()
         grad_norm = float(full(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same two numbers
@@ -430,29 +486,39 @@ class DrafterWorker:
                 "step's samples",
                 field="train.lr",
             )
-        lr = lr_at(step, self.total_steps, self.cfg.lr, self.cfg.warmup_ratio)
+        done_samples, unit, total = point
+        lr = lr_at(done_samples, total, self.cfg.lr, self.cfg.warmup_ratio, unit)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
-        acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
-        stats = {
+        done = time.perf_counter()
+        n = len(figures)
+        return {
             "loss": loss,
-            "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
-            "acc_k1": float(acc[self.family.first_prediction]),  # the first drafted token
+            "tau": sum(f["tau"] for f in figures) / n,
+            "acc_k1": sum(f["acc_k1"] for f in figures) / n,  # the first drafted token
             "grad_norm": grad_norm,
             "lr": lr,
-        }  # floats: synchronized
-        done = time.perf_counter()
-        return {
-            **stats,
             "drafter_seconds": done - start,
             "optimizer_seconds": done - stepping,
+            **{k: sum(f[k] for f in figures) for k in ("target_seconds", "handoff_seconds", "read_bytes", "tokens")},
+            "flops": sum(f["flops"] for f in figures),
+            "peak_flops": self.peak_flops,
+        }
+
+    def _figures(self, out, batch: dict[str, Any]) -> dict[str, Any]:
+        """One batch's figures for the step's row (floats: read back now)."""
+        from dflash_ray.drafter.loss import per_position_accuracy
+
+        acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
+        return {
+            "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
+            "acc_k1": float(acc[self.family.first_prediction]),
             "target_seconds": batch["seconds"],
             "handoff_seconds": batch.get("handoff_seconds", 0.0),
             "read_bytes": batch.get("read_bytes", 0),
             "tokens": int(batch["loss_mask"].numel()),
             "flops": self.flops_per_position * out.blocks.token_ids.numel(),
-            "peak_flops": self.peak_flops,
         }
 
     # -- state ------------------------------------------------------------------------------
@@ -520,16 +586,28 @@ class ColocatedWorker(DrafterWorker):
         rank: int,
         world: int,
     ):
+        from dflash_ray.registry import resolve
+
+        target = resolve(target)  # the node's copy: the drafter's tensors and the target's from one folder
         super().__init__(target, drafter_cfg_json, init, cfg, rank, world)
         self.target = TargetWorker(target, layer_ids, cfg)
 
     def train_samples(
-        self, step: int, samples: list[Sample], fault: bool = False, profile: str | None = None
+        self,
+        step: int,
+        micro: list[list[Sample]],
+        point: tuple[int, int, int] | None = None,
+        passes: int = 1,
+        fault: bool = False,
+        profile: str | None = None,
     ) -> dict[str, float]:
+        """`DrafterWorker.train_step` on the features of `micro` (this stream's batches of the step),
+        each computed here as its turn comes."""
         from dflash_ray.train.profile import traced
 
+        batches = (self.target.features(samples, to_host=False) for samples in micro)
         with traced(profile):  # the target's forward and the drafter's step in one trace
-            return self._train_step(step, self.target.features(samples, to_host=False), fault)
+            return self._train_step(step, batches, passes, point or (step, 1, self.total_steps), fault)
 
     def kernels(self) -> list[str]:
         return self.target.kernels()

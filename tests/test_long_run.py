@@ -1,0 +1,115 @@
+"""A long run's rate and size when its stream count changes: the learning rate follows the samples
+behind a step, and streams lost to a node are stood in for by the placed ones (several batches a
+step), so the steps and every sample's rate are those of a run that lost nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dflash_ray import storage
+from dflash_ray.config import load_config
+from dflash_ray.drafter.shape import drafter_config
+from dflash_ray.tiny_models import tiny_qwen3
+from dflash_ray.train.schedule import Schedule, passes, slots
+from dflash_ray.train.workers import DrafterWorker, TargetWorker, lr_at
+
+# every valid anchor: the loss depends on no random draw, so two ways of taking one batch compare exactly
+SETTINGS = ["train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=64", "train.lr=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_qwen3(tmp_path_factory.mktemp("target"), num_layers=4, hidden_size=64, vocab_size=512)
+
+
+def _part(tmp_path, lengths: tuple[int, ...]) -> str:
+    g = torch.Generator().manual_seed(5)
+    rows = [
+        {
+            "id": f"r{i}",
+            "source": "x",
+            "input_ids": torch.randint(0, 490, (n,), generator=g).tolist(),
+            "loss_mask": [0] * 7 + [1] * (n - 7),
+            "seq_len": n,
+            "truncated": False,
+        }
+        for i, n in enumerate(lengths)
+    ]
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    part = str(tmp_path / "part-0.parquet")
+    storage.write_bytes(part, buf.getvalue())
+    return part
+
+
+def test_lr_by_samples_a_stream_standing_in_for_a_lost_one_steps_as_the_two_would(target, tmp_path):
+    """One drafter taking a lost stream's batch beside its own (two passes) makes the step a drafter
+    makes on the two together: the same loss, the same weights after it. A rank short of a batch
+    makes its pass again at no weight (its collectives kept in step with the others')."""
+    part = _part(tmp_path, (23, 40, 31))
+    cfg = load_config(None, SETTINGS + ["train.batch_size=2"])
+    config = json.dumps(drafter_config(target, cfg))
+    one = load_config(None, SETTINGS).train
+    feats = TargetWorker(target, [0, 1, 2], cfg.train)
+    union = feats.features([(part, 0), (part, 1)])
+    own, lost = feats.features([(part, 0)]), feats.features([(part, 1)])
+
+    together = DrafterWorker(target, config, "random", cfg.train, 0, 1)
+    standing_in = DrafterWorker(target, config, "random", one, 0, 1)
+    point = (0, 2, 10)  # the first step of a run of 10 samples, 2 a step
+    a = together.train_step(0, union, point=point)
+    b = standing_in.train_step(0, own, lost, point=point, passes=2)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["lr"] == a["lr"] == lr_at(0, 10, 3e-3, 0.04, 2)
+    assert b["tokens"] == own["loss_mask"].numel() + lost["loss_mask"].numel()
+    _same_step(together, standing_in)
+
+    alone, short = (DrafterWorker(target, config, "random", one, 0, 1) for _ in range(2))
+    c = alone.train_step(0, own, point=point)
+    d = short.train_step(0, own, point=point, passes=2)  # its second pass weighs nothing
+    assert d["loss"] == pytest.approx(c["loss"], rel=1e-5) and d["tokens"] == c["tokens"]
+    _same_step(alone, short)
+
+
+def _same_step(a: DrafterWorker, b: DrafterWorker) -> None:
+    """The same gradients (left in place by the step), and so the same weights after it (AdamW's
+    first step moves each weight by about the rate, whatever its gradient's size: a gradient's last
+    bits show at 1e-6 there)."""
+    for p, q in zip(a.drafter.parameters(), b.drafter.parameters()):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+def test_lr_by_samples_slots_give_every_lost_streams_batch_to_a_placed_one():
+    assert [slots(s, 3, 8) for s in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert passes(3, 8) == 3 and passes(8, 8) == 1 and passes(1, 2) == 2
+    assert sorted(v for s in range(5) for v in slots(s, 5, 16)) == list(range(16))
+
+
+def test_lr_by_samples_the_rate_goes_on_smoothly_across_a_resume_on_other_streams():
+    """A run resumed on half its streams (`train.num_streams` changed: a step takes half the
+    samples) goes on at the rate its samples have reached, that of the run had it gone on; by steps
+    the rate would jump (x1.48 at the preset's length)."""
+    samples = [("f", i) for i in range(4000)]
+    eight = Schedule(samples, 8, 1, seed=0)
+    total = eight.total_steps(1)
+    at = total // 2
+    four = Schedule(samples, 4, 1, seed=0, origin=(at, *eight.position(at)))
+    four_total = four.total_steps(1)
+    on_eight = lr_at(*_rate(eight.point(at, total)))  # had the run gone on with eight
+    after = lr_at(*_rate(four.point(at, four_total)))
+    by_steps = lr_at(at, four_total, 1.0, 0.04)
+    assert eight.point(at, total)[0] == four.point(at, four_total)[0] == at * 8  # the samples behind it
+    assert eight.seen(total) == four.seen(four_total) == len(samples)  # one epoch, whatever the streams
+    assert after == pytest.approx(on_eight, abs=1e-9) and by_steps / on_eight > 1.3, (on_eight, after, by_steps)
+
+
+def _rate(point: tuple[int, int, int]) -> tuple[int, int, float, float, int]:
+    done, unit, total = point
+    return done, total, 1.0, 0.04, unit
