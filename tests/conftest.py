@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import uuid
+from typing import Any
 
 import pytest
 
@@ -268,12 +269,12 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
             )
         ]
 
-    def start(args):
+    def start(args, log=subprocess.DEVNULL):
         return subprocess.Popen(
             [str(bin_dir / "ray"), "start", "--block", *args, *own_ports()],
             env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
@@ -319,10 +320,44 @@ def local_nodes(workers: list[tuple[str, int, dict]]):
             break
         stop_nodes(procs)
         assert attempt < 2, "a node exited while the cluster came up, three times"
+    cluster = LocalNodes((address, env))
+    cluster.start, cluster.procs = start, procs
+    cluster.ips = ["127.0.0.1"] + [ip for ip, _, _ in workers]
     try:
-        yield address, env
+        yield cluster
     finally:
         stop_nodes(procs)
+
+
+class LocalNodes(tuple):
+    """What `local_nodes` yields: (address, environment for a driver), and its nodes' processes:
+    `lost()` names the nodes whose process has exited (a drill killed it), `add` starts a node."""
+
+    start: Any
+    procs: list
+    ips: list
+
+    def lost(self) -> list[str]:
+        return [ip for ip, proc in zip(self.ips, self.procs) if proc.poll() is not None]
+
+    def add(self, ip: str, cpus: int, resources: dict) -> None:
+        """A worker node on `ip` (one that was lost, say), joined and alive on return. A busy
+        machine can time a node's start out ("the GCS has become overloaded"): up to three tries."""
+        import json
+        import tempfile
+
+        args = [f"--address={self[0]}", f"--node-ip-address={ip}", f"--num-cpus={cpus}"]
+        for attempt in range(3):
+            log = tempfile.TemporaryFile("w+")  # what `ray start` said, should the node not come up
+            proc = self.start([*args, f"--resources={json.dumps(resources)}"], log)
+            self.procs.append(proc)
+            self.ips.append(ip)
+            alive = len(self.procs) - len(self.lost())
+            if wait_for_nodes(self[0], self[1], alive, [proc]):
+                return
+            log.seek(0)
+            said = log.read()[-3000:]
+        raise AssertionError(f"{ip} did not join in three tries: {said}")
 
 
 def checkpoint_weights(output: str) -> tuple[int, bytes]:

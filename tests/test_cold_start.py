@@ -263,3 +263,15 @@ def test_compile_resume_a_warm_up_killed_half_way_compiles_only_the_rest(target,
     assert len(restart.clock.compiled) == len(shapes)
     third = DrafterWorker(target, config, "random", cfg.train, 0, 1).warm_up(shapes, cache)
     assert third["compiled"] == 0, third  # a whole warm-up saved: nothing left to compile
+
+
+def test_ranged_storage_check_measures_the_rate_a_training_node_reads_at(ray_cluster, target, s3_bucket):
+    """`dflash-ray netcheck --storage URI`: the first megabytes of the folder's largest file, read as
+    a start-up reads them, on a node of the training's type; the figure is plan.storage_gb_per_s's."""
+    from dflash_ray.stages.netcheck import run_storage_check
+
+    uri = _upload(target, f"{s3_bucket}/target")
+    largest = max(storage.list_files(uri), key=storage.size)
+    measured = run_storage_check(load_config(None, []), uri, megabytes=1)
+    assert measured["file"] == largest and measured["bytes"] == min(storage.size(largest), 10**6)
+    assert measured["storage_gb_per_s"] > 0 and measured["set"].startswith("--set plan.storage_gb_per_s=")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -113,3 +114,41 @@ def test_lr_by_samples_the_rate_goes_on_smoothly_across_a_resume_on_other_stream
 def _rate(point: tuple[int, int, int]) -> tuple[int, int, float, float, int]:
     done, unit, total = point
     return done, total, 1.0, 0.04, unit
+
+
+def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without_a_failure(ray_cluster, tmp_path):
+    """The session's cluster has room for one stream of two while another job holds a CPU: the run
+    starts on one (train.min_streams=1), taking both streams' batches; the second stream's placement
+    stays asked for, and once the CPU is freed the run grows back at its next checkpoint. No restart
+    is counted, every sample is taken once an epoch, and every step's rate is that of a run on two."""
+    import ray
+
+    from test_train import SETTINGS as TRAIN, _tokenized
+
+    from dflash_ray.stages.train import run_train
+
+    target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)
+    g = torch.Generator().manual_seed(0)
+    data = _tokenized(str(tmp_path / "data"), [torch.randint(0, 500, (48,), generator=g).tolist() for _ in range(16)])
+
+    @ray.remote(num_cpus=1)
+    class Holder:  # another job's work on the cluster
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    released = threading.Timer(12, lambda: ray.kill(holder))
+    released.start()
+    settings = ["train.actor_cpus=0.5", "train.min_streams=1", "train.placement_timeout_s=3", "train.epochs=12"]
+    summary = run_train(target, data, str(tmp_path / "run"), load_config(None, TRAIN + settings), progress=False)
+    released.join()
+    assert summary["restarts"] == 0 and summary["failures"] == [], summary
+    assert summary["grew_back"] and summary["grew_back"][0]["streams"] == summary["streams"] == 2, summary
+    taken = summary["samples"]
+    assert taken["distinct"] == taken["of"] == 16 and taken["min_times"] == taken["max_times"] == 12, taken
+    rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "run" / "metrics.jsonl")).splitlines()]
+    streams = [r["streams"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, 97)) and streams[0] == 1 and streams[-1] == 2, streams
+    expected = [lr_at(2 * (r["step"] - 1), 2 * 96, 3e-3, 0.04, 2) for r in rows]
+    assert max(abs(r["lr"] - e) for r, e in zip(rows, expected)) < 1e-6

@@ -315,18 +315,28 @@ def test_a_targets_attention_is_counted_where_the_flop_counter_sees_none():
     assert target_forward(cfg, [1], Sample(256, 64), top_k=0)["flops_per_step"] == 2 * (linear + attention)
 
 
-def test_dspark_and_dflash2_presets_count_what_their_losses_add(capsys):
+def test_dspark_and_dflash2_presets_count_what_their_losses_add():
     """DSpark's target also runs its head for the top-k it sends; DFlash2's drafter walks the head's
-    full-vocabulary top-K: the simulation counts them from their code."""
-    hsdp = ["--set", "train.layout=hsdp"]  # auto's choice here, priced alone
-    dflash = _plan(capsys, *PRESET, *hsdp)["roles"]
+    full-vocabulary top-K: the simulation counts them from their code. Each preset's roles at its
+    longest sequence, in the layout `auto` takes here (hsdp), as the plan simulates them, fit."""
+    from dflash_ray.config import load_config
+    from dflash_ray.planning import fitting, samples, sharding_of, simulate_roles, target_config
+
+    def roles(preset: str) -> dict:
+        cfg = load_config(str(ROOT / "configs" / preset), ["train.layout=hsdp"])
+        hf, _ = target_config(cfg)
+        out = simulate_roles(cfg, hf, samples(cfg)[0], sharding=sharding_of(cfg))
+        fitting(cfg, out)  # raises for a role past the GPU's room
+        return out
+
+    dflash = roles("qwen3.6-27b.yaml")
     for preset in ("qwen3.6-27b-dspark.yaml", "qwen3.6-27b-dflash2.yaml"):
-        roles = _plan(capsys, "--config", str(ROOT / "configs" / preset), *hsdp)["roles"]
-        assert all(r["fits"] for r in roles.values())
+        found = roles(preset)
+        assert all(r["fits"] for r in found.values())
         if "dspark" in preset:  # the colocated stream's forward
-            assert roles["stream"]["target_flops"] > dflash["stream"]["target_flops"]
+            assert found["stream"]["target_flops"] > dflash["stream"]["target_flops"]
         else:
-            assert roles["stream"]["parameters"] > dflash["stream"]["parameters"]  # its convolutions and selector
+            assert found["stream"]["parameters"] > dflash["stream"]["parameters"]  # its convolutions and selector
 
 
 def test_the_simulated_gpu_check_is_within_a_tenth_of_the_h200_measurement():

@@ -47,7 +47,7 @@ def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(r
 def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_cluster, target, data, tmp_path):
     """Resharding: a 2-stream run stopped at step 3 (6 of its 16 samples taken) goes on on one
     stream: its one rank loads both ranks' shards, the first 3 steps are kept as they were, and the
-    10 samples left of the epoch take 10 more steps."""
+    10 samples left of the epoch take 10 more steps, at the rate the samples behind each reached."""
     import json
 
     out = str(tmp_path / "reshard")
@@ -58,6 +58,11 @@ def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_
     assert one["step"] == one["total_steps"] == 13 and one["restarts"] == 0
     metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 14)) and metrics[:3] == before
+    # the rate goes on from the samples behind the step (6 of 16), not from the step (3 of 13)
+    from dflash_ray.train.workers import lr_at
+
+    assert metrics[3]["lr"] == pytest.approx(lr_at(6, 16, 3e-3, 0.04, 1), rel=1e-9)
+    assert metrics[2]["lr"] == pytest.approx(lr_at(4, 16, 3e-3, 0.04, 2), rel=1e-9)
     assert sorted(checkpoint.read_manifest(out, 13)["files"]) == [
         "drafter/config.json",
         "shards/.metadata",

@@ -57,12 +57,11 @@ def place_streams(tcfg, bundles: list[dict], what: str = "actors") -> list:
 
 
 def placed(groups: list) -> list:
-    """Those of `groups` placed now (a group stays asked for until it is removed)."""
-    import ray
+    """Those of `groups` placed now, as the cluster's table says (a group stays asked for until it
+    is removed; `ready()` would start a task each look)."""
+    from ray.util import placement_group_table
 
-    refs = [g.ready() for g in groups]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-    return [g for g, ref in zip(groups, refs) if ref in ready]
+    return [g for g in groups if placement_group_table(g).get("state") == "CREATED"]
 
 
 def group_nodes(groups: list) -> set[str]:

@@ -207,9 +207,9 @@ def lr_at(done: int, total: int, peak: float, warmup_ratio: float, unit: int = 1
     """Linear warmup then cosine decay to zero, over `total` samples of which `done` are behind the
     step (`unit`: the step's own samples). By samples, not steps: a run whose step count changes (a
     resume on another `train.num_streams`) keeps its rate where it was."""
-    warmup = max(unit, int(round(total * warmup_ratio)))
+    warmup = max(1, int(round(total * warmup_ratio)))
     if done < warmup:
-        return peak * (done + unit) / warmup
+        return peak * min(1.0, (done + unit) / warmup)
     progress = (done - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
