@@ -34,6 +34,8 @@ LONGEST_FIRST = (
     "test_chaos.py",
     "test_train_guards.py",
     "test_clocks.py",
+    "test_long_run.py",
+    "test_cold_start.py",
     "test_vllm_export.py",
     "test_job_submit.py",
     "test_generate_actors.py",

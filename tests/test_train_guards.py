@@ -17,12 +17,12 @@ def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(r
     """Under NCCL's rules a target's batch for step t+1 stays unmatched until its drafter's next
     step, so an evaluation at step t that made the target wait on its device would hang (on GPUs
     until the watchdog; here it raises after the timeout, and no restart is allowed). Evaluations at
-    steps 2, 4, 6 and checkpoints at 3, 6 with 0, 1 and 2 batches ahead all run, and train the same
+    steps 2, 4, 6 and checkpoints at 3, 6 with 0 and 2 batches ahead all run, and train the same
     weights bit for bit (an evaluation changes nothing in training)."""
     import json
 
     weights = []
-    for ahead in (0, 1, 2):
+    for ahead in (0, 2):
         out = str(tmp_path / f"ahead{ahead}")
         cfg = load_config(
             None,
@@ -41,7 +41,7 @@ def test_mid_run_evaluations_and_checkpoints_never_wait_on_a_targets_own_sends(r
         assert [m["step"] for m in metrics if m.get("heldout_tau") is not None] == [2, 4, 6]
         assert checkpoint.complete_steps(out)[-1] == 6
         weights.append(checkpoint_weights(out))
-    assert weights[0] == weights[1] == weights[2]
+    assert weights[0] == weights[1]
 
 
 def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_cluster, target, data, tmp_path):
