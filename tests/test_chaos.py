@@ -39,6 +39,9 @@ def _settings(work, inputs):
         "validate.gate.max_mode_share=1.0",
         "validate.gate.max_empty_thinking_share=1.0",
         "train.num_streams=2",
+        # the drafter sharded over both ranks wherever they land: `auto` replicates across nodes
+        # (hsdp), whose reductions round otherwise than the calm run's one node
+        "train.layout=fsdp",
         "train.epochs=4",
         "train.checkpoint_every=4",
         "train.num_anchors=4",

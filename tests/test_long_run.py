@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -138,11 +139,17 @@ def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without
 
     holder = Holder.remote()
     ray.get(holder.ready.remote())
-    released = threading.Timer(12, lambda: ray.kill(holder))
+
+    def release() -> None:  # once the run is seen on one stream (its rows, at its first checkpoint)
+        while not list((tmp_path / "run" / "metrics").glob("*.jsonl")):
+            time.sleep(0.2)
+        ray.kill(holder)
+
+    released = threading.Thread(target=release, daemon=True)
     released.start()
     settings = ["train.actor_cpus=0.5", "train.min_streams=1", "train.placement_timeout_s=3", "train.epochs=12"]
     summary = run_train(target, data, str(tmp_path / "run"), load_config(None, TRAIN + settings), progress=False)
-    released.join()
+    released.join(timeout=1)
     assert summary["restarts"] == 0 and summary["failures"] == [], summary
     assert summary["grew_back"] and summary["grew_back"][0]["streams"] == summary["streams"] == 2, summary
     taken = summary["samples"]

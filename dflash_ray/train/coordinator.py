@@ -27,13 +27,13 @@ from typing import Any
 
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError, failure_cause
-from dflash_ray.train import checkpoint, evaluation, history
+from dflash_ray.train import evaluation, history
 from dflash_ray.train.deadlines import Stalled
 from dflash_ray.train.feeding import Feeder
 from dflash_ray.train.profile import step_trace
 from dflash_ray.train.recovery import Checkpoints, Origin
 from dflash_ray.train.schedule import RunSamples, Schedule, passes, sample_lengths, slots
-from dflash_ray.train.step_figures import Gauges, step_row, team_summary, times_taken
+from dflash_ray.train.step_figures import Gauges, run_summary, step_row
 from dflash_ray.train.streams import Streams, Team, make_teams
 from dflash_ray.train.trackers import Trackers
 
@@ -123,7 +123,7 @@ class Coordinator:
             self.trackers.finish()
         for team in self.teams:  # the run's whole history in one file, once (`history`)
             history.write_whole(team.output, team.metrics)
-        return self._summary(tracked, time.perf_counter() - started)
+        return run_summary(self, tracked, time.perf_counter() - started)
 
     def _plan(self) -> None:
         """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so
@@ -229,10 +229,8 @@ class Coordinator:
         """What every drafter call of this step is told: where it stands in samples (its learning
         rate), and the passes each rank makes (more than one while streams are lost)."""
         assert self.schedule is not None and self.total_steps is not None
-        return {
-            "point": self.schedule.point(self.step, self.total_steps),
-            "passes": passes(self.streams.count, self.schedule.streams),
-        }
+        point = self.schedule.point(self.step, self.total_steps)
+        return {"point": point, "passes": passes(self.streams.count, self.schedule.streams)}
 
     def _colocated_step(self) -> tuple[list[dict[str, Any]], float]:
         """Each stream computes its own features in place and trains on them."""
@@ -326,39 +324,6 @@ class Coordinator:
         return step_trace(self.cfg.train.profile_steps, (team or self.teams[0]).output, step, role, rank)
 
     # -- what the driver sees ---------------------------------------------------------------
-    def _summary(self, tracked: Any, seconds: float) -> dict[str, Any]:
-        import ray
-
-        wanted = self.cfg.train.num_streams
-        run = {
-            "stage": "train",
-            "output": self.output,
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "restarts": self.restarts,
-            "failures": self.failures,
-            "resumed_from": self.resumed_from,
-            "slow_target_kernels": self.streams.slow_kernels,
-            "seconds_lost": round(self.seconds_lost, 1),
-            "restart_seconds": self.restart_seconds,
-            "streams": self.streams.count,
-            "lost_nodes": self.streams.lost,
-            "steps_on_fewer_streams": sum(m.get("streams", wanted) < wanted for m in self.metrics),
-            "grew_back": self.grew_back,
-            "deadlines_missed": self.streams.deadlines.missed,
-            "warm_up": self.warm,
-            "samples": times_taken(self.taken, len(self.samples.train)),
-            "coordinator_node": ray.util.get_node_ip_address(),
-            "stream_nodes": sorted(self.streams.nodes),
-            "layout": {"kind": self.streams.sharding, "rows": self.streams.rows},
-            "seconds": round(seconds, 1),
-            "trackers": tracked,
-        }
-        summaries = [team_summary(team, checkpoint.step_dir(team.output, self.step)) for team in self.teams]
-        if self.cfg.train.drafters:  # each drafter's figures under its name
-            return {**run, "drafters": {team.name: s for team, s in zip(self.teams, summaries)}}
-        return {**run, **summaries[0]}
-
     def stop(self) -> None:
         """Stop the stream actors and free their placement groups now (the driver was interrupted):
         a placement group outlives the actor that made it until its job ends, and would hold the

@@ -148,7 +148,7 @@ def slots(stream: int, placed: int, wanted: int) -> list[int]:
     """The schedule's streams (of `wanted`: `train.num_streams`) that placed stream `stream` (of
     `placed`) takes at each step: its own, and those of the streams lost, shared round the placed
     ones. So a run short of streams keeps its global batch and its steps, and with them every
-    sample's step and learning rate (`DrafterWorker.accumulated_gradients`)."""
+    sample's step and learning rate (`gradients.accumulated`)."""
     return list(range(stream, wanted, placed))
 
 

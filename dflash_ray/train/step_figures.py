@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from dflash_ray.train import checkpoint
+
 
 def step_row(step: int, stats: list[dict[str, Any]], wait_s: float, step_s: float, streams: int) -> dict[str, Any]:
     """The metric row of `step` from each stream's drafter statistics (`DrafterWorker.train_step`)."""
@@ -91,3 +93,39 @@ def times_taken(taken: dict[int, list], of: int) -> dict[str, int]:
         "min_times": min(counts.values(), default=0),
         "max_times": max(counts.values(), default=0),
     }
+
+
+def run_summary(run: Any, tracked: Any, seconds: float) -> dict[str, Any]:
+    """What a run (`Coordinator`) reports when it ends: its steps, restarts and their costs, the
+    streams and nodes, the layout, the samples taken, and each drafter's figures."""
+    import ray
+
+    wanted = run.cfg.train.num_streams
+    out = {
+        "stage": "train",
+        "output": run.output,
+        "step": run.step,
+        "total_steps": run.total_steps,
+        "restarts": run.restarts,
+        "failures": run.failures,
+        "resumed_from": run.resumed_from,
+        "slow_target_kernels": run.streams.slow_kernels,
+        "seconds_lost": round(run.seconds_lost, 1),
+        "restart_seconds": run.restart_seconds,
+        "streams": run.streams.count,
+        "lost_nodes": run.streams.lost,
+        "steps_on_fewer_streams": sum(m.get("streams", wanted) < wanted for m in run.metrics),
+        "grew_back": run.grew_back,
+        "deadlines_missed": run.streams.deadlines.missed,
+        "warm_up": run.warm,
+        "samples": times_taken(run.taken, len(run.samples.train)),
+        "coordinator_node": ray.util.get_node_ip_address(),
+        "stream_nodes": sorted(run.streams.nodes),
+        "layout": {"kind": run.streams.sharding, "rows": run.streams.rows},
+        "seconds": round(seconds, 1),
+        "trackers": tracked,
+    }
+    summaries = [team_summary(team, checkpoint.step_dir(team.output, run.step)) for team in run.teams]
+    if run.cfg.train.drafters:  # each drafter's figures under its name
+        return {**out, "drafters": {team.name: s for team, s in zip(run.teams, summaries)}}
+    return {**out, **summaries[0]}

@@ -336,67 +336,11 @@ class DrafterWorker:
             return features
         return features.unflatten(-1, (-1, self.drafter.cfg.hidden_size))[:, :, self.pick].flatten(2)
 
-    def _extra(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The loss's arguments besides the batch: its decay, and the target's distribution where
-        the family or distillation wants it (what the batch carries may be another drafter's)."""
-        device = self.place.device
-        teacher = None
-        if self.drafter.cfg.settings.wants_target_distribution():  # the whole distribution, from its last hidden states
-            teacher = batch["target_hidden"].to(device, self.dtype)
-        elif self.cfg.distill > 0 and "teacher_ids" in batch:  # distillation's top-k
-            teacher = (batch["teacher_ids"].to(device).long(), batch["teacher_probs"].to(device))
-        return {"gamma": self.cfg.loss_decay, "teacher": teacher, "distill": self.cfg.distill}
-
     def averaged_gradients(self, batch: dict[str, Any]):
-        """Set every parameter's gradient (this rank's shard of it) to that of the loss over the union
-        of all streams' batches: the loss sums and weights are all-reduced first (two numbers), each
-        rank backpropagates its loss scaled by its share of the union's weight, and the sharded
-        backward sums the ranks' gradients as it goes. Returns the step's forward output and the
-        union's (loss, weight sum)."""
-        import torch.distributed as dist
+        """The gradients of the loss over the union of every stream's batch (`gradients.averaged`)."""
+        from dflash_ray.train import gradients
 
-        # last step's gradients go before this forward, not after it: alive through it they would
-        # add a whole set of gradients to the step's peak
-        self.opt.zero_grad(set_to_none=True)
-        out = self._forward(batch, self.generator, True, **self._extra(batch))
-        weight = out.loss.weight_sum.detach().float()
-        sums = torch.stack([out.loss.loss.detach().float() * weight, weight])
-        if self.group is not None:
-            dist.all_reduce(sums, group=self.group)
-        total = sums[1].clamp_min(1e-12)
-        (out.loss.loss * (weight / total)).backward()
-        return out, float(sums[0] / total), float(total)
-
-    def accumulated_gradients(self, batches: Iterator[dict[str, Any]], passes: int):
-        """`averaged_gradients` over several batches of this rank (a stream standing in for lost
-        ones: `schedule.slots`), one forward and backward at a time so the peak is one batch's.
-        Every rank makes `passes` of them (FSDP2 gathers and reduces in each, together): a rank
-        with fewer batches runs its last again at zero weight. Each backward is weighted by its own
-        weight sum, and the gradients are divided by the union's once all are in (the reductions
-        sum). Returns each real batch's figures (`_figures`) and the union's (loss, weight sum)."""
-        import torch.distributed as dist
-
-        self.opt.zero_grad(set_to_none=True)
-        figures: list[dict[str, Any]] = []
-        sums = torch.zeros(2, device=self.place.device)
-        batch: dict[str, Any] | None = None
-        for _ in range(passes):
-            fresh = next(batches, None)
-            batch = fresh if fresh is not None else batch  # past this rank's own: its last again
-            assert batch is not None, "a rank has at least one batch a step"
-            out = self._forward(batch, self.generator, True, **self._extra(batch))
-            weight = out.loss.weight_sum.detach().float() * (1.0 if fresh is not None else 0.0)
-            sums += torch.stack([out.loss.loss.detach().float() * weight, weight])
-            (out.loss.loss * weight).backward()
-            if fresh is not None:
-                figures.append(self._figures(out, batch))
-        if self.group is not None:
-            dist.all_reduce(sums, group=self.group)
-        total = sums[1].clamp_min(1e-12)
-        for p in self.drafter.parameters():
-            if p.grad is not None:
-                p.grad.div_(total)
-        return figures, float(sums[0] / total), float(total)
+        return gradients.averaged(self, batch)
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, Any]) -> list[float]:
@@ -462,6 +406,7 @@ class DrafterWorker:
     def _train_step(
         self, step: int, batches: Iterator[dict[str, Any]], passes: int, point: tuple[int, int, int], fault: bool
     ) -> dict[str, Any]:
+        from dflash_ray.train import gradients
         from dflash_ray.train.fsdp import full
 
         if fault:
@@ -470,10 +415,10 @@ class DrafterWorker:
         taken = (handoff.taken(b, self.source, self.place.device) for b in batches)  # received in turn
         if passes == 1:
             batch = next(taken)
-            out, loss, _ = self.averaged_gradients(batch)  # reads figures back: the device is idle after
-            figures = [self._figures(out, batch)]
+            out, loss, _ = gradients.averaged(self, batch)  # reads figures back: the device is idle after
+            figures = [gradients.figures(self, out, batch)]
         else:
-            figures, loss, _ = self.accumulated_gradients(taken, passes)
+            figures, loss, _ = gradients.accumulated(self, taken, passes)
         stepping = time.perf_counter()
         grad_norm = float(full(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip)))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same two numbers
@@ -504,21 +449,6 @@ class DrafterWorker:
             **{k: sum(f[k] for f in figures) for k in ("target_seconds", "handoff_seconds", "read_bytes", "tokens")},
             "flops": sum(f["flops"] for f in figures),
             "peak_flops": self.peak_flops,
-        }
-
-    def _figures(self, out, batch: dict[str, Any]) -> dict[str, Any]:
-        """One batch's figures for the step's row (floats: read back now)."""
-        from dflash_ray.drafter.loss import per_position_accuracy
-
-        acc = per_position_accuracy(out.loss.correct, out.blocks.weights, self.drafter.cfg.block_size)
-        return {
-            "tau": float(out.tau.mean()) if out.tau.numel() else 1.0,
-            "acc_k1": float(acc[self.family.first_prediction]),
-            "target_seconds": batch["seconds"],
-            "handoff_seconds": batch.get("handoff_seconds", 0.0),
-            "read_bytes": batch.get("read_bytes", 0),
-            "tokens": int(batch["loss_mask"].numel()),
-            "flops": self.flops_per_position * out.blocks.token_ids.numel(),
         }
 
     # -- state ------------------------------------------------------------------------------
