@@ -334,8 +334,9 @@ class TrainConfig:
     # the stream actors' resources not granted by then: an error naming them
     placement_timeout_s: float = operational(above(0, default=600.0))
     # elastic streams: streams still not placed after placement_timeout_s (a node lost and not yet
-    # replaced) are left out and the run goes on with those placed, down to this many; the next
-    # restart asks for train.num_streams again. None: num_streams (every stream or none)
+    # replaced) are stood in for by those placed, down to this many (the same steps and rates), and
+    # stay asked for: once placed, the run grows back at its next checkpoint. None: num_streams
+    # (every stream or none)
     min_streams: int | None = operational(at_least(1, default=None))
     node_resource: str = operational("")  # a custom resource of the training nodes that every stream actor asks for
     torch_threads: int = operational(at_least(1, default=1))

@@ -12,10 +12,14 @@ coordinator only handles sample ids, shapes, references and figures.
 What it leans on, each behind a narrow interface: `streams` (placing and starting the stream
 actors, elastic down to `train.min_streams`, every wait with a deadline), `recovery` (checkpoints
 taken, committed, salvaged, resumed), `evaluation` (held-out waves and the graph shapes met before
-step 0), `step_figures` (each step's metric row and gauges), `history` (the rows, appended). The
-data position follows from the step and the seed, and the learning rate from the step, so a
-resume from step k replays exactly what an uninterrupted run does. A failure (an actor's death, a
-rank's error, an actor past a deadline) restarts every stream actor from the last checkpoint, up to
+step 0), `step_figures` (each step's metric row and gauges, the run's summary), `history` (the
+rows, appended). The data position follows from the step and the seed, and the learning rate from
+the samples behind the step, so a resume from step k replays exactly what an uninterrupted run does.
+The schedule is always `train.num_streams` wide: streams lost to a node are stood in for by the
+placed ones (`schedule.slots`, several batches a step), so the steps, and every sample's step and
+rate, are those of a run that lost nothing; once the lost streams are placed again the run grows
+back at its next checkpoint (`GrowBack`, not a failure). A failure (an actor's death, a rank's
+error, an actor past a deadline) restarts every stream actor from the last checkpoint, up to
 `max_restarts`.
 """
 
