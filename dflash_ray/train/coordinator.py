@@ -37,7 +37,7 @@ from dflash_ray.train.feeding import Feeder
 from dflash_ray.train.profile import step_trace
 from dflash_ray.train.recovery import Checkpoints, Origin
 from dflash_ray.train.schedule import RunSamples, Schedule, passes, sample_lengths, slots
-from dflash_ray.train.step_figures import Gauges, run_summary, step_row
+from dflash_ray.train.step_figures import Gauges, step_row, summary_of
 from dflash_ray.train.streams import Streams, Team, make_teams
 from dflash_ray.train.trackers import Trackers
 
@@ -127,7 +127,7 @@ class Coordinator:
             self.trackers.finish()
         for team in self.teams:  # the run's whole history in one file, once (`history`)
             history.write_whole(team.output, team.metrics)
-        return run_summary(self, tracked, time.perf_counter() - started)
+        return summary_of(self, tracked, time.perf_counter() - started)
 
     def _plan(self) -> None:
         """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so

@@ -95,7 +95,7 @@ def times_taken(taken: dict[int, list], of: int) -> dict[str, int]:
     }
 
 
-def run_summary(run: Any, tracked: Any, seconds: float) -> dict[str, Any]:
+def summary_of(run: Any, tracked: Any, seconds: float) -> dict[str, Any]:
     """What a run (`Coordinator`) reports when it ends: its steps, restarts and their costs, the
     streams and nodes, the layout, the samples taken, and each drafter's figures."""
     import ray
