@@ -13,7 +13,6 @@ is what the stream actors' start-up deadline follows. The caller holds the node'
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from typing import Any
 from dflash_ray import progress, storage
 from dflash_ray.errors import DFlashError
 
-log = logging.getLogger(__name__)
-
 DEFAULT_CONCURRENCY = 16  # ranged GETs at once: DFLASH_RAY_S3_CONCURRENCY
 DEFAULT_CHUNK_MB = 64.0  # what one ranged GET asks for: DFLASH_RAY_S3_CHUNK_MB
 
@@ -32,20 +29,11 @@ DEFAULT_CHUNK_MB = 64.0  # what one ranged GET asks for: DFLASH_RAY_S3_CHUNK_MB
 def settings() -> tuple[int, int]:
     """(ranged GETs at once, bytes each) from the environment, where a node's network and the
     store's limits are known."""
-    found = []
-    for name, default, kind in (
-        ("DFLASH_RAY_S3_CONCURRENCY", DEFAULT_CONCURRENCY, "a whole number >= 1"),
-        ("DFLASH_RAY_S3_CHUNK_MB", DEFAULT_CHUNK_MB, "a number of MiB > 0"),
-    ):
-        raw = os.environ.get(name, str(default))
-        try:
-            value = float(raw)
-        except ValueError:
-            value = 0.0
-        if not (0 < value < float("inf")) or (name.endswith("CONCURRENCY") and value != int(value)):
-            raise DFlashError(f"{raw!r}: allowed: {kind}", field=f"{name} (environment)")
-        found.append(value)
-    return int(found[0]), max(1, int(found[1] * (1 << 20)))
+    concurrency = storage.env_number(
+        "DFLASH_RAY_S3_CONCURRENCY", DEFAULT_CONCURRENCY, "a whole number >= 1", whole=True
+    )
+    chunk_mb = storage.env_number("DFLASH_RAY_S3_CHUNK_MB", DEFAULT_CHUNK_MB, "a number of MiB > 0")
+    return int(concurrency), max(1, int(chunk_mb * (1 << 20)))
 
 
 @dataclass

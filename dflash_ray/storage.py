@@ -136,22 +136,26 @@ def _tries() -> int:
     return int(raw)
 
 
+def env_number(name: str, default: float, allowed: str, whole: bool = False) -> float:
+    """A positive, finite number from the environment variable `name` (`whole`: an integer), or
+    `default`; anything else is refused naming the variable and `allowed`."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf") or (whole and value != int(value)):
+        raise DFlashError(f"{raw!r}: allowed: {allowed}", field=f"{name} (environment)")
+    return value
+
+
 def timeouts() -> tuple[float, float]:
     """The deadlines of one S3 try, in seconds: (connect, each read of an answer), from the environment."""
-    found = []
-    for name, default in (
-        ("DFLASH_RAY_S3_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S),
-        ("DFLASH_RAY_S3_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S),
-    ):
-        raw = os.environ.get(name, str(default))
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not 0 < value < float("inf"):
-            raise DFlashError(f"{raw!r}: allowed: a number of seconds > 0", field=f"{name} (environment)")
-        found.append(value)
-    return found[0], found[1]
+    seconds = "a number of seconds > 0"
+    return (
+        env_number("DFLASH_RAY_S3_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S, seconds),
+        env_number("DFLASH_RAY_S3_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S, seconds),
+    )
 
 
 @functools.lru_cache(maxsize=None)
