@@ -196,12 +196,16 @@ def commit(
     made_from: dict[str, Any] | None = None,
 ) -> str:
     """Make a finished run the dataset: write its manifest (replacing an earlier run's in one
-    atomic write), then delete the data files of earlier runs, named `{prefix}*` but not listed."""
+    atomic write), then delete the data files of earlier runs, named as a run names them
+    (`{prefix}{run id}-{number}.parquet`) but not listed: nothing named otherwise is touched."""
+    import re
+
     uri = write_manifest(folder, kind=kind, files=files, summary=summary, config=config, made_from=made_from)
     listed = {entry["name"] for entry in files}
+    ours = re.compile(re.escape(prefix) + r"[0-9a-f]{8,}-[0-9]+\.parquet")
     for stale in storage.list_files(folder, ".parquet"):
         name = storage.basename(stale)
-        if name.startswith(prefix) and name not in listed:
+        if ours.fullmatch(name) and name not in listed:
             storage.delete(stale)
     return uri
 
@@ -217,9 +221,11 @@ def require_columns(uri: str, columns: list[str], what: str) -> None:
     naming the file, what it holds and what `what` (the flag or setting that named it) expects."""
     import pyarrow.parquet as pq
 
+    from dflash_ray.arrow_files import checked
+
     first = dataset_files(uri, (".parquet",), verify=False)[0]
     fs, path = storage.arrow_filesystem(first)
-    names = pq.read_schema(path, filesystem=fs).names
+    names = checked(pq.read_schema(path, filesystem=fs), first).names
     missing = [c for c in columns if c not in names]
     if missing:
         kind = (read_manifest(uri) or {}).get("kind") if not str(uri).endswith(".parquet") else None
@@ -234,14 +240,15 @@ def read_rows(uri: str, columns: list[str] | None, limit: int) -> list[dict[str,
     """The first `limit` rows of a Parquet dataset, with only `columns` read (None: all); each file
     read is checked against its manifest entry, and the files past `limit` are not read."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from dflash_ray.arrow_files import read_parquet
 
     found = read_manifest(uri) if not str(uri).endswith(".parquet") else None
     listed = {storage.join(uri, e["name"]): e for e in (found or {}).get("files", [])}
     rows: list[dict[str, Any]] = []
     for path_uri in dataset_files(uri, (".parquet",), verify=False):
         data = check(path_uri, storage.read_bytes(path_uri), listed.get(path_uri), (found or {}).get("kind"))
-        rows += pq.read_table(pa.BufferReader(data), columns=columns).to_pylist()
+        rows += read_parquet(pa.BufferReader(data), path_uri, columns=columns).to_pylist()
         if len(rows) >= limit:
             break
     return rows[:limit]

@@ -92,7 +92,8 @@ def dataset_lengths(uri: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     wrote them too; or any Parquet with `num_output_tokens` or `output_token_ids`) or a tokenized one
     (`input_ids` and `loss_mask`: the loss tokens are the response)."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+
+    from dflash_ray.arrow_files import read_parquet
 
     from dflash_ray import manifest
 
@@ -121,7 +122,7 @@ def dataset_lengths(uri: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
                 file=f,
                 field="plan.dataset",
             )
-        table = pq.read_table(path, filesystem=fs, columns=[*read.values(), *({"finish_reason"} & cols)])
+        table = read_parquet(path, f, filesystem=fs, columns=[*read.values(), *({"finish_reason"} & cols)])
         for name, out in (("num_prompt_tokens", prompts), ("num_output_tokens", responses)):
             column = table.column(read[name])
             counted = column if read[name] == name else pc.list_value_length(column)

@@ -425,8 +425,9 @@ def disk_full(path: str | Path, needed: int | None = None) -> DiskFull:
     )
 
 
-def write_bytes(uri: str, data: bytes) -> None:
-    """Write atomically: readers see the old object or the whole new one, never a part."""
+def write_bytes(uri: str, data: bytes, mode: int = 0o666) -> None:
+    """Write atomically: readers see the old object or the whole new one, never a part. A local
+    file is made with the umask's permissions, no wider than `mode` (a user's data kept private)."""
     if is_s3(uri):
         import io
 
@@ -445,7 +446,7 @@ def write_bytes(uri: str, data: bytes) -> None:
             raise disk_full(path, len(data)) from None
         raise
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as `open` would make it: mkstemp's own is 0600
+        os.fchmod(fd, 0o666 & ~_umask() & mode)  # as `open` would make it: mkstemp's own is 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -471,8 +472,21 @@ def _umask() -> int:
     return current
 
 
-def write_text(uri: str, text: str) -> None:
-    write_bytes(uri, text.encode("utf-8"))
+def write_text(uri: str, text: str, mode: int = 0o666) -> None:
+    write_bytes(uri, text.encode("utf-8"), mode)
+
+
+def narrowest_mode(uris: list[str]) -> int:
+    """The permissions every local file of `uris` grants (0o666 when none is local): what is written
+    from them is made no wider, so a private input's records never land in a world-readable file."""
+    mode = 0o666
+    for uri in uris:
+        if not is_s3(uri) and "://" not in uri:
+            try:
+                mode &= local_path(uri).stat().st_mode & 0o666
+            except OSError:
+                continue
+    return mode
 
 
 def upload_file(src: str | Path, uri: str) -> None:

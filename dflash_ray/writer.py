@@ -8,6 +8,11 @@ thread renews while the stage runs, on local disk and S3 alike. A claim whose he
 than `TIMEOUT_S`, or whose process on this host is gone (a crashed run being resumed), is taken
 over, and the log says so. Before its manifest is written a stage checks that the claim is still
 its own (`Claim.check`), so a run that lost its folder fails instead of replacing another's dataset.
+
+A dataset stage writes only into a folder that is ours: empty, or holding our manifest, or marked
+(`MARK`, left by the first claim, so that a run that failed before its manifest can be rerun there).
+A folder of the user's own files is refused naming them, `--replace` or not: a commit deletes the
+earlier runs' shards by name, and a user's `prompts-00000.parquet` looks like one.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dflash_ray.errors import DFlashError
 log = logging.getLogger(__name__)
 
 WRITER = "_writer.json"
+MARK = "_dflash_ray.json"  # an output folder a dataset stage has claimed: what else is there is its own
+DATASET_KINDS = ("prompts", "completions", "tokenized")
 TIMEOUT_S = 120.0  # a claim silent this long is stale
 RENEW_S = TIMEOUT_S / 4
 
@@ -122,6 +129,22 @@ def refuse_if_held(folder: str, doing: str = "writing") -> None:
         )
 
 
+def require_ours(folder: str) -> None:
+    """Refuse a folder without our manifest or mark that holds anything (a claim alone is a run of
+    ours that died), naming what it holds."""
+    if storage.exists(storage.join(folder, MARK)) or storage.exists(storage.join(folder, WRITER)):
+        return
+    held = [storage.basename(f) for f in storage.list_files(folder) + storage.skipped_files(folder)]
+    held += [storage.basename(d) + "/" for d in storage.list_dirs(folder)]
+    if held:
+        shown = ", ".join(sorted(held)[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+        raise DFlashError(
+            f"holds {shown}, which no dflash-ray run wrote (no {manifest.MANIFEST} or {MARK}): a run "
+            "here could replace or delete them, so nothing was written; give an empty or new folder",
+            file=folder,
+        )
+
+
 def claim(
     folder: str,
     kind: str,
@@ -151,6 +174,9 @@ def claim(
             "replace it; choose another output, or make it anew here (--replace, or delete the folder)",
             file=folder,
         )
+    if existing is None and kind in DATASET_KINDS:
+        require_ours(folder)
+        storage.write_text(storage.join(folder, MARK), json.dumps({"kind": kind, "claimed": time.time()}))
     c = Claim(folder, kind, uuid.uuid4().hex)
     c.made_from = made_from
     held = _read(c.uri)

@@ -275,11 +275,12 @@ def json_document(uri: str, data: bytes) -> Iterator[RawRecord]:
 
 def _parquet(uri: str) -> Iterator[RawRecord]:
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from dflash_ray.arrow_files import open_parquet
 
     data, number = storage.read_bytes(uri), 0
     try:
-        for batch in pq.ParquetFile(io.BytesIO(data)).iter_batches(batch_size=1024):
+        for batch in open_parquet(io.BytesIO(data), uri).iter_batches(batch_size=1024):
             for row in batch.to_pylist():
                 number += 1
                 yield RawRecord(uri, number, record=arrow_row(row))

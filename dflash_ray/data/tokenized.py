@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray import manifest, storage
+from dflash_ray.arrow_files import checked, open_parquet
 from dflash_ray.errors import DFlashError
 
 REQUIRED = ("input_ids", "loss_mask")
@@ -130,10 +131,11 @@ def _schema(uri: str) -> pa.Schema:
     fs, path = storage.arrow_filesystem(uri)
     try:
         with fs.open_input_file(path) as f:
-            return _arrow_reader(f).schema if uri.endswith(".arrow") else pq.ParquetFile(f).schema_arrow
+            schema = _arrow_reader(f).schema if uri.endswith(".arrow") else pq.ParquetFile(f).schema_arrow
     except (pa.ArrowException, OSError) as e:
         kind = "Arrow" if uri.endswith(".arrow") else "Parquet"
         raise DFlashError(f"not a readable {kind} file: {e}", file=uri) from None
+    return checked(schema, uri)
 
 
 def _check_columns(uri: str, names: set[str]) -> None:
@@ -183,10 +185,12 @@ def iter_batches(uri: str, columns: list[str], batch_size: int = 4096) -> Iterat
     try:
         with fs.open_input_file(path) as f:
             if uri.endswith(".arrow"):
-                for batch in _batches(_arrow_reader(f)):
+                reader = _arrow_reader(f)
+                checked(reader.schema, uri)
+                for batch in _batches(reader):
                     yield batch.select(columns)
             else:
-                yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns)
+                yield from open_parquet(f, uri).iter_batches(batch_size=batch_size, columns=columns)
     except (pa.ArrowException, OSError) as e:
         raise DFlashError(f"unreadable: {e}", file=uri) from None
 

@@ -147,10 +147,10 @@ class ShardPool:
 
 
 def read_unit(unit: dict[str, Any]) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    from dflash_ray.arrow_files import read_parquet
 
     fs, path = storage.arrow_filesystem(unit["uri"])
-    table = pq.read_table(path, filesystem=fs)
+    table = read_parquet(path, unit["uri"], filesystem=fs)
     return table.slice(int(unit["start"]), int(unit["count"])).to_pylist()
 
 

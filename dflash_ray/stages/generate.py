@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
     """Work units (file, first row, row count) over the prompt shards, in a fixed order."""
-    import pyarrow.parquet as pq
+    from dflash_ray.arrow_files import open_parquet
 
     if shard_size < 1:
         raise DFlashError(f"must be >= 1, got {shard_size}", field="generate.shard_size")
@@ -57,7 +57,7 @@ def plan_units(files: list[str], shard_size: int) -> list[dict[str, Any]]:
     for uri in files:
         fs, path = storage.arrow_filesystem(uri)
         with fs.open_input_file(path) as f:
-            rows = pq.ParquetFile(f).metadata.num_rows
+            rows = open_parquet(f, uri).metadata.num_rows  # refused here, before any generator reads a row
         for start in range(0, rows, shard_size):
             units.append({"index": len(units), "uri": uri, "start": start, "count": min(shard_size, rows - start)})
     return units

@@ -33,6 +33,29 @@ TRAINING_FILES = {
     writer.WRITER,
 }
 TRAINING_DIRS = {"checkpoints", "profile", "metrics"}  # its checkpoints, traces and metric history
+MADE_HERE = "_pipeline.json"  # in the workdir: the training outputs its pipeline made, which it may clear
+
+
+def clear_pipeline_training(workdir: str, cfg: RunConfig) -> None:
+    """Clear the workdir's `train/` to train afresh, only when this workdir's pipeline made it (a
+    `train/` of another run's checkpoints is named and kept); then mark it as the pipeline's."""
+    import json
+
+    folder, mark = storage.join(workdir, "train"), storage.join(workdir, MADE_HERE)
+    try:
+        made = list(json.loads(storage.read_text(mark))["made"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):  # none, or not ours to trust: nothing made
+        made = []
+    held = storage.list_files(folder) + storage.skipped_files(folder) + storage.list_dirs(folder)
+    if held and "train" not in made:
+        raise DFlashError(
+            "holds a training output this workdir's pipeline did not make (another run's checkpoints?): "
+            "nothing was deleted; move it, or choose another workdir",
+            file=folder,
+        )
+    if held:
+        clear_training(folder, cfg)
+    storage.write_text(mark, json.dumps({"made": sorted({*made, "train"})}))
 
 
 def clear_training(folder: str, cfg: RunConfig) -> None:
@@ -94,7 +117,7 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool 
     # refused settings fail before the prompts stage, not at generation or in training
     preflight(cfg, generating=not pcfg.responses)
     if fresh_training:
-        clear_training(storage.join(pcfg.workdir, "train"), cfg)
+        clear_pipeline_training(pcfg.workdir, cfg)
     started = time.time()
     run = PipelineRun(cfg, progress)
     run.summary.update(stage="pipeline", workdir=pcfg.workdir, target=pcfg.target, responses=pcfg.responses)

@@ -112,11 +112,12 @@ class _Output:
         self.quarantine: list[str] = []
         self.kinds: collections.Counter[str] = collections.Counter()
         self.thinking = 0  # answers with a thinking block
+        self.mode = 0o666  # no wider than the inputs' (`storage.narrowest_mode`)
 
     def flush(self) -> None:
         name = f"{self.prefix}-{len(self.shards):05d}.parquet"
         data = shard_bytes(self.rows, self.table_schema)
-        storage.write_bytes(storage.join(self.output, name), data)
+        storage.write_bytes(storage.join(self.output, name), data, self.mode)
         self.shards.append({"name": name, "rows": len(self.rows), **manifest.file_entry(data)})
         self.rows.clear()
 
@@ -219,7 +220,7 @@ def _skipped_files(sources: list, warnings: list[str], stage: str) -> list[str]:
 def _nothing_kept(summary: dict[str, Any], out: _Output, report: str, sources: list, responses: bool) -> DFlashError:
     """A run that kept no prompt: its quarantine is still written, where the error points to it."""
     summary["quarantine_file"] = manifest.report_uri(out.output, QUARANTINE)
-    storage.write_text(summary["quarantine_file"], report)
+    storage.write_text(summary["quarantine_file"], report, out.mode)
     kinds_text = ", ".join(f"{k}: {v}" for k, v in sorted(out.kinds.items())) or "none"
     return DFlashError(
         f"no {'answers' if responses else 'prompts'} out of {summary['records']} records in "
@@ -244,6 +245,7 @@ def _prompts(
         source.open()
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
     out = _Output(output, stage, responses, pcfg.shard_size)
+    out.mode = storage.narrowest_mode([f for source in sources for f in source.files])
     counts: collections.Counter[str] = collections.Counter()
     per_source: list[dict[str, Any]] = []
     warnings: list[str] = []
@@ -279,7 +281,7 @@ def _prompts(
     if out.rows:
         out.flush()
     held.check()
-    storage.write_text(storage.join(output, QUARANTINE), report)
+    storage.write_text(storage.join(output, QUARANTINE), report, out.mode)
     manifest.commit(
         output,
         kind="completions" if responses else "prompts",

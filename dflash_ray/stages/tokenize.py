@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray import manifest, storage, writer
+from dflash_ray.arrow_files import checked, open_parquet, read_parquet
 from dflash_ray.cluster import connect
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data import schema
@@ -128,7 +129,7 @@ def _drop_duplicates(results: list[dict[str, Any]], output: str) -> list[dict[st
         if not drop.size:
             continue
         uri = storage.join(output, result["name"])
-        table = pq.read_table(io.BytesIO(storage.read_bytes(uri)))
+        table = read_parquet(io.BytesIO(storage.read_bytes(uri)), uri)
         keep = np.ones(table.num_rows, dtype=bool)
         keep[drop] = False
         for k in drop:
@@ -160,7 +161,7 @@ def _drop_duplicates(results: list[dict[str, Any]], output: str) -> list[dict[st
 
 
 def read_ids(uri: str) -> list[str]:
-    return pq.read_table(io.BytesIO(storage.read_bytes(uri)), columns=["id"])["id"].to_pylist()
+    return read_parquet(io.BytesIO(storage.read_bytes(uri)), uri, columns=["id"])["id"].to_pylist()
 
 
 def _unreadable(uri: str, reason: str, rows: int, **where: Any) -> dict[str, Any]:
@@ -188,7 +189,7 @@ def _unit_rows(unit: dict[str, Any], batch_size: int) -> Iterator[tuple[list, li
     group, first = int(unit["row_group"]), int(unit["first_row"])
     try:
         with fs.open_input_file(path) as f:
-            table = pq.ParquetFile(f).read_row_group(group)
+            table = open_parquet(f, uri).read_row_group(group)
     except (pa.ArrowException, OSError) as e:
         yield [], [], [_unreadable(uri, f"row group {group} unreadable: {e}", int(unit["rows"]), row_group=group)]
         return
@@ -219,7 +220,9 @@ def work_units(
             fs, path = storage.arrow_filesystem(uri)
             try:
                 with fs.open_input_file(path) as f:
-                    meta = pq.ParquetFile(f).metadata
+                    parquet = pq.ParquetFile(f)
+                    checked(parquet.schema_arrow, uri)  # before any row, in any worker
+                    meta = parquet.metadata
             except (pa.ArrowException, OSError) as e:
                 lost = (listed or {}).get(uri, 1)
                 unreadable.append(

@@ -17,6 +17,24 @@ from dflash_ray.errors import DFlashError, GateFailed
 from dflash_ray.stages import PipelineRun, Stage
 
 
+def _trust_named_tokenizer(name: Any, input_uri: str) -> None:
+    """A tokenizer the dataset's manifest names is loaded only by short name or Hub id: a path (on
+    this machine or S3) is a place the file chose, which only the user may choose (`--tokenizer`)."""
+    from dflash_ray import storage
+    from dflash_ray.registry import HUB_ID, SHORT_NAMES
+
+    if isinstance(name, str) and name in SHORT_NAMES:
+        return
+    if isinstance(name, str) and HUB_ID.fullmatch(name) and not storage.local_path(name.removeprefix("hf://")).exists():
+        return  # a Hub id: read from the Hub's cache, never a folder of that name here
+    raise DFlashError(
+        f"the dataset's manifest names the tokenizer {str(name)[:200]!r}, a path it chose: a manifest may "
+        "name a short name or a Hub id; nothing was loaded: pass --tokenizer NAME_OR_PATH if you trust it",
+        file=input_uri,
+        field="tokenize.tokenizer",
+    )
+
+
 def run_validate(
     input_uri: str, cfg: RunConfig, *, report_dir: str | None = None, tokenizer_name: str | None = None
 ) -> dict[str, Any]:
@@ -27,7 +45,10 @@ def run_validate(
     data = open_tokenized(input_uri)
     made_by = data.made_by or {}
     set_in_config = cfg.tokenize.tokenizer if cfg.tokenize.tokenizer != TokenizeConfig().tokenizer else None
-    tokenizer_name = tokenizer_name or made_by.get("config", {}).get("tokenize", {}).get("tokenizer") or set_in_config
+    named = made_by.get("config", {}).get("tokenize", {}).get("tokenizer")
+    if not (tokenizer_name or set_in_config) and named:
+        _trust_named_tokenizer(named, input_uri)
+    tokenizer_name = tokenizer_name or named or set_in_config
     if not tokenizer_name:  # a guess would decode the report's samples into garbage, and check ids against it
         raise DFlashError(
             "the dataset's manifest names no tokenizer (it was not tokenized here): give the one "

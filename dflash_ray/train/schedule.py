@@ -187,14 +187,13 @@ def sample_lengths(samples: list[tuple[str, int]]) -> list[int]:
 
 def sample_prompts(samples: list[tuple[str, int]]) -> list[str]:
     """The prompt each sample answers (several completions of one prompt share it)."""
-    import pyarrow.parquet as pq
-
+    from dflash_ray.arrow_files import read_parquet
     from dflash_ray.generation.completions import prompt_of
 
     ids: dict[str, list] = {}
     for uri in dict.fromkeys(uri for uri, _ in samples):
         fs, path = storage.arrow_filesystem(uri)
-        ids[uri] = pq.read_table(path, filesystem=fs, columns=["id"]).column("id").to_pylist()
+        ids[uri] = read_parquet(path, uri, filesystem=fs, columns=["id"]).column("id").to_pylist()
     return [prompt_of(str(ids[uri][row])) for uri, row in samples]
 
 
