@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_ray.config import RayConfig
-from dflash_ray.errors import DFlashError, keep_catching_sigterm
+from dflash_ray.errors import DFlashError, keep_catching_sigterm, signals_held
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +20,19 @@ log = logging.getLogger(__name__)
 def connect(cfg: RayConfig, *, existing: bool = False, holds: Callable[[], bool] | None = None) -> None:
     """Join the cluster named by config or `RAY_ADDRESS` (as under `ray job submit`), else start a
     local one (`existing`: else join one running on this machine, `holds`: the first where it says
-    yes; see `join_running`). A driver that already called `ray.init` keeps its cluster."""
+    yes; see `join_running`). A driver that already called `ray.init` keeps its cluster. Ctrl-C or
+    SIGTERM during the start stop the command once Ray is up (`signals_held`)."""
     import ray
 
     if ray.is_initialized():
         return
+    with signals_held():
+        _connect(cfg, existing, holds)
+
+
+def _connect(cfg: RayConfig, existing: bool, holds: Callable[[], bool] | None) -> None:
+    import ray
+
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         check_reachable(address, "ray.address" if cfg.address else "the environment's RAY_ADDRESS")

@@ -610,6 +610,9 @@ def _check_section(section: Any, prefix: str) -> None:
             ok, allowed = f.metadata["range"]
             if not ok(value):
                 raise DFlashError(f"{value!r} is out of range; allowed: {allowed}", field=f"{prefix}{f.name}")
+        elif f.name == "seed" and isinstance(value, int) and not 0 <= value < 2**32:
+            # numpy's generators, the narrowest of those seeded, take no more: refused here, not by each actor
+            raise DFlashError(f"{value} is out of range; allowed: in [0, {2**32 - 1}]", field=f"{prefix}{f.name}")
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             _check_section(value, f"{prefix}{f.name}.")
     rules = getattr(type(section), "check", None)  # a section's own rules (the whole config's: `check`)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any
+from typing import Any, Iterator
 
 
 class DFlashError(Exception):
@@ -90,6 +91,35 @@ def keep_catching_sigterm() -> None:
 def _terminate(signum, frame) -> None:
     note_sigterm()
     raise Terminated()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then stop the command as they would have:
+    raised inside a library's start-up (`ray.init`'s C++ core starting its threads) they crashed
+    the process (exit 139) instead of exiting 130 with its message."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+
+    def hold(signum, frame) -> None:
+        came.append(signum)
+
+    before = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            if signal.getsignal(s) is hold:  # a handler the block installed (ray's, ours again) stays
+                signal.signal(s, handler)
+    if signal.SIGTERM in came:
+        _terminate(signal.SIGTERM, None)
+    if came:
+        raise KeyboardInterrupt()
 
 
 def note_sigterm() -> None:

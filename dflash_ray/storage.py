@@ -39,7 +39,18 @@ def is_s3(uri: str) -> bool:
 
 
 def local_path(uri: str) -> Path:
+    """The local path of `uri`; a scheme nothing here reads (gs://, http://) is named as such, not
+    looked for as a file of that name."""
+    import re
+
     uri = str(uri)
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", uri)
+    if scheme and scheme.group(1).lower() not in ("file", "s3", "hf"):
+        raise DFlashError(
+            f"unsupported scheme '{scheme.group(1)}://': local paths, file:// and s3:// are read here "
+            "(and hf:// for Hugging Face Hub ids): copy it to one of those first",
+            file=uri,
+        )
     return Path(uri[len("file://") :] if uri.startswith("file://") else uri)
 
 

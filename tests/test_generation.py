@@ -323,3 +323,12 @@ def test_a_prompt_past_the_models_own_positions_is_not_generated_and_an_answer_s
     assert "the model has 40 positions (fewer than generate.max_model_len 8192)" in result.rejects[0]["reason"]
     (done,) = result.completions
     assert len(done["prompt_token_ids"]) + done["num_output_tokens"] == 40 and done["finish_reason"] == "length"
+
+
+def test_a_scale_past_the_shards_left_or_the_clusters_room_is_held_to_it_and_says_so():
+    leases = ShardLeases(UNITS, {}, target=1, lease_timeout_s=10, clock=Clock())
+    said = leases.set_target(99999999999999999999)
+    assert leases.target == len(UNITS) and f"{len(UNITS)} shards are left" in said
+    said = leases.set_target(len(UNITS), room=1)
+    assert leases.target == 1 and "the cluster's nodes hold 1 generators" in said
+    assert leases.set_target(1, room=4) is None and leases.target == 1

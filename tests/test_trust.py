@@ -163,3 +163,31 @@ def test_validate_loads_no_tokenizer_from_a_path_the_manifest_chose(tmp_path, ca
     assert written
     code, summary = _cli(capsys, "validate", "--input", str(data))
     assert code == 2 and "a path it chose" in summary["error"] and "tokenize.tokenizer" in summary["error"]
+
+
+def test_a_signal_during_a_start_up_stops_the_command_once_the_start_is_over():
+    import signal
+
+    from dflash_ray.errors import signals_held
+
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of `ray.init`
+            finished.append(True)  # the start is not cut short inside a library's C++ code
+    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["prompts", "--input", "gs://bucket/chats.jsonl", "--output", "OUT"], "unsupported scheme 'gs://'"),
+        (["tokenize", "--input", "https://example.com/c.parquet", "--output", "OUT"], "unsupported scheme 'https://'"),
+        (["validate", "--input", "DATA", "--set", "train.seed=99999999999999999999"], "field 'train.seed'"),
+        (["validate", "--input", "DATA", "--set", "generate.seed=-1"], "field 'generate.seed'"),
+    ],
+)
+def test_inputs_and_seeds_nothing_can_use_are_named(argv, said, tmp_path, capsys):
+    argv = [str(tmp_path / a) if a in ("OUT", "DATA") else a for a in argv]
+    code, summary = _cli(capsys, *argv)
+    assert code == 2 and said in summary["error"], summary

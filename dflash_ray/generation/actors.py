@@ -45,7 +45,7 @@ class ShardPool:
         )
         self._changed = asyncio.Event()  # set (and replaced) when a held `lease` call should look again
         self.asked: set[str] = set()  # generators that asked for work: their engine started
-        self.output, self.plan = output, plan
+        self.output, self.plan, self.cfg = output, plan, cfg
         tags = {"run": cfg.name}
         self.m_prompts = metrics.Counter("dflash_generate_prompts_done", "prompts generated", tag_keys=("run",))
         self.m_tokens = metrics.Counter("dflash_generate_tokens", "output tokens generated", tag_keys=("run",))
@@ -127,8 +127,10 @@ class ShardPool:
         return accepted
 
     def set_target(self, n: int) -> dict[str, Any]:
-        self.leases.set_target(n)
-        return self._publish()
+        from dflash_ray.generation.options import cluster_room
+
+        bounded = self.leases.set_target(n, cluster_room(self.cfg))
+        return {**self._publish(), "bounded": bounded}
 
     def reconcile(self) -> tuple[int, list[str], list[str]]:
         """(generators to start, generators to drain, generators whose lease timed out)."""

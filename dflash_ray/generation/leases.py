@@ -117,12 +117,20 @@ class ShardLeases:
             self.pending.appendleft(i)
         return back
 
-    def set_target(self, n: int) -> None:
-        """A target set by hand (`dflash-ray scale`) turns autoscaling off for the rest of the run."""
+    def set_target(self, n: int, room: int | None = None) -> str | None:
+        """A target set by hand (`dflash-ray scale`) turns autoscaling off for the rest of the run.
+        It is held to the shards left (a generator more would find no work) and to `room` (the
+        generators the cluster can hold, when known); returns what bounded it, if anything."""
         if n < 0:
             raise ValueError(f"generators must be >= 0, got {n}")
-        self.target = n
+        left = len(self.pending) + len(self.leased)
+        bounds = [(left, f"{left} shards are left")] + (
+            [(room, f"the cluster's nodes hold {room} generators")] if room is not None else []
+        )
+        low, why = min(bounds)
+        self.target = min(n, low)
         self.auto = None
+        return f"asked for {n} generators, set to {self.target}: {why}" if n > low else None
 
     def revise(self) -> None:
         """The autoscaler's step: a new target from the queue and the measured rates, at most once

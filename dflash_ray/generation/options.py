@@ -36,3 +36,19 @@ def engine_options(cfg: GenerateConfig) -> dict[str, Any]:
         "resources": on_node(cfg.node_resource),
         "runtime_env": {"env_vars": env},
     }
+
+
+def cluster_room(cfg: GenerateConfig) -> int | None:
+    """How many generators the cluster's nodes can hold at once (None with autoscaling: nodes come)."""
+    import ray
+
+    if cfg.autoscale.enabled:
+        return None
+    options = engine_options(cfg)
+    need = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **(options["resources"] or {})}
+    need = {k: v for k, v in need.items() if v}
+    if not need:
+        return None
+    return sum(
+        int(min(node["Resources"].get(k, 0.0) // v for k, v in need.items())) for node in ray.nodes() if node["Alive"]
+    )

@@ -527,6 +527,8 @@ def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
     if n < 0:
         raise DFlashError(f"must be >= 0, got {n}", field="generators")
     status = ray.get(_pool(cfg).set_target.remote(n), timeout=POOL_TIMEOUT_S)
+    if status.get("bounded"):
+        log.warning("%s", status["bounded"])
     return {"stage": "scale", "name": cfg.generate.name, **status}
 
 
