@@ -610,6 +610,8 @@ def _check_section(section: Any, prefix: str) -> None:
             ok, allowed = f.metadata["range"]
             if not ok(value):
                 raise DFlashError(f"{value!r} is out of range; allowed: {allowed}", field=f"{prefix}{f.name}")
+        elif f.name == "tokenizer" and isinstance(value, str) and not value.strip():
+            raise DFlashError("is empty: give a short name, a path or a Hub id", field=f"{prefix}{f.name}")
         elif f.name == "seed" and isinstance(value, int) and not 0 <= value < 2**32:
             # numpy's generators, the narrowest of those seeded, take no more: refused here, not by each actor
             raise DFlashError(f"{value} is out of range; allowed: in [0, {2**32 - 1}]", field=f"{prefix}{f.name}")

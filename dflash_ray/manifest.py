@@ -141,9 +141,30 @@ def dataset_files(uri: str, suffixes: tuple[str, ...] = (".parquet", ".jsonl"), 
     return _listed_files(uri, manifest, verify)
 
 
+SPLIT_DICT = "dataset_dict.json"  # what `DatasetDict.save_to_disk` writes above its splits' folders
+
+
+def refuse_split_dict(uri: str) -> None:
+    """A saved `DatasetDict` is a folder of splits: the error names them and the folder to give."""
+    import json
+
+    if not storage.exists(storage.join(uri, SPLIT_DICT)):
+        return
+    try:
+        splits = [str(s) for s in json.loads(storage.read_text(storage.join(uri, SPLIT_DICT))).get("splits", [])]
+    except (ValueError, AttributeError):
+        splits = []
+    raise DFlashError(
+        f"a dataset with splits {', '.join(splits) or '(unnamed)'}: give one split's folder, e.g. "
+        f"{storage.join(uri, splits[0] if splits else 'train')}",
+        file=uri,
+    )
+
+
 def _unlisted_files(uri: str, suffixes: tuple[str, ...]) -> list[str]:
     """A folder without a manifest, read whole: unless it holds what a failed run of this project
     leaves (a report is not data), or nothing to read."""
+    refuse_split_dict(uri)
     files = storage.list_files(uri, suffixes)
     report = next((f for f in files if storage.basename(f) in RUN_REPORTS), None)
     if report is not None:  # what a stage of this project leaves when it ends without its dataset

@@ -103,6 +103,8 @@ def resolve(name_or_path: str, *, need: str = "model") -> str:
 
     `need` is "model" or "tokenizer": a tokenizer alone never converts model weights.
     """
+    if not str(name_or_path).strip():  # "" is a path too: the current folder, which nobody meant
+        raise DFlashError(f"an empty {need} name: give a short name ({', '.join(SHORT_NAMES)}), a path or a Hub id")
     if name_or_path == QWEN3:
         if need == "model":
             raise DFlashError("'qwen3' is a tokenizer only; it has no model weights")

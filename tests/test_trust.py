@@ -185,9 +185,20 @@ def test_a_signal_during_a_start_up_stops_the_command_once_the_start_is_over():
         (["tokenize", "--input", "https://example.com/c.parquet", "--output", "OUT"], "unsupported scheme 'https://'"),
         (["validate", "--input", "DATA", "--set", "train.seed=99999999999999999999"], "field 'train.seed'"),
         (["validate", "--input", "DATA", "--set", "generate.seed=-1"], "field 'generate.seed'"),
+        (
+            ["prompts", "--input", "DATA", "--output", "OUT", "--set", "prompts.tokenizer="],
+            "'prompts.tokenizer': is empty",
+        ),
+        (["prompts", "--input", "SPLITS", "--output", "OUT"], "a dataset with splits train, test: give one split's"),
+        (["tokenize", "--input", "SPLITS", "--output", "OUT"], "a dataset with splits train, test: give one split's"),
     ],
 )
-def test_inputs_and_seeds_nothing_can_use_are_named(argv, said, tmp_path, capsys):
-    argv = [str(tmp_path / a) if a in ("OUT", "DATA") else a for a in argv]
+def test_inputs_settings_and_seeds_nothing_can_use_are_named(argv, said, tmp_path, capsys):
+    splits = tmp_path / "SPLITS"  # what `DatasetDict.save_to_disk` writes
+    for split in ("train", "test"):
+        (splits / split).mkdir(parents=True)
+        (splits / split / "dataset_info.json").write_text("{}")
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    argv = [str(tmp_path / a) if a in ("OUT", "DATA", "SPLITS") else a for a in argv]
     code, summary = _cli(capsys, *argv)
     assert code == 2 and said in summary["error"], summary

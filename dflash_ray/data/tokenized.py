@@ -32,7 +32,6 @@ REQUIRED = ("input_ids", "loss_mask")
 OPTIONAL = ("seq_len", "id", "source")
 DATA_SUFFIXES = (".parquet", ".arrow")
 HF_STATE = "state.json"  # `save_to_disk`: lists the Arrow files
-HF_DICT = "dataset_dict.json"  # `DatasetDict.save_to_disk`: one folder per split
 TOKENIZE_HINT = "make one from completions with `dflash-ray tokenize --input COMPLETIONS --output DIR`"
 NOT_TOKENIZED = {
     "prompts": "holds prompts, not tokenized samples: generate completions with `dflash-ray generate "
@@ -94,13 +93,7 @@ def _data_files(uri: str) -> tuple[list[str], dict[str, Any] | None]:
         if other:
             raise DFlashError(f"a '{kind}' dataset, not a tokenized one: {TOKENIZE_HINT}", file=other[0])
         return files, made_by
-    if storage.exists(storage.join(uri, HF_DICT)):
-        splits = json.loads(storage.read_text(storage.join(uri, HF_DICT))).get("splits", [])
-        raise DFlashError(
-            f"a dataset with splits {', '.join(splits)}: give one split's folder, e.g. "
-            f"{storage.join(uri, splits[0] if splits else 'train')}",
-            file=uri,
-        )
+    manifest.refuse_split_dict(uri)
     files = storage.list_files(uri, ".parquet") or _hf_arrow_files(uri)
     if not files:
         found = "JSON files, not a tokenized dataset: " if storage.list_files(uri, (".jsonl", ".json")) else ""
