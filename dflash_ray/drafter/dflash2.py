@@ -364,11 +364,23 @@ class DFlash2:
         }
 
     def read_hf_config(self, data: dict) -> dict:
-        nested = data["dflash_config"]
+        """Its `dflash_config` (`from_hf_config` has checked the fields every family shares)."""
+        from dflash_ray.drafter.config_checks import MAX_BLOCK, MAX_RANK, Fields
+
+        nested = Fields(data).section("dflash_config")
+        hidden, vocab = data["hidden_size"], data["vocab_size"]
+        group = nested.whole("conv_group_size", 1, hidden)
+        if hidden % group:
+            raise nested.bad("conv_group_size", f"a divisor of hidden_size {hidden}", group)
         return {
-            "mask_token_id": nested["mask_token_id"],
-            "target_layer_ids": list(nested["target_layer_ids"]),
-            "settings": {key: int(nested[key]) for key in self._own_keys},
+            "mask_token_id": nested.data["mask_token_id"],
+            "target_layer_ids": list(nested.data["target_layer_ids"]),
+            "settings": {
+                "conv_kernel_size": nested.whole("conv_kernel_size", 1, MAX_BLOCK),
+                "conv_group_size": group,
+                "selector_rank": nested.whole("selector_rank", 1, MAX_RANK),
+                "selector_top_k": nested.whole("selector_top_k", 1, vocab, note=" (at most vocab_size)"),
+            },
         }
 
 

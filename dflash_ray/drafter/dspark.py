@@ -332,13 +332,21 @@ class DSpark:
         }
 
     def read_hf_config(self, data: dict) -> dict:
+        """Its flat keys (`from_hf_config` has checked the fields every family shares); the drafter
+        here is vLLM's vanilla head drafting from the anchor, so a config.json of another is refused."""
+        from dflash_ray.drafter.config_checks import MAX_RANK, Fields
+
+        top = Fields(data)
+        top.choice("markov_head_type", ("vanilla",), "vanilla")
+        if not top.flag("sample_from_anchor", True):
+            raise top.bad("sample_from_anchor", "true (the drafter here drafts from the anchor)", False)
         return {
             "mask_token_id": data["mask_token_id"],
             "target_layer_ids": list(data["target_layer_ids"]),
             "settings": {
-                "markov_rank": data["markov_rank"],
-                "confidence_head": data.get("enable_confidence_head", False),
-                "confidence_with_markov": data.get("confidence_head_with_markov", False),
+                "markov_rank": top.whole("markov_rank", 1, MAX_RANK),
+                "confidence_head": top.flag("enable_confidence_head", False),
+                "confidence_with_markov": top.flag("confidence_head_with_markov", False),
             },
         }
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_ray.drafter import config_checks as checks
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import DrafterConfig
+from dflash_ray.errors import DFlashError
 
 if TYPE_CHECKING:
     from dflash_ray.drafter.model import DFlashDrafter
@@ -67,9 +70,44 @@ def to_hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def from_hf_config(data: dict) -> DrafterConfig:
-    family = families.of_architecture(data.get("architectures") or [])
-    known = {
+def from_hf_config(data: Any, file: str | None = None) -> DrafterConfig:
+    """The drafter a serving config.json describes, every field it reads checked first
+    (`config_checks`): a missing, mistyped or absurd one is a DFlashError naming `file` and the field,
+    before any model is built."""
+    try:
+        return _from_hf_config(data)
+    except DFlashError as e:
+        if file is None or e.file is not None:
+            raise
+        raise DFlashError(e.message, file=file, field=e.field) from None
+
+
+def _from_hf_config(data: Any) -> DrafterConfig:
+    top = checks.Fields(data)
+    family = families.get(checks.architectures(top, {families.get(n).architecture: n for n in families.names()}))
+    shared = checks.shared_fields(top)
+    try:  # where a family reads its own fields: a file of another family misses them
+        checks.mask_and_layers(top, "dflash_config" in family.hf_keys, shared)
+        own = family.read_hf_config(data)
+        saved = families.settings(family.name, top.section(SETTINGS).data if SETTINGS in data else None, SETTINGS)
+    except DFlashError as e:
+        if not e.message.startswith("missing"):
+            raise
+        raise DFlashError(f"{e.message} (a {family.architecture} config.json has it)", field=e.field) from None
+    own["settings"] = {**dataclasses.asdict(saved), **own.get("settings", {})}  # what serving reads wins
+    known = _SHARED_KEYS | family.hf_keys | {SETTINGS}
+    try:
+        cfg = DrafterConfig(
+            **shared, family=family.name, **own, extra={k: v for k, v in data.items() if k not in known}
+        )
+    except ValueError as e:  # a rule across fields that the checks above leave to the config itself
+        raise DFlashError(f"not a drafter this project builds: {e}") from None
+    _check_size(cfg)
+    return cfg
+
+
+_SHARED_KEYS = frozenset(
+    {
         "architectures",
         "model_type",
         "block_size",
@@ -96,29 +134,28 @@ def from_hf_config(data: dict) -> DrafterConfig:
         "tie_word_embeddings",
         "torch_dtype",
     }
-    known |= family.hf_keys | {SETTINGS}
-    own = family.read_hf_config(data)
-    own["settings"] = {**data.get(SETTINGS, {}), **own.get("settings", {})}  # what serving reads wins
-    return DrafterConfig(
-        hidden_size=data["hidden_size"],
-        intermediate_size=data["intermediate_size"],
-        num_layers=data["num_hidden_layers"],
-        num_heads=data["num_attention_heads"],
-        num_kv_heads=data["num_key_value_heads"],
-        head_dim=data["head_dim"],
-        vocab_size=data["vocab_size"],
-        num_target_layers=data["num_target_layers"],
-        layer_types=list(data["layer_types"]),
-        sliding_window=data.get("sliding_window") or 2048,
-        rope_theta=float(data["rope_theta"]),
-        rms_norm_eps=data["rms_norm_eps"],
-        max_position_embeddings=data["max_position_embeddings"],
-        block_size=data["block_size"],
-        tie_word_embeddings=data.get("tie_word_embeddings", False),
-        family=family.name,
-        **own,
-        extra={k: v for k, v in data.items() if k not in known},
-    )
+)
+
+
+def _check_size(cfg: DrafterConfig) -> None:
+    """Sizes each within its bound can still multiply past any drafter: counted on the meta device
+    (nothing allocated) before one is built."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in families.get(cfg.family).build(cfg).state_dict().items()}
+    total = sum(math.prod(s) for s in shapes.values())
+    if total > checks.MAX_PARAMETERS:
+        largest = max(shapes, key=lambda k: math.prod(shapes[k]))
+        raise DFlashError(
+            f"describes a drafter of {total:.3g} parameters, past the {checks.MAX_PARAMETERS:.3g} any drafter has "
+            f"(its largest tensor {largest} is {list(shapes[largest])}; num_hidden_layers {cfg.num_layers}, "
+            f"intermediate_size {cfg.intermediate_size}, vocab_size {cfg.vocab_size})",
+            field="hidden_size",
+        )
+
+
+def read_config(raw: str | bytes, file: str) -> DrafterConfig:
+    """A drafter's config.json, from its text: not JSON, or a bad field, names `file`."""
+    return from_hf_config(checks.parse(raw, file), file)
 
 
 def drafter_files(
@@ -154,22 +191,49 @@ def save_drafter(
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """The drafter of a folder holding config.json and model.safetensors; a bad config field, or a
+    weight missing, unexpected, of another shape or not a float, is a DFlashError naming it."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = from_hf_config(json.loads((path / CONFIG).read_text()))
+    cfg = read_config((path / CONFIG).read_bytes(), str(path / CONFIG))
     drafter = families.get(cfg.family).build(cfg)
     try:
         state = load_file(str(path / WEIGHTS), device=str(device))
     except Exception as e:  # safetensors' own error: a cut or damaged file
         if type(e).__name__ != "SafetensorError":
             raise
-        raise ValueError(f"{path / WEIGHTS} is not a readable safetensors file ({e}): cut short or damaged") from None
+        raise DFlashError(
+            f"not a readable safetensors file ({e}): cut short or damaged", file=str(path / WEIGHTS)
+        ) from None
+    _check_weights(state, drafter.state_dict(), str(path / WEIGHTS))
     drafter.to(next(iter(state.values())).dtype)
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: missing weights {missing}, unexpected {unexpected}")
+    drafter.load_state_dict(state)
     return drafter.to(device)
+
+
+def _check_weights(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], file: str) -> None:
+    """Every tensor the config's drafter has, of its shape and a float dtype, and no other."""
+    missing = [k for k in expected if k not in state]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DFlashError(
+            f"missing from the weights (the config.json's drafter has it){more}", file=file, field=missing[0]
+        )
+    for name, tensor in state.items():
+        if name not in expected:
+            raise DFlashError("a weight the config.json's drafter does not have", file=file, field=name)
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise DFlashError(
+                f"shape {list(tensor.shape)}, where the config.json's drafter has {list(want)}", file=file, field=name
+            )
+        if str(tensor.dtype).removeprefix("torch.") not in checks.FLOAT_DTYPES:
+            raise DFlashError(
+                f"{str(tensor.dtype).removeprefix('torch.')} weights; expected one of {list(checks.FLOAT_DTYPES)}",
+                file=file,
+                field=name,
+            )
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") -> dict:

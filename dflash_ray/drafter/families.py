@@ -119,7 +119,9 @@ class Family(Protocol):
 
     def read_hf_config(self, data: dict[str, Any]) -> dict[str, Any]:
         """`DrafterConfig` fields from a serving config.json: `mask_token_id`, `target_layer_ids` and
-        `settings` (a mapping of the settings that config names)."""
+        `settings` (a mapping of the settings that config names). `export.from_hf_config` has checked
+        the shared fields and the mask and layer ids (under `dflash_config` when `hf_keys` has it);
+        the family's own are read through `config_checks.Fields`, a bad one a DFlashError naming it."""
 
 
 @functools.cache

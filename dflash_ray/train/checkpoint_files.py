@@ -26,7 +26,6 @@ Anything else is refused unloaded, as a `checkpoint.CorruptCheckpoint` naming th
 from __future__ import annotations
 
 import io
-import json
 import pathlib
 import pickle
 import shutil
@@ -274,10 +273,11 @@ def assemble(folder: str) -> tuple[DFlashDrafter, int]:
     checked as well), built from its config and every rank's shard of the weights, without a process
     group (the optimizer state is not read); and the number of files checked against the manifest."""
     from dflash_ray.drafter import families
-    from dflash_ray.drafter.export import CONFIG, from_hf_config
+    from dflash_ray.drafter.export import CONFIG, read_config
 
     manifest = checkpoint.read_folder_manifest(folder)
-    cfg = from_hf_config(json.loads(checkpoint.read_checked(folder, f"drafter/{CONFIG}", manifest)))
+    name = f"drafter/{CONFIG}"
+    cfg = read_config(checkpoint.read_checked(folder, name, manifest), storage.join(folder, name))
     drafter = families.get(cfg.family).build(cfg).float()
     state = _state(drafter, None)
     with warnings.catch_warnings():  # DCP warns that a load without a process group is one process's: it is
