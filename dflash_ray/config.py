@@ -217,6 +217,12 @@ class GateConfig:
     max_all_loss_share: float = within(0, 1, default=0.0)  # share of samples whose every token is under the loss
     # share of samples that repeat an earlier one token for token (copies of files or records)
     max_duplicate_share: float = within(0, 1, default=0.01)
+    # share of samples with a loss run one token off (not starting on an answer's first token, or past <|im_end|>)
+    max_loss_shift_share: float = within(0, 1, default=0.01)
+    # share of samples with a loss run not ending on the end-of-turn token (<|im_end|>); cut samples aside
+    max_end_of_turn_share: float = within(0, 1, default=0.01)
+    # share of samples with loss tokens inside a turn that is not the assistant's (a tool result, a user turn)
+    max_non_assistant_loss_share: float = within(0, 1, default=0.01)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

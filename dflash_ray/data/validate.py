@@ -12,7 +12,8 @@ passes them. So the gate also checks placement, with the tokenizer's chat templa
 tokens must start after an assistant header (the first line of the template's generation prompt,
 `<|im_start|>assistant`) that follows the sample's start and the run before, and no loss token may
 be a turn's header; and no sample may be all loss. Such a mask is a fault of the data, never a
-distribution: a single sample fails these rules, and the report decodes it.
+distribution: a single sample fails these rules, and the report decodes it. A mask one token off
+passes them all; `mask_bounds` checks where each run of loss begins and ends.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import pyarrow as pa
 
 from dflash_ray import storage
 from dflash_ray.config import GateConfig
+from dflash_ray.data import mask_bounds
+from dflash_ray.data.mask_bounds import assistant_header, matches
 from dflash_ray.data.tokenized import TokenizedData, first_copies, iter_batches, read_table, sample_digest
 from dflash_ray.errors import DFlashError
 
@@ -45,6 +48,9 @@ class _Scan:
     locations: list[tuple[str, int]]  # (file, rows in file), to fetch examples back
     prompt_loss: np.ndarray  # bool per sample: loss tokens on its prompt (`prompt_loss`)
     first_copy: np.ndarray  # per sample, the first sample of the same content (itself when none before)
+    # per boundary rule (`mask_bounds.RULES`), per sample: its first offending token (-1: none); or why
+    # the rules were skipped
+    bounds: dict[str, np.ndarray] | str
 
 
 def _offsets_values(column: pa.ChunkedArray | pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,21 +97,6 @@ def _empty_thinking(
     return count
 
 
-def assistant_header(tokenizer) -> np.ndarray | None:
-    """The token ids that open an assistant turn in the tokenizer's chat template: the first line of
-    its generation prompt (`<|im_start|>assistant`); None for a tokenizer without a chat template."""
-    probe = [{"role": "user", "content": "ping"}]
-    try:
-        asked = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
-        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
-    except Exception:  # no chat template, or one that refuses the probe (jinja errors share no base class)
-        return None
-    if not isinstance(asked, str) or not asked.startswith(plain) or not asked[len(plain) :].strip():
-        return None
-    ids = tokenizer(asked[len(plain) :].strip().split("\n")[0], add_special_tokens=False)["input_ids"]
-    return np.asarray(ids, dtype=np.int64) if ids else None
-
-
 def prompt_loss(
     ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, header: np.ndarray | None, turn: int | None
 ) -> np.ndarray:
@@ -130,11 +121,7 @@ def prompt_loss(
         bad |= run & first
     else:
         size = header.size
-        hit = np.ones(max(n - size + 1, 0), dtype=bool)
-        for i, token in enumerate(header):
-            hit &= ids[i : n - size + 1 + i] == token
-        starts = np.flatnonzero(hit)
-        starts = starts[sample[starts] == sample[starts + size - 1]]  # within one sample
+        starts = matches(ids, sample, header)
         opened = np.full(n + 1, -1)
         opened[starts + size] = starts  # at the token after a header: where it began
         latest = np.maximum.accumulate(opened)[:n]  # the latest header ended at or before each token
@@ -142,6 +129,55 @@ def prompt_loss(
         for i in range(size):  # a header under the loss
             bad[starts + i] |= m[starts + i]
     return np.bincount(sample[bad], minlength=count) > 0
+
+
+def _checked(batch: pa.RecordBatch, uri: str, rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's token ids, masks and offsets, once nothing in them would break training (an error names
+    the file, record and field otherwise)."""
+    for name in ("input_ids", "loss_mask"):  # a null passes every range check as NaN
+        row = _first_null(batch.column(name))
+        if row is not None:
+            raise DFlashError(
+                "holds a missing (null) value: every token id and mask value must be set",
+                file=uri,
+                record=rows + row + 1,
+                field=name,
+            )
+    moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
+    ioffsets, ivalues = _offsets_values(batch.column("input_ids"))
+    if not np.array_equal(moffsets, ioffsets):
+        i = int(np.flatnonzero(np.diff(moffsets) != np.diff(ioffsets))[0])
+        raise DFlashError(
+            f"input_ids has {ioffsets[i + 1] - ioffsets[i]} tokens but loss_mask {moffsets[i + 1] - moffsets[i]}",
+            file=uri,
+            record=rows + i + 1,
+            field="loss_mask",
+        )
+    if mvalues.size and (mvalues.min() < 0 or mvalues.max() > 1):
+        i = int(np.searchsorted(moffsets, np.flatnonzero((mvalues < 0) | (mvalues > 1))[0], "right")) - 1
+        raise DFlashError("loss_mask values must be 0 or 1", file=uri, record=rows + i + 1, field="loss_mask")
+    if ivalues.size and (ivalues.min() < 0 or ivalues.max() >= vocab):  # training would index past the table
+        k = int(np.flatnonzero((ivalues < 0) | (ivalues >= vocab))[0])
+        i = int(np.searchsorted(ioffsets, k, "right")) - 1
+        raise DFlashError(
+            f"token id {int(ivalues[k])} is outside the tokenizer's vocabulary of {vocab}: "
+            "the ids were made by another tokenizer",
+            file=uri,
+            record=rows + i + 1,
+            field="input_ids",
+        )
+    if "seq_len" in batch.schema.names:
+        stated = np.asarray(batch.column("seq_len").to_numpy(zero_copy_only=False), dtype=np.int64)
+        wrong = np.flatnonzero(stated != np.diff(ioffsets))
+        if wrong.size:
+            i = int(wrong[0])
+            raise DFlashError(
+                f"seq_len is {int(stated[i])} but input_ids has {int(ioffsets[i + 1] - ioffsets[i])} tokens",
+                file=uri,
+                record=rows + i + 1,
+                field="seq_len",
+            )
+    return ivalues, mvalues, ioffsets
 
 
 def scan(data: TokenizedData, tokenizer) -> _Scan:
@@ -155,7 +191,9 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
     header = assistant_header(tokenizer)
     opener = None if header is None else tokenizer.convert_ids_to_tokens(int(header[0]))
     turn = int(header[0]) if header is not None and opener in tokenizer.get_added_vocab() else None
+    marks = mask_bounds.markers(tokenizer)
     sums, lens, locations, on_prompt = [], [], [], []
+    bounds: dict[str, list[np.ndarray]] = collections.defaultdict(list)
     digests: list[bytes] = []
     empty = 0
     sources: collections.Counter[str] = collections.Counter()
@@ -167,59 +205,19 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
     for uri in tqdm(data.files, desc="validate", unit=" files"):
         rows = 0
         for batch in iter_batches(uri, columns):
-            for name in ("input_ids", "loss_mask"):  # a null passes every range check as NaN
-                row = _first_null(batch.column(name))
-                if row is not None:
-                    raise DFlashError(
-                        "holds a missing (null) value: every token id and mask value must be set",
-                        file=uri,
-                        record=rows + row + 1,
-                        field=name,
-                    )
-            moffsets, mvalues = _offsets_values(batch.column("loss_mask"))
-            ioffsets, ivalues = _offsets_values(batch.column("input_ids"))
-            if not np.array_equal(moffsets, ioffsets):
-                i = int(np.flatnonzero(np.diff(moffsets) != np.diff(ioffsets))[0])
-                raise DFlashError(
-                    f"input_ids has {ioffsets[i + 1] - ioffsets[i]} tokens but loss_mask "
-                    f"{moffsets[i + 1] - moffsets[i]}",
-                    file=uri,
-                    record=rows + i + 1,
-                    field="loss_mask",
-                )
-            if mvalues.size and (mvalues.min() < 0 or mvalues.max() > 1):
-                i = int(np.searchsorted(moffsets, np.flatnonzero((mvalues < 0) | (mvalues > 1))[0], "right")) - 1
-                raise DFlashError("loss_mask values must be 0 or 1", file=uri, record=rows + i + 1, field="loss_mask")
-            if ivalues.size and (ivalues.min() < 0 or ivalues.max() >= vocab):  # training would index past the table
-                k = int(np.flatnonzero((ivalues < 0) | (ivalues >= vocab))[0])
-                i = int(np.searchsorted(ioffsets, k, "right")) - 1
-                raise DFlashError(
-                    f"token id {int(ivalues[k])} is outside the tokenizer's vocabulary of {vocab}: "
-                    "the ids were made by another tokenizer",
-                    file=uri,
-                    record=rows + i + 1,
-                    field="input_ids",
-                )
-            if "seq_len" in columns:
-                stated = np.asarray(batch.column("seq_len").to_numpy(zero_copy_only=False), dtype=np.int64)
-                wrong = np.flatnonzero(stated != np.diff(ioffsets))
-                if wrong.size:
-                    i = int(wrong[0])
-                    raise DFlashError(
-                        f"seq_len is {int(stated[i])} but input_ids has {int(ioffsets[i + 1] - ioffsets[i])} tokens",
-                        file=uri,
-                        record=rows + i + 1,
-                        field="seq_len",
-                    )
+            ivalues, mvalues, offsets = _checked(batch, uri, rows, vocab)
             csum = np.concatenate([[0], np.cumsum(mvalues, dtype=np.int64)])
-            batch_sums = csum[moffsets[1:]] - csum[moffsets[:-1]]
+            batch_sums = csum[offsets[1:]] - csum[offsets[:-1]]
             sums.append(batch_sums)
-            lens.append(np.diff(ioffsets))
-            empty += _empty_thinking(ivalues, mvalues, moffsets, think, think_end, blank)
-            on_prompt.append(prompt_loss(ivalues, mvalues, moffsets, header, turn))
+            lens.append(np.diff(offsets))
+            empty += _empty_thinking(ivalues, mvalues, offsets, think, think_end, blank)
+            on_prompt.append(prompt_loss(ivalues, mvalues, offsets, header, turn))
+            if isinstance(marks, mask_bounds.Markers):
+                for rule, at in mask_bounds.faults(ivalues, mvalues, offsets, marks).items():
+                    bounds[rule].append(at)
             ids32, mask8 = ivalues.astype(np.int32, copy=False), mvalues.astype(np.int8, copy=False)
             digests += [
-                sample_digest(ids32[a:b], mask8[a:b]) for a, b in zip(ioffsets[:-1].tolist(), ioffsets[1:].tolist())
+                sample_digest(ids32[a:b], mask8[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
             ]
             if "source" in columns:
                 batch_sources = [str(s) for s in batch.column("source").to_pylist()]
@@ -230,15 +228,18 @@ def scan(data: TokenizedData, tokenizer) -> _Scan:
             rows += batch.num_rows
         locations.append((uri, rows))
     empty_arr = np.zeros(0, dtype=np.int64)
+    seq_lens = np.concatenate(lens) if lens else empty_arr
+    prompt_flags = np.concatenate(on_prompt) if on_prompt else np.zeros(0, dtype=bool)
     return _Scan(
         np.concatenate(sums) if sums else empty_arr,
-        np.concatenate(lens) if lens else empty_arr,
+        seq_lens,
         empty,
         sources,
         source_loss,
         locations,
-        np.concatenate(on_prompt) if on_prompt else np.zeros(0, dtype=bool),
+        prompt_flags,
         first_copies(np.frombuffer(b"".join(digests), dtype=np.uint64).reshape(-1, 2)),
+        marks if isinstance(marks, str) else mask_bounds.over_dataset(bounds, seq_lens, prompt_flags),
     )
 
 
@@ -340,30 +341,55 @@ def gate_rules(stats: dict[str, Any], gate: GateConfig) -> list[dict[str, Any]]:
                 "message": f"{text} (limit: {op} {limit:g})",
             }
         )
+    return out + mask_bounds.gate_rules(stats["mask_bounds"], gate)  # the stage sets them: `bound_stats`
+
+
+def bound_stats(scan: _Scan, tokenizer, has_id: bool) -> dict[str, Any]:
+    """`stats["mask_bounds"]`: per boundary rule, the share of samples that break it and the first such
+    sample decoded around its offending token, the loss in ⟦ ⟧ (a mask one token off shows nowhere
+    else); or why the rules were skipped."""
+    if isinstance(scan.bounds, str):
+        return {"skipped": scan.bounds}
+    out: dict[str, Any] = {rule: float((at >= 0).mean()) for rule, at in scan.bounds.items()}
+    first = {rule: int(np.argmax(at >= 0)) for rule, at in scan.bounds.items() if (at >= 0).any()}
+    rows = _rows(scan, list(first.values()), has_id)
+    out["examples"] = {}
+    for rule, k in first.items():
+        (name, ids, mask), at = rows[k], int(scan.bounds[rule][k])
+        out["examples"][rule] = f"{name} at token {at}: {mask_bounds.marked(tokenizer, ids, mask, at)!r}"
     return out
 
 
-def examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[dict[str, Any]]:
-    """Decode the samples at global row indices (prompt tail and response); a dataset without
-    ids names a sample by its file and row."""
+def _rows(scan: _Scan, indices: list[int], has_id: bool) -> dict[int, tuple[str, np.ndarray, np.ndarray]]:
+    """The samples at global row indices, read back: name, token ids and mask (bool). A dataset
+    without ids names a sample by its file and row."""
     wanted = sorted(set(indices))
-    out: dict[int, dict[str, Any]] = {}
+    out = {}
     base = 0
     for uri, rows in scan.locations:
         local = [i - base for i in wanted if base <= i < base + rows]
         if local:
             table = read_table(uri, ["input_ids", "loss_mask"] + (["id"] if has_id else [])).take(local)
             for i, row in zip(local, table.to_pylist()):
-                ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], dtype=bool)
-                out[base + i] = {
-                    "id": row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}",
-                    "seq_len": int(ids.size),
-                    "loss_mask_sum": int(mask.sum()),
-                    "prompt_tail": tokenizer.decode(ids[~mask].tolist())[-300:],
-                    "response": tokenizer.decode(ids[mask].tolist())[:DECODE_CHARS],
-                }
+                name = row["id"] if has_id else f"{storage.basename(uri)} row {i + 1}"
+                out[base + i] = (name, np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], dtype=bool))
         base += rows
-    return [out[i] for i in indices if i in out]
+    return out
+
+
+def examples(scan: _Scan, indices: list[int], tokenizer, has_id: bool) -> list[dict[str, Any]]:
+    """Decode the samples at global row indices (prompt tail and response)."""
+    rows = _rows(scan, indices, has_id)
+    return [
+        {
+            "id": name,
+            "seq_len": int(ids.size),
+            "loss_mask_sum": int(mask.sum()),
+            "prompt_tail": tokenizer.decode(ids[~mask].tolist())[-300:],
+            "response": tokenizer.decode(ids[mask].tolist())[:DECODE_CHARS],
+        }
+        for name, ids, mask in (rows[i] for i in indices if i in rows)
+    ]
 
 
 def histogram_png(values: np.ndarray, title: str, xlabel: str) -> bytes:
@@ -413,6 +439,7 @@ def markdown(report: dict[str, Any]) -> str:
         f" / {s['seq_len']['p90']:g} / {s['seq_len']['max']} |",
         f"| samples with no loss token | {s['no_loss_share']:.1%} |",
         f"| samples with loss on their prompt / all loss | {s['prompt_loss_share']:.1%} / {s['all_loss_share']:.1%} |",
+        *mask_bounds.table_row(s.get("mask_bounds")),
         f"| duplicate samples (kept here / dropped by tokenize) | {s['duplicates']:,} / "
         f"{s.get('duplicates_dropped') or 0:,} |",
         f"| empty thinking blocks | {_share(s['empty_thinking_share'])} |",

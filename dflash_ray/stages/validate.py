@@ -12,7 +12,16 @@ import numpy as np
 from dflash_ray import storage
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data.tokenized import open_tokenized
-from dflash_ray.data.validate import TOP_VALUES, distribution, examples, gate_rules, histogram_png, markdown, scan
+from dflash_ray.data.validate import (
+    TOP_VALUES,
+    bound_stats,
+    distribution,
+    examples,
+    gate_rules,
+    histogram_png,
+    markdown,
+    scan,
+)
 from dflash_ray.errors import DFlashError, GateFailed
 from dflash_ray.stages import PipelineRun, Stage
 
@@ -91,6 +100,7 @@ def run_validate(
             src: {"samples": int(c), "median_response": float(np.median(np.concatenate(found.source_loss[src])))}
             for src, c in found.sources.most_common()
         },
+        "mask_bounds": bound_stats(found, tokenizer, "id" in data.columns),  # the boundary rules' figures
     }
     rules = gate_rules(stats, vcfg.gate)
     has_id = "id" in data.columns
