@@ -3,12 +3,14 @@
 Two paths:
 - Replay: when the record holds the engine's `prompt_token_ids` and `output_token_ids`, the sample
   is exactly those ids and the mask is 1 on every output id. Re-tokenizing text would drift from
-  what the target actually produced.
+  what the target actually produced. Ids outside the tokenizer's vocabulary, or no output ids, refuse
+  the record alone (the gate would refuse the whole dataset).
 - Render: otherwise the conversation is rendered with the tokenizer's chat template, the thinking
   block included, and the mask is derived from character offsets: 1 on exactly the tokens of the
   assistant response (thinking, answer, end-of-turn token), 0 on the prompt and on the
   `<|im_start|>assistant\\n` header. The prompt is rendered with the generation prompt, as the
-  engine saw it, so its end marks where the response starts.
+  engine saw it, so its end marks where the response starts. An answer the template does not render
+  (tool calls it drops, nothing but the end of the turn) is refused, not trained on as empty.
 
 A conversation the target answered turn by turn (`regenerate`) also trains on its earlier answers,
 as the chat template renders them in the last turn's prompt (a thinking template drops their
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from dflash_ray.config import TokenizeConfig
-from dflash_ray.data.formats import BadRecord
+from dflash_ray.data.formats import BadRecord, canonical_json, loads_finite
 
 
 @dataclass(slots=True)
@@ -115,9 +117,22 @@ def _history_mask(tokenizer, record: dict[str, Any], prompt: np.ndarray, enable_
     return earlier_answers(tokenizer, messages, text, offsets, prompt, **kwargs)
 
 
-def replay(prompt_ids: list[int], output_ids: list[int]) -> Sample:
+def replay(prompt_ids: list[int], output_ids: list[int], vocab: int | None = None) -> Sample:
+    """The engine's ids as they are, the output's trained on. `vocab`: the tokenizer's size, which
+    every id must be under (ids of another model's tokenizer would fail the gate, and the dataset)."""
     prompt = _token_ids(prompt_ids, "prompt_token_ids")
-    ids = np.concatenate([prompt, _token_ids(output_ids, "output_token_ids")])
+    output = _token_ids(output_ids, "output_token_ids")
+    if not output.size:
+        raise BadRecord("output_token_ids: empty: an answer of no tokens has nothing to train on", "empty_response")
+    for field, ids in (("prompt_token_ids", prompt), ("output_token_ids", output)):
+        if vocab is not None and ids.size and ids.max() >= vocab:
+            k = int(np.flatnonzero(ids >= vocab)[0])
+            raise BadRecord(
+                f"{field}[{k}]: token id {int(ids[k])} is outside the tokenizer's vocabulary of {vocab} "
+                "(ids of another model's tokenizer? tokenize.tokenizer must be the one that generated them)",
+                "out_of_vocabulary",
+            )
+    ids = np.concatenate([prompt, output])
     mask = np.zeros(len(ids), dtype=np.int8)
     mask[len(prompt) :] = 1
     return Sample(ids, mask)
@@ -150,11 +165,14 @@ def _json_list(raw: Any, field: str, of: str) -> list | None:
         return None
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = loads_finite(raw)
         except json.JSONDecodeError as e:
             raise BadRecord(f"{field}: not valid JSON ({e.msg} at column {e.colno})", "bad_field") from None
+        except ValueError as e:  # NaN, Infinity: Python reads them, JSON has no such number
+            raise BadRecord(f"{field}: {e}", "bad_field") from None
     if not isinstance(raw, list):
         raise BadRecord(f"{field}: must be a JSON list of {of}, got {type(raw).__name__}", "bad_field")
+    canonical_json(raw, field)  # NaN in a record's list: the template's `tojson` would write invalid JSON
     return raw
 
 
@@ -196,11 +214,32 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     starts = np.asarray([s for s, _ in encoded["offset_mapping"]], dtype=np.int64)
     mask = (starts >= start).astype(np.int8)
+    _check_rendered(tokenizer, full[start:end], calls, ids[mask.astype(bool)])
     if _regenerated(record):
         mask |= earlier_answers(
             tokenizer, messages, full[:end], starts, ids, tools=tools, enable_thinking=enable_thinking
         )
     return Sample(ids, mask)
+
+
+def _check_rendered(tokenizer, response: str, calls: list | None, answer_ids: np.ndarray) -> None:
+    """Refuse an answer the chat template does not render: tool calls it drops (a template without
+    tools), or nothing but the end of the turn to train on."""
+    from dflash_ray.registry import stop_token_ids
+
+    names = [
+        c["function"].get("name") for c in calls or () if isinstance(c, dict) and isinstance(c.get("function"), dict)
+    ]
+    missing = [n for n in names if isinstance(n, str) and n and n not in response]
+    empty = not np.isin(answer_ids, stop_token_ids(tokenizer), invert=True).any()
+    if missing:
+        raise BadRecord(
+            f"tool_calls: the chat template does not render the answer's tool calls ({', '.join(missing)} missing): "
+            + ("it renders no answer tokens" if empty else "the answer would be trained on without them"),
+            "template_error",
+        )
+    if empty:
+        raise BadRecord("the chat template renders no answer tokens: nothing but the end of the turn", "empty_response")
 
 
 def apply_length_policy(sample: Sample, cfg: TokenizeConfig) -> Sample:
@@ -226,7 +265,7 @@ def tokenize_record(tokenizer, record: Any, cfg: TokenizeConfig) -> Sample:
         raise BadRecord("id: missing", "missing_field")
     prompt_ids, output_ids = record.get("prompt_token_ids"), record.get("output_token_ids")
     if prompt_ids is not None and output_ids is not None:
-        sample = replay(prompt_ids, output_ids)
+        sample = replay(prompt_ids, output_ids, len(tokenizer))
         if _regenerated(record):
             prompt_len = len(sample.input_ids) - len(output_ids)
             sample.loss_mask[:prompt_len] = _history_mask(

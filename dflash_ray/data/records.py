@@ -12,12 +12,19 @@ layouts people actually save:
 - `.json`: a document of top-level values, read value by value: an array yields its elements, an
   object is one record, and several values in a row (a JSONL file saved as `.json`) are each read.
   A broken element is skipped up to its closing bracket and reported alone; the others go on.
+
+A value sound in syntax is refused too, alone, when it is no record this project can use and would
+take the run down further on: longer than `MAX_RECORD_BYTES`, nested deeper than `MAX_DEPTH`, or
+holding an integer longer than Python reads (`sys.get_int_max_str_digits`). A JSONL line over the
+size that is an array (`json.dump` of a whole list) is read element by element instead.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -28,6 +35,14 @@ COMPRESSIONS = (".gz", ".bz2", ".zst")  # JSON and JSONL files may come compress
 SUFFIXES = (".jsonl", ".json", ".parquet") + tuple(f"{kind}{c}" for kind in (".jsonl", ".json") for c in COMPRESSIONS)
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors save JSON: not part of the first record
 RAW_PREVIEW = 2000  # characters of a bad record kept in quarantine
+# One record is one conversation: a million-token one is ~4 MB of text, and its token ids as JSON
+# (a completion's) ~7 MB more. A longer record is no conversation a target takes (an embedded file, a
+# dump) and costs memory many times its size downstream (a 100 MB prompt took 24 GB in the budget's
+# tokenizer, killing the run): it is quarantined unread.
+MAX_RECORD_BYTES = 16 * 2**20
+# Chat records nest a few levels (a tool schema a dozen or so). Far deeper values reach Python's
+# recursion limit in the JSON reader, or later in the encoder and the chat template's `tojson`.
+MAX_DEPTH = 100
 _WHITESPACE = " \t\n\r"
 
 
@@ -126,8 +141,15 @@ def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]
                 raw=line[:RAW_PREVIEW].decode("utf-8", "replace"),
             )
             continue
+        if len(line) > MAX_RECORD_BYTES:
+            first = False
+            if text.lstrip().startswith("["):  # a whole list dumped on one line: its elements are the records
+                yield from _document(uri, text, number)
+            else:
+                yield RawRecord(uri, number, error=_too_large(len(line)), raw=text[:RAW_PREVIEW])
+            continue
         try:
-            value = json.loads(text)
+            value, _ = _read(text)
         except json.JSONDecodeError as e:
             if first and _is_utf8(data):  # a JSON document under a .jsonl name?
                 yield from json_document(uri, data)
@@ -140,12 +162,81 @@ def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]
             )
             first = False
             continue
+        except BadRecord as e:
+            first = False
+            yield RawRecord(uri, number, error=e, raw=text[:RAW_PREVIEW])
+            continue
         first = False
-        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        if (error := _refused(text, 0, len(text), value)) is not None:
+            yield RawRecord(uri, number, error=error, raw=text[:RAW_PREVIEW])
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for item, record in enumerate(value, start=1):
                 yield RawRecord(uri, number, record=record, item=item)
         else:
             yield RawRecord(uri, number, record=value, raw=text)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _read(text: str, start: int | None = None) -> tuple[Any, int]:
+    """The JSON value of `text` (at `start`: the value there, as `raw_decode`) and its end offset.
+    Raises `JSONDecodeError` for broken syntax, `BadRecord` for a value the reader cannot make:
+    nested past Python's recursion limit, or an integer longer than Python reads."""
+    try:
+        if start is None:
+            return json.loads(text), len(text)
+        return _DECODER.raw_decode(text, start)
+    except RecursionError:
+        raise _too_deep() from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:  # int(): "Exceeds the limit (4300 digits) for integer string conversion ..."
+        digits = re.search(r"has (\d+) digits", str(e))
+        raise BadRecord(
+            f"an integer of {digits[1] if digits else 'too many'} digits, longer than Python reads "
+            f"({sys.get_int_max_str_digits()} at most): no chat record holds one",
+            "number_too_long",
+        ) from None
+
+
+def _refused(text: str, start: int, end: int, value: Any) -> BadRecord | None:
+    """Why a decoded value at `text[start:end]` is refused: too large, or nested too deeply."""
+    size = end - start
+    if size > MAX_RECORD_BYTES // 4:  # a character is 4 bytes at most: encode only the large
+        size = len(text[start:end].encode("utf-8", "surrogatepass"))
+    if size > MAX_RECORD_BYTES:
+        return _too_large(size)
+    if text.count("[", start, end) + text.count("{", start, end) > MAX_DEPTH and _deeper(value, MAX_DEPTH):
+        return _too_deep()
+    return None
+
+
+def _deeper(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels in `value` (without recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _too_large(size: int) -> BadRecord:
+    return BadRecord(
+        f"a record of {size:,} bytes, over the {MAX_RECORD_BYTES:,} a record may have "
+        "(records.MAX_RECORD_BYTES): longer than any conversation a target takes (an embedded file, a dump?)",
+        "record_too_large",
+    )
+
+
+def _too_deep() -> BadRecord:
+    return BadRecord(
+        f"lists and objects nested more than {MAX_DEPTH} levels deep (records.MAX_DEPTH): no chat record nests so",
+        "nested_too_deep",
+    )
 
 
 def _is_utf8(data: bytes) -> bool:
@@ -159,8 +250,8 @@ def _is_utf8(data: bytes) -> bool:
 class _Lines:
     """1-based line of a text offset; offsets are asked in increasing order."""
 
-    def __init__(self, text: str):
-        self.text, self.pos, self.line = text, 0, 1
+    def __init__(self, text: str, first: int = 1):
+        self.text, self.pos, self.line = text, 0, first
 
     def at(self, pos: int) -> int:
         self.line += self.text.count("\n", self.pos, pos)
@@ -222,15 +313,20 @@ def _next_line_element(text: str, start: int, decoder: json.JSONDecoder) -> int:
                     return q
             except json.JSONDecodeError:
                 pass
+            except (ValueError, RecursionError):  # one the reader refuses: read (and refused) as itself
+                return q
         pos = text.find("\n", q)
     return len(text)
 
 
-def _malformed(uri: str, line: int, e: json.JSONDecodeError, raw: str, item: int | None = None) -> RawRecord:
+def _malformed(
+    uri: str, line: int, e: json.JSONDecodeError, raw: str, item: int | None = None, above: int = 0
+) -> RawRecord:
+    """`above`: the lines of the file above the text `e` was raised in."""
     return RawRecord(
         uri,
         line,
-        error=BadRecord(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})", "malformed_json"),
+        error=BadRecord(f"malformed JSON: {e.msg} (line {e.lineno + above}, column {e.colno})", "malformed_json"),
         raw=raw[:RAW_PREVIEW],
         item=item,
     )
@@ -243,34 +339,57 @@ def json_document(uri: str, data: bytes) -> Iterator[RawRecord]:
     except UnicodeDecodeError:  # bad bytes: read it line by line, so only their lines are lost
         yield from json_lines(uri, data, sniff=False)
         return
-    decoder, lines, pos, n = json.JSONDecoder(), _Lines(text), 0, len(text)
+    yield from _document(uri, text, 1)
+
+
+def _document(uri: str, text: str, first_line: int) -> Iterator[RawRecord]:
+    """The values of `text`, which starts on line `first_line` of `uri`: a top-level array's
+    elements each, other top-level values whole."""
+    lines, pos, n = _Lines(text, first_line), 0, len(text)
     while (pos := _skip(text, pos)) < n:
         if text[pos] != "[":
             try:
-                value, end = decoder.raw_decode(text, pos)
-                yield RawRecord(uri, lines.at(pos), record=value)
-            except json.JSONDecodeError as e:  # a top-level value: resume on the next line
+                read, end = _value(uri, text, pos, lines.at(pos))
+            except (json.JSONDecodeError, BadRecord) as e:  # a top-level value: resume on the next line
                 end = text.find("\n", pos)
                 end = n if end < 0 else end
-                yield _malformed(uri, lines.at(pos), e, text[pos:end])
+                read = _unread(uri, lines.at(pos), e, text[pos:end], None, first_line - 1)
+            yield read
             pos = end
             continue
         pos, item = pos + 1, 0
         while (pos := _skip(text, pos)) < n and text[pos] != "]":
             item += 1
             try:
-                value, end = decoder.raw_decode(text, pos)
-                yield RawRecord(uri, lines.at(pos), record=value, item=item)
-            except json.JSONDecodeError as e:
+                read, end = _value(uri, text, pos, lines.at(pos), item)
+            except (json.JSONDecodeError, BadRecord) as e:
                 end = _element_end(text, pos)
                 if end == len(text):  # its brackets never balance: resume at a later whole element
-                    end = _next_line_element(text, pos, decoder)
+                    end = _next_line_element(text, pos, _DECODER)
                 end = max(end, pos + 1)
-                yield _malformed(uri, lines.at(pos), e, text[pos:end], item)
+                read = _unread(uri, lines.at(pos), e, text[pos:end], item, first_line - 1)
+            yield read
             pos = _skip(text, end)
             if pos < n and text[pos] == ",":
                 pos += 1
         pos += 1  # past the closing bracket (an unclosed array just ends with the text)
+
+
+def _value(uri: str, text: str, pos: int, line: int, item: int | None = None) -> tuple[RawRecord, int]:
+    """The value at `pos`, or its refusal (too large, too deep), and its end; raises as `_read`."""
+    value, end = _read(text, pos)
+    error = _refused(text, pos, end, value)
+    if error is None:
+        return RawRecord(uri, line, record=value, item=item), end
+    return RawRecord(uri, line, error=error, raw=text[pos : pos + RAW_PREVIEW], item=item), end
+
+
+def _unread(
+    uri: str, line: int, e: json.JSONDecodeError | BadRecord, raw: str, item: int | None, above: int
+) -> RawRecord:
+    if isinstance(e, json.JSONDecodeError):
+        return _malformed(uri, line, e, raw, item, above)
+    return RawRecord(uri, line, error=e, raw=raw[:RAW_PREVIEW], item=item)
 
 
 def _parquet(uri: str) -> Iterator[RawRecord]:
@@ -310,3 +429,5 @@ def raw_preview(item: RawRecord) -> str:
         return json.dumps(item.record, ensure_ascii=False, default=str)[:RAW_PREVIEW]
     except (TypeError, ValueError):
         return repr(item.record)[:RAW_PREVIEW]
+    except RecursionError:  # a Parquet or Hub row nested past the encoder: its place names it
+        return ""

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from dflash_ray import manifest, storage, writer
 from dflash_ray.config import RunConfig
 from dflash_ray.data import mix, schema
-from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered
+from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered, template_opens_thinking
 from dflash_ray.data.records import RawRecord, raw_preview
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
@@ -149,14 +149,14 @@ class _Output:
 
 
 def _made(
-    item: RawRecord, responses: bool, multi_turn: Any, budget: PromptBudget | None
+    item: RawRecord, responses: bool, multi_turn: Any, budget: PromptBudget | None, opened: bool = False
 ) -> Sequence[Prompt | Answered]:
     """What one record makes, each within the budget. `BadRecord` quarantines the record, a read
     error of its own included, so that every bad record takes the same path."""
     if item.error is not None:
         raise item.error
     made: Sequence[Prompt | Answered] = (
-        [normalize_answered(item.record)] if responses else normalize(item.record, multi_turn)
+        [normalize_answered(item.record, opened)] if responses else normalize(item.record, multi_turn)
     )
     for one in made:
         if budget is not None:
@@ -164,7 +164,9 @@ def _made(
     return made
 
 
-def _read_source(source: Any, out: _Output, pcfg: Any, responses: bool, budget, bar) -> collections.Counter[str]:
+def _read_source(
+    source: Any, out: _Output, pcfg: Any, responses: bool, budget, bar, opened: bool = False
+) -> collections.Counter[str]:
     """One source's records until it has given its count (read no further); the tally keeps
     records = records_ok + quarantined, as the whole run does."""
     tally: collections.Counter[str] = collections.Counter()
@@ -172,7 +174,7 @@ def _read_source(source: Any, out: _Output, pcfg: Any, responses: bool, budget, 
         tally["records"] += 1
         bar.update(1)
         try:
-            made = _made(item, responses, pcfg.multi_turn, budget)
+            made = _made(item, responses, pcfg.multi_turn, budget, opened)
         except BadRecord as error:
             out.quarantined(item, error, tally)
             continue
@@ -236,6 +238,8 @@ def _prompts(
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
+    from dflash_ray.registry import load_tokenizer
+
     pcfg = cfg.prompts
     stage = "responses" if responses else "prompts"
     sources = mix.plan(inputs, pcfg)
@@ -244,6 +248,7 @@ def _prompts(
     for source in sources:
         source.open()
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
+    opened = responses and template_opens_thinking(load_tokenizer(pcfg.tokenizer))  # answers only close the block
     out = _Output(output, stage, responses, pcfg.shard_size)
     out.mode = storage.narrowest_mode([f for source in sources for f in source.files])
     counts: collections.Counter[str] = collections.Counter()
@@ -251,7 +256,7 @@ def _prompts(
     warnings: list[str] = []
     bar = tqdm(desc=stage, unit=" records", disable=not progress)
     for source in sources:
-        tally = _read_source(source, out, pcfg, responses, budget, bar)
+        tally = _read_source(source, out, pcfg, responses, budget, bar, opened)
         counts.update(tally)
         per_source.append(_source_entry(source, tally, warnings, stage))
     bar.close()
