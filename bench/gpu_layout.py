@@ -32,7 +32,8 @@ def check_layout_step(sz, device: str, world: int, replicas: int) -> dict:
     from dflash_ray.drafter import families
     from dflash_ray.drafter.config import from_target
     from dflash_ray.planning import COMPUTE_EFFICIENCY, OPTIMIZER_BANDWIDTH_EFFICIENCY, OPTIMIZER_PASSES
-    from dflash_ray.simulate import GPUS, Sample, drafter_step
+    from dflash_ray.gpus import GPUS
+    from dflash_ray.simulate import Sample, drafter_step
     from dflash_ray.simulate_traffic import CountedTraffic
     from dflash_ray.train.fsdp import apply_fsdp
 

@@ -111,7 +111,7 @@ def target_config(cfg: RunConfig, target: str = "") -> tuple[Any, str]:
         return _config_from_json(path.read_text(), bundled), f"{bundled} (bundled config.json of {hub})"
     if source.endswith(".json"):
         return _config_from_json(storage.read_bytes(source).decode(), source), source
-    from dflash_ray.drafter.shape import target_config as resolved
+    from dflash_ray.train.shape import target_config as resolved
 
     try:
         return resolved(source), source
@@ -150,7 +150,7 @@ def target_summary(hf, weights_gb: float) -> dict[str, Any]:
 
 
 def gpu_of(cfg: RunConfig):
-    from dflash_ray.simulate import GPUS
+    from dflash_ray.gpus import GPUS
 
     return GPUS[cfg.plan.gpu]
 
@@ -182,7 +182,7 @@ def samples(cfg: RunConfig):
 
 def team_drafters(cfg: RunConfig, hf) -> list[tuple[str, RunConfig, Any]]:
     from dflash_ray.drafter.export import from_hf_config
-    from dflash_ray.drafter.shape import drafter_config_of
+    from dflash_ray.train.shape import drafter_config_of
     from dflash_ray.train import drafters
 
     return [(name, team, from_hf_config(drafter_config_of(hf, team))) for name, team in drafters.expand(cfg)]

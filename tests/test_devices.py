@@ -45,7 +45,7 @@ def test_impossible_placements_are_refused():
 
 def test_flex_training_on_cpu_actors_fails_on_the_driver_naming_the_field(tmp_path):
     from dflash_ray.tiny_models import tiny_qwen3
-    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.shape import drafter_config
 
     target = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512)
     cfg = load_config(None, ["train.attention=flex", "train.target_layer_ids=[0,1,2]"])

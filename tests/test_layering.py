@@ -21,6 +21,14 @@ def _modules(package: Path = PACKAGE) -> dict[str, Path]:
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (a name inside a module counts as the module)."""
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for name, found, _ in imports(package):
+        graph[name].add(found)
+    return graph
+
+
+def imports(package: Path = PACKAGE):
+    """(module, the package's module it imports, the import's source line) for every import."""
     modules = _modules(package)
 
     def owner(name: str) -> str | None:
@@ -28,9 +36,10 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph: dict[str, set[str]] = collections.defaultdict(set)
     for name, path in modules.items():
-        tree = ast.parse(path.read_text())
+        source = path.read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source)
         typing_only = {
             id(inner)
             for node in ast.walk(tree)
@@ -55,8 +64,7 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
             for target in targets:
                 found = owner(target) if target.startswith("dflash_ray") else None
                 if found and found != name:
-                    graph[name].add(found)
-    return graph
+                    yield name, found, " ".join(lines[max(0, node.lineno - 2) : node.end_lineno])
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -124,7 +132,86 @@ def test_no_stage_imports_another_stage():
 
 def test_the_config_imports_none_of_the_code_whose_settings_it_holds():
     owners = ("dflash_ray.drafter", "dflash_ray.train", "dflash_ray.generation", "dflash_ray.chaos")
-    assert sorted(m for m in import_graph()["dflash_ray.config"] if m.startswith(owners)) == []
+    graph = import_graph()
+    settings = [m for m in graph if m == "dflash_ray.config" or m.startswith("dflash_ray.settings")]
+    assert sorted(t for m in settings for t in graph[m] if t.startswith(owners)) == []
+
+
+# The floors, lowest first: a module imports from its own floor and those below. Where one must
+# reach up, the import says why beside it (`# up a floor: REASON`).
+FLOORS = (
+    (
+        "storage and files",
+        "dflash_ray dflash_ray.errors dflash_ray.storage dflash_ray.s3 dflash_ray.disk dflash_ray.arrow_files "
+        "dflash_ray.hub_uri dflash_ray.gpus dflash_ray.progress dflash_ray.manifest dflash_ray.writer "
+        "dflash_ray.model_fetch dflash_ray.tensor_ranges dflash_ray.registry dflash_ray.assets",
+    ),
+    ("settings", "dflash_ray.settings dflash_ray.config"),
+    (
+        "models, data and generation",
+        "dflash_ray.data dflash_ray.drafter dflash_ray.target_model dflash_ray.tiny_models dflash_ray.plots "
+        "dflash_ray.generation dflash_ray.cluster dflash_ray.chaos",
+    ),
+    ("training", "dflash_ray.train"),
+    (
+        "planning",
+        "dflash_ray.simulate dflash_ray.simulate_generation dflash_ray.simulate_job dflash_ray.simulate_traffic "
+        "dflash_ray.planning dflash_ray.layout_choice dflash_ray.preflight",
+    ),
+    ("stages", "dflash_ray.stages dflash_ray.cli"),
+)
+REASON = "# up a floor:"
+
+
+def floor_of(module: str) -> int:
+    """The floor of the longest name in FLOORS that is `module` or holds it; a module no floor names fails."""
+    held = [
+        (len(p), i)
+        for i, (_, names) in enumerate(FLOORS)
+        for p in names.split()
+        if module == p or module.startswith(p + ".")
+    ]
+    assert held, f"{module} is on no floor: add it to FLOORS in tests/test_layering.py"
+    return max(held)[1]
+
+
+def climbs(package: Path = PACKAGE) -> list[str]:
+    """`module -> target` of each import that runs up a floor without saying why."""
+    return sorted(
+        {
+            f"{name} ({FLOORS[floor_of(name)][0]}) -> {found} ({FLOORS[floor_of(found)][0]})"
+            for name, found, line in imports(package)
+            if floor_of(found) > floor_of(name) and REASON not in line
+        }
+    )
+
+
+def test_no_import_runs_up_a_floor_without_a_reason():
+    assert climbs() == []
+
+
+def test_a_climb_is_seen_and_a_reason_beside_it_lets_it_pass(tmp_path):
+    package = tmp_path / "dflash_ray"
+    (package / "train").mkdir(parents=True)
+    (package / "drafter").mkdir()
+    (package / "train" / "steps.py").write_text("X = 1\n")
+    (package / "drafter" / "a.py").write_text("from dflash_ray.train.steps import X\n")
+    (package / "drafter" / "b.py").write_text(f"from dflash_ray.train.steps import X  {REASON} a test\n")
+    assert climbs(package) == [
+        "dflash_ray.drafter.a (models, data and generation) -> dflash_ray.train.steps (training)"
+    ]
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_of_the_package_is_over_500_lines():
+    long = sorted(
+        f"{p.relative_to(PACKAGE.parent)}: {n}"
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+    assert long == []
 
 
 MAX_FUNCTION_LINES = 100
@@ -194,6 +281,12 @@ if __name__ == "__main__":  # the house measured: python tests/test_layering.py 
         ),
         "config_imports_owners": sorted(m for m in graph.get("dflash_ray.config", ()) if m.startswith(owners)),
         "function_level_imports": function_level_imports(package),
+        "climbs_without_a_reason": climbs(package),
+        "modules_over_500_lines": sorted(
+            f"{p.relative_to(package.parent)}: {n}"
+            for p in package.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+        ),
         "too_long": lengths,
     }
     print(json.dumps(report, indent=1))

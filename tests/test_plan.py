@@ -69,7 +69,7 @@ def test_every_preset_plans_its_own_target_and_a_fallback_says_so():
     """The presets name their targets, bundled with the project (Qwen3-8B by name or by Hub id);
     a config naming none plans the seed's target with a warning."""
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config_of
+    from dflash_ray.train.shape import drafter_config_of
     from dflash_ray.planning import fallback_warning, target_config, target_summary
 
     for preset, layers, width in (("qwen3-8b", 36, 4096), ("mix-example", 36, 4096), ("qwen3.6-27b", 64, 5120)):

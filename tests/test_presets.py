@@ -9,7 +9,7 @@ import torch
 from dflash_ray.config import load_config
 from dflash_ray.drafter.config import default_layer_ids
 from dflash_ray.errors import DFlashError
-from dflash_ray.drafter.shape import check_mask_row, drafter_config
+from dflash_ray.train.shape import check_mask_row, drafter_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -33,7 +33,7 @@ def _batch(S: int, g: torch.Generator, features: int) -> dict:
 
 
 def test_training_over_many_lengths_meets_one_attention_shape_per_bucket(tmp_path):
-    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.shape import drafter_config
     from dflash_ray.train.workers import DrafterWorker
 
     target = tiny_qwen3(tmp_path / "target", num_layers=4, hidden_size=64, vocab_size=512)

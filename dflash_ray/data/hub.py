@@ -17,6 +17,7 @@ from dflash_ray.data.records import RawRecord, arrow_row
 from dflash_ray.errors import DFlashError
 from dflash_ray.hub_uri import DEFAULT_SPLIT, PREFIX, SYNTAX, HubDataset, is_hub_dataset, parse  # noqa: F401
 
+
 def _offline() -> bool:
     from huggingface_hub import constants
 

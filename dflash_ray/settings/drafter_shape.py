@@ -1,5 +1,5 @@
 """`train`'s drafter: its family and shape, and which target layers it reads. Read by
-`drafter/shape.py` (the drafter's config from these and the target's), `drafter/families.py` and
+`train/shape.py` (the drafter's config from these and the target's), `drafter/families.py` and
 `train/drafters.py`; a family's own settings (`family`) are its module's `Settings`."""
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_ray.errors import DFlashError
+from dflash_ray.gpus import GPUS
 from dflash_ray.settings.fields import above, at_least, within
 
-PLAN_GPUS = ("H100", "H200", "B200")  # `simulate.GPUS`: their memory and peaks
+PLAN_GPUS = tuple(GPUS)  # those whose memory and peaks the plan knows
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,7 +17,9 @@ from dflash_ray.settings.resilience import Resilience
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainConfig(DrafterShape, Optimizer, Placement, Resilience):
+class TrainConfig(
+    Resilience, Placement, Optimizer, DrafterShape
+):  # fields in the order shape, optimizer, placement, resilience
     # several drafters from one target pass (train/drafters.py): [{name: dspark, drafter: dspark, ...}, ...],
     # each trained on every batch's features, written under OUTPUT/NAME; empty: the one drafter above
     drafters: list = field(default_factory=list)

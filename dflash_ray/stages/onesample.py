@@ -206,7 +206,7 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     from dflash_ray.drafter import families
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.drafter.init import initial_drafter
-    from dflash_ray.drafter.shape import drafter_config, drafter_init
+    from dflash_ray.train.shape import drafter_config, drafter_init
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
     from dflash_ray.target_model.capture import load_embed_and_head, target_outputs
 

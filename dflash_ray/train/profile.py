@@ -50,7 +50,7 @@ def peak_flops(device: torch.device | str) -> float | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    from dflash_ray.simulate import GPUS
+    from dflash_ray.gpus import GPUS
 
     name = torch.cuda.get_device_name(device)
     return next((gpu.bf16_tflops * 1e12 for key, gpu in GPUS.items() if key in name), None)
