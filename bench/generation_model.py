@@ -125,7 +125,7 @@ def main() -> None:
     from dflash_ray.generation.engines import VLLMEngine
     from dflash_ray.generation.completions import ShardGenerator
     from dflash_ray.registry import SMOLLM2, load_tokenizer, resolve
-    from dflash_ray.simulate import Gpu
+    from dflash_ray.gpus import Gpu
     from dflash_ray.simulate_generation import Lengths, engine_of, simulate
 
     model = resolve(SMOLLM2)
@@ -251,7 +251,7 @@ def main() -> None:
 def _print_through(lines: list[str]) -> None:
     """Print `lines` and wait (5 s at most) until the engine's copy of stdout (`EngineLog`, a thread
     that the process's exit does not wait for) has passed them on."""
-    from dflash_ray.generation.engines import EngineLog
+    from dflash_ray.generation.engine_log import EngineLog
 
     log = EngineLog.install()
     before = log.mark()

@@ -107,18 +107,18 @@ def _file_in_the_way(e: OSError) -> str | None:
 def _user_error(e: Exception) -> DFlashError | None:
     """The user's error an exception stands for (a missing or unreadable file, a file in the way, a
     full disk, S3's refusal, an error of the project's own raised in a Ray worker); None for a bug."""
-    from dflash_ray import storage
+    from dflash_ray import disk
 
     if isinstance(e, FileNotFoundError):
         return DFlashError("no such file or object", file=e.filename or str(e))
     if isinstance(e, PermissionError):
         return DFlashError("permission denied", file=e.filename or str(e))
-    if storage.no_space(e):  # here, or in a worker whose traceback says so
+    if disk.no_space(e):  # here, or in a worker whose traceback says so
         path = e.filename if isinstance(e, OSError) else None
         named = re.search(r"No space left on device: '([^']+)'", str(e))
         path = path or (named.group(1) if named else None)
         if path:
-            return storage.disk_full(path)
+            return disk.disk_full(path)
         return DiskFull(
             f"no space left on a device ({failure_cause(e)}): free space on the output's disk, the temporary "
             "folder's (TMPDIR) or the cache's (DFLASH_RAY_CACHE, ~/.cache)"

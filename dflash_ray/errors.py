@@ -40,7 +40,7 @@ class MissingObject(DFlashError, FileNotFoundError):
 
 
 class DiskFull(DFlashError):
-    """A write the disk had no room for: the message names the path and the space (`storage.disk_full`).
+    """A write the disk had no room for: the message names the path and the space (`disk.disk_full`).
     Never retried: a restart would meet the same full disk."""
 
 

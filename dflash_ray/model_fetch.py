@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_ray import progress, storage
+from dflash_ray import disk, progress, s3, storage
 from dflash_ray.errors import DFlashError
 
 DEFAULT_CONCURRENCY = 16  # ranged GETs at once: DFLASH_RAY_S3_CONCURRENCY
@@ -29,10 +29,8 @@ DEFAULT_CHUNK_MB = 64.0  # what one ranged GET asks for: DFLASH_RAY_S3_CHUNK_MB
 def settings() -> tuple[int, int]:
     """(ranged GETs at once, bytes each) from the environment, where a node's network and the
     store's limits are known."""
-    concurrency = storage.env_number(
-        "DFLASH_RAY_S3_CONCURRENCY", DEFAULT_CONCURRENCY, "a whole number >= 1", whole=True
-    )
-    chunk_mb = storage.env_number("DFLASH_RAY_S3_CHUNK_MB", DEFAULT_CHUNK_MB, "a number of MiB > 0")
+    concurrency = s3.env_number("DFLASH_RAY_S3_CONCURRENCY", DEFAULT_CONCURRENCY, "a whole number >= 1", whole=True)
+    chunk_mb = s3.env_number("DFLASH_RAY_S3_CHUNK_MB", DEFAULT_CHUNK_MB, "a number of MiB > 0")
     return int(concurrency), max(1, int(chunk_mb * (1 << 20)))
 
 
@@ -118,8 +116,8 @@ def _open(remote: str, final: Path, size: int, chunk: int) -> _Part:
         with open(p.part, "ab") as f:
             f.truncate(size)
     except OSError as e:
-        if storage.no_space(e):
-            raise storage.disk_full(p.part, size) from None
+        if disk.no_space(e):
+            raise disk.disk_full(p.part, size) from None
         raise
     return p
 
@@ -136,8 +134,8 @@ def _fetch_chunk(p: _Part, index: int) -> int:
         finally:
             os.close(fd)
     except OSError as e:
-        if storage.no_space(e):
-            raise storage.disk_full(p.part, p.size) from None
+        if disk.no_space(e):
+            raise disk.disk_full(p.part, p.size) from None
         raise
     with p.lock:
         with open(p.ledger, "a") as f:

@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from dflash_ray import model_fetch, storage
+from dflash_ray import disk, model_fetch, s3, storage
 from dflash_ray.errors import DFlashError
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -66,8 +66,8 @@ def _convert_smollm2(out: Path, with_model: bool) -> None:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-            if storage.no_space(e):  # the cache's disk (DFLASH_RAY_CACHE), full
-                raise storage.disk_full(tmp) from None
+            if disk.no_space(e):  # the cache's disk (DFLASH_RAY_CACHE), full
+                raise disk.disk_full(tmp) from None
             raise
         out.mkdir(exist_ok=True)
         for item in sorted(tmp.iterdir(), key=lambda p: p.name == marker.name):
@@ -146,7 +146,7 @@ def _node_lock(name: str):
 
 
 def _download_folder(uri: str) -> str:
-    bucket, key = storage.split_s3(uri)
+    bucket, key = s3.split(uri)
     out = cache_dir() / "s3" / bucket / key.strip("/")
     with _node_lock(f"s3--{bucket}--{key}"):  # actors of one node share one copy
         model_fetch.fetch_folder(uri, out)  # ranged reads in parallel; resumed where a killed one stopped

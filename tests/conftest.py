@@ -107,10 +107,10 @@ def s3_endpoint():
 @pytest.fixture
 def s3_bucket(s3_endpoint):
     """A fresh bucket per test; returns its `s3://` URI."""
-    from dflash_ray import storage
+    from dflash_ray import s3
 
     name = f"t-{uuid.uuid4().hex[:12]}"
-    storage.s3_client().create_bucket(Bucket=name)
+    s3.client().create_bucket(Bucket=name)
     return f"s3://{name}"
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import free_port
 from dflash_ray import model_fetch, storage
 from dflash_ray.config import load_config
-from dflash_ray.drafter.shape import drafter_config
+from dflash_ray.train.shape import drafter_config
 from dflash_ray.tiny_models import tiny_qwen3
 
 SETTINGS = ["train.num_layers=1", "train.target_layer_ids=[0,1,2]"]
@@ -150,10 +150,10 @@ def _fetching_actor(proxy: ThrottlingProxy, cache):
 
     class Fetcher:
         def __init__(self):  # what a stream actor has done before it fetches: its imports, its client
-            from dflash_ray import registry, storage
+            from dflash_ray import registry, s3
 
             self.resolve = registry.resolve
-            storage.s3_client()
+            s3.client()
 
         def fetch(self, uri: str) -> str:
             return self.resolve(uri)

@@ -14,18 +14,18 @@ import pytest
 from dflash_ray.cli import main
 from dflash_ray.config import GenerateConfig, load_config
 from dflash_ray.errors import DFlashError
-from dflash_ray.generation.engines import (
+from dflash_ray.generation.cpu_engine import (
     cpu_kv_cache_bytes,
     engine_dtype,
-    engine_error,
     free_memory,
     kv_bytes_per_token,
     kv_cache_bytes,
     model_config,
 )
+from dflash_ray.generation.engine_log import engine_error
 from dflash_ray.registry import SMOLLM2
 from dflash_ray.errors import failure_cause
-from dflash_ray.stages.generate import same_error
+from dflash_ray.generation.fleet import same_error
 
 MiB = 1024**2
 SMOLLM2_CONFIG = {

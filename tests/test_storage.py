@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest, s3, storage
 from dflash_ray.errors import DFlashError
 
 
@@ -130,12 +130,12 @@ class _FlakyProxy(http.server.BaseHTTPRequestHandler):
 def test_s3_transient_errors_are_retried(s3_bucket, monkeypatch):
     uri = storage.join(s3_bucket, "flaky.txt")
     storage.write_text(uri, "survives throttling")
-    _FlakyProxy.target = storage.s3_client().meta.endpoint_url.split("//")[1]
+    _FlakyProxy.target = s3.client().meta.endpoint_url.split("//")[1]
     _FlakyProxy.failures, _FlakyProxy.seen = 2, 0
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyProxy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
-    storage._s3_client.cache_clear()
+    s3._client.cache_clear()
     try:
         assert storage.read_text(uri) == "survives throttling"
         assert _FlakyProxy.seen == 3  # two throttled tries, then the one that went through
@@ -147,7 +147,7 @@ def test_s3_transient_errors_are_retried(s3_bucket, monkeypatch):
         assert "raise AWS_MAX_ATTEMPTS (now 4)" in str(e.value) and e.value.file == uri
     finally:
         server.shutdown()
-        storage._s3_client.cache_clear()
+        s3._client.cache_clear()
 
 
 @pytest.fixture
@@ -155,11 +155,11 @@ def s3_env(s3_endpoint, monkeypatch):
     """Change the AWS environment for one test: the S3 client is rebuilt from it, and again after."""
     import boto3
 
-    storage._s3_client.cache_clear()
+    s3._client.cache_clear()
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # a session keeps the credentials it found
     yield monkeypatch
     monkeypatch.undo()
-    storage._s3_client.cache_clear()
+    s3._client.cache_clear()
 
 
 def test_s3_missing_bucket_and_missing_object_name_the_uri(s3_bucket):
@@ -370,7 +370,7 @@ def test_an_s3_endpoint_that_accepts_and_never_answers_is_named_within_the_deadl
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
-    storage._s3_client.cache_clear()
+    s3._client.cache_clear()
     inputs = tmp_path / "in.jsonl"
     inputs.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
     try:
@@ -382,26 +382,26 @@ def test_an_s3_endpoint_that_accepts_and_never_answers_is_named_within_the_deadl
         for conn in held:
             conn.close()
         monkeypatch.undo()
-        storage._s3_client.cache_clear()
+        s3._client.cache_clear()
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 2 and summary["exit_code"] == 2 and elapsed < 20, (code, elapsed)
     assert f"the S3 endpoint {endpoint} does not answer: no answer within 1 s" in summary["error"], summary
     assert "s3://quiet/prompts" in summary["error"] and "2 tries" in summary["error"]
     # the defaults: 8 tries of 10 s each, the backoff between them (50 ms doubling) at most 6.35 s
-    connect, read = storage.timeouts()
-    backoff = sum(min(0.05 * 2**i, 20) for i in range(storage.DEFAULT_MAX_ATTEMPTS - 1))
-    assert storage.DEFAULT_MAX_ATTEMPTS * max(connect, read) + backoff < 120
+    connect, read = s3.timeouts()
+    backoff = sum(min(0.05 * 2**i, 20) for i in range(s3.DEFAULT_MAX_ATTEMPTS - 1))
+    assert s3.DEFAULT_MAX_ATTEMPTS * max(connect, read) + backoff < 120
 
 
 def test_s3_deadlines_in_the_environment_are_checked(monkeypatch):
     monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "soon")
     with pytest.raises(DFlashError, match="DFLASH_RAY_S3_READ_TIMEOUT_S"):
-        storage.timeouts()
+        s3.timeouts()
     monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "0")
     with pytest.raises(DFlashError, match="a number of seconds > 0"):
-        storage.timeouts()
+        s3.timeouts()
     monkeypatch.setenv("DFLASH_RAY_S3_READ_TIMEOUT_S", "2.5")
-    assert storage.timeouts() == (storage.DEFAULT_CONNECT_TIMEOUT_S, 2.5)
+    assert s3.timeouts() == (s3.DEFAULT_CONNECT_TIMEOUT_S, 2.5)
 
 
 def _no_space(*args, **kwargs):

@@ -96,7 +96,7 @@ def run(
     import torch
 
     from dflash_ray.config import GenerateConfig
-    from dflash_ray.generation.engines import cpu_kv_cache_bytes, engine_in_process
+    from dflash_ray.generation.cpu_engine import cpu_kv_cache_bytes, engine_in_process
 
     if not torch.cuda.is_available():
         engine_in_process()
