@@ -136,7 +136,7 @@ def test_evaluation_measures_a_conversation_on_its_first_turn(tmp_path):
 
     from dflash_ray import manifest
     from dflash_ray.stages.prompts import shard_bytes
-    from dflash_ray.stages.evaluate import _prompt_rows
+    from dflash_ray.drafter.acceptance import prompt_rows
 
     new, old = tmp_path / "new", tmp_path / "old"
     rows = [
@@ -153,11 +153,11 @@ def test_evaluation_measures_a_conversation_on_its_first_turn(tmp_path):
         manifest.write_manifest(
             str(folder), kind="prompts", files=[{"name": "prompts-00000.parquet", "rows": 2}], summary={}
         )
-    assert [[m["content"] for m in r["messages"]] for r in _prompt_rows(str(new), 10)] == [
+    assert [[m["content"] for m in r["messages"]] for r in prompt_rows(str(new), 10)] == [
         ["Name a primary colour."],
         ["Be brief.", "Hi"],
     ]
-    assert [len(r["messages"]) for r in _prompt_rows(str(old), 10)] == [3, 2]  # as they were: no turns to answer
+    assert [len(r["messages"]) for r in prompt_rows(str(old), 10)] == [3, 2]  # as they were: no turns to answer
     assert pq.read_schema(new / "prompts-00000.parquet").names[-1] == "regenerate"
 
 
