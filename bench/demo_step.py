@@ -92,7 +92,7 @@ LAYERS = [1, 8, 15, 22, 28]  # five captured layers of SmolLM2's 30
 def _cache_case(repeats: int) -> tuple[float, float]:
     from dflash_ray.config import load_config
     from dflash_ray.registry import SMOLLM2
-    from dflash_ray.train.workers import TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
 
     part = _sample()
     settings = ["train.drafter=dspark", "train.torch_threads=1"]
@@ -117,10 +117,10 @@ def _hard_label_target_case(repeats: int) -> tuple[float, float]:
     """The target's batch for the demo's drafter, as it was with hard labels alone (tv_weight 1e-9
     reads the last hidden states) against now."""
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.shape import drafter_config
     from dflash_ray.registry import SMOLLM2
     from dflash_ray.stages.demo import DEMO_SETTINGS
-    from dflash_ray.train.workers import TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
 
     part = _sample()
     seconds = []
@@ -138,10 +138,11 @@ def _step_case(repeats: int, old: list[str], new: list[str]) -> tuple[float, flo
     import json as json_
 
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.shape import drafter_config
     from dflash_ray.registry import SMOLLM2
     from dflash_ray.stages.demo import DEMO_SETTINGS
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     part = _sample()
     seconds = []

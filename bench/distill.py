@@ -37,9 +37,10 @@ def main() -> None:
     from dflash_ray.drafter.export import save_drafter
     from dflash_ray.stages.evaluate import run_evaluate
     from dflash_ray.registry import SMOLLM2
-    from dflash_ray.drafter.shape import drafter_config, drafter_init
+    from dflash_ray.train.shape import drafter_config, drafter_init
     from dflash_ray.train.schedule import Schedule, dataset_samples
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     # the demo's settings with its one-layer DFlash drafter (the one measured in bench/RESULTS.md); the
     # target worker sends its top-k whenever any variant distills

@@ -124,12 +124,13 @@ def main() -> None:
 
     from bench.side_by_side import train_side_by_side
     from dflash_ray.drafter.export import from_hf_config
-    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.shape import drafter_config
     from dflash_ray.registry import SMOLLM2, resolve
     from dflash_ray.stages.demo import demo_config
     from dflash_ray.train.drafters import union_layers
     from dflash_ray.train.schedule import Schedule, dataset_samples
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

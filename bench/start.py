@@ -27,9 +27,10 @@ def main() -> None:
     from bench.side_by_side import train_side_by_side
     from dflash_ray.config import load_config
     from dflash_ray.registry import SMOLLM2
-    from dflash_ray.drafter.shape import drafter_config
+    from dflash_ray.train.shape import drafter_config
     from dflash_ray.train.schedule import Schedule, dataset_samples, sample_prompts, split_heldout
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     # the demo's training settings, with both streams' samples in one batch
     cfg = load_config(None, ["train.num_anchors=32", "train.lr=3e-3", "train.loss_decay=2", "train.torch_threads=2"])

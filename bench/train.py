@@ -63,9 +63,10 @@ def _fused(target: str, data: str, settings: list[str], steps: int) -> float:
     import torch
 
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config, drafter_init
+    from dflash_ray.train.shape import drafter_config, drafter_init
     from dflash_ray.train.schedule import Schedule, dataset_samples
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     cfg = load_config(None, settings)
     torch.set_num_threads(1)

@@ -380,8 +380,9 @@ def test_train_drafter_dflash2_reaches_the_workers(tmp_path):
     target's layers: the drafter config is DFlash2's, its convolutions start at identity (the target
     has none to copy), and steps learn."""
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.shape import drafter_config
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     target, data = _tiny_run_inputs(tmp_path)
     cfg = load_config(

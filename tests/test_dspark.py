@@ -470,8 +470,9 @@ def test_train_drafter_dspark_reaches_the_workers(tmp_path):
     """`train.drafter=dspark` through the training roles (as plain classes): the drafter config is
     DSpark's, the target sends its last hidden states without `train.distill`, and steps learn."""
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.shape import drafter_config
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     target, data = _tiny_run_inputs(tmp_path)
     cfg = load_config(
@@ -506,8 +507,9 @@ def test_hard_labels_alone_leave_the_targets_last_hidden_states_uncaptured(tmp_p
     the features (nothing to capture, send or cache beyond them) and the drafter steps on them. A
     second drafter with the TV term (`train.drafters`) makes the target send them again."""
     from dflash_ray.config import load_config
-    from dflash_ray.drafter.shape import drafter_config
-    from dflash_ray.train.workers import DrafterWorker, TargetWorker
+    from dflash_ray.train.shape import drafter_config
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
 
     target, data = _tiny_run_inputs(tmp_path)
     settings = [

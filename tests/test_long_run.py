@@ -16,10 +16,11 @@ import torch
 
 from dflash_ray import storage
 from dflash_ray.config import load_config
-from dflash_ray.drafter.shape import drafter_config
+from dflash_ray.train.shape import drafter_config
 from dflash_ray.tiny_models import tiny_qwen3
 from dflash_ray.train.schedule import Schedule, passes, slots
-from dflash_ray.train.workers import DrafterWorker, TargetWorker, lr_at
+from dflash_ray.train.target_worker import TargetWorker
+from dflash_ray.train.workers import DrafterWorker, lr_at
 
 # every valid anchor: the loss depends on no random draw, so two ways of taking one batch compare exactly
 SETTINGS = ["train.num_layers=1", "train.target_layer_ids=[0,1,2]", "train.num_anchors=64", "train.lr=3e-3"]

@@ -17,10 +17,11 @@ from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
 from dflash_ray.tiny_models import tiny_qwen3
 from dflash_ray.train import checkpoint
-from dflash_ray.drafter.shape import drafter_config
+from dflash_ray.train.shape import drafter_config
 from dflash_ray.stages.train import run_train
 from dflash_ray.train.fsdp import full, optimizer_bytes
-from dflash_ray.train.workers import DrafterWorker, TargetWorker
+from dflash_ray.train.target_worker import TargetWorker
+from dflash_ray.train.workers import DrafterWorker
 
 # every paired run here sends its features under NCCL's rules (`p2p`): a wait that would hang on GPUs
 # raises after collective_timeout_s instead

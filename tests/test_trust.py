@@ -40,7 +40,7 @@ def _cli(capsys, *argv):
 
 def test_a_pickled_column_runs_no_code_in_any_stage(tmp_path, capsys):
     from dflash_ray.data.tokenized import open_tokenized
-    from dflash_ray.stages.generate import plan_units
+    from dflash_ray.generation.shards import plan_units
 
     marker = tmp_path / "ran"
     prompts = pa.Table.from_pylist([{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)])

@@ -219,7 +219,8 @@ def test_keeping_every_prompt_aside_is_refused_naming_the_setting(tmp_path):
 
 
 def test_a_generation_that_kept_no_answer_is_an_error_and_a_generator_no_node_holds_is_refused():
-    from dflash_ray.stages.generate import _nonempty, check_room
+    from dflash_ray.generation.fleet import check_room
+    from dflash_ray.stages.generate import _nonempty
 
     summary = {"completions": 0, "rejected": 2, "rejected_kinds": {"truncated": 2}}
     with pytest.raises(DFlashError, match="no completions: every one of 2 answers was rejected"):
@@ -293,15 +294,15 @@ def test_plan_names_the_bad_field_of_a_target_config(change, field, tmp_path, ca
 
 
 def test_bad_s3_settings_in_the_environment_name_the_variable(monkeypatch):
-    from dflash_ray import storage
+    from dflash_ray import s3
 
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "abc")
     with pytest.raises(DFlashError, match="AWS_MAX_ATTEMPTS"):
-        storage._s3_client(-1)  # a key no cached client has
+        s3._client(-1)  # a key no cached client has
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "notaurl")
     with pytest.raises(DFlashError, match="AWS_ENDPOINT_URL"):
-        storage._s3_client(-2)
+        s3._client(-2)
 
 
 def test_an_unexpected_failure_says_it_is_a_bug(monkeypatch, capsys):

@@ -12,10 +12,10 @@ import sys
 import threading
 from typing import Any
 
-from dflash_ray import storage
+from dflash_ray import disk, storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
-from dflash_ray.drafter.shape import check_mask_row, drafter_config, drafter_init
+from dflash_ray.train.shape import check_mask_row, drafter_config, drafter_init
 from dflash_ray.errors import DFlashError, DiskFull, Interrupted, note_sigterm
 from dflash_ray.stages import PipelineRun, Stage
 from dflash_ray.train import drafters
@@ -114,7 +114,7 @@ def run_train(
             try:
                 return _train(target, data, output, cfg, teams, stop_after_step, progress, run_name)
             except DFlashError as e:
-                if isinstance(e, (DiskFull, Interrupted)) or not storage.no_space(e):
+                if isinstance(e, (DiskFull, Interrupted)) or not disk.no_space(e):
                     raise
                 raise _disk_full(e, output, cfg) from None
     except BaseException:
@@ -144,7 +144,7 @@ def _disk_full(e: DFlashError, output: str, cfg: RunConfig) -> DiskFull:
     name = storage.basename(path)
     if name.startswith(".") and name.endswith(".tmp"):  # the temporary a copy was writing: the file it was for
         path = storage.join(storage.parent(path), name[1:-4])
-    full = storage.disk_full(path)
+    full = disk.disk_full(path)
     return DiskFull(
         f"{full.message} (while training; the restarts could not get past it: {removed} temporary files of an "
         "unfinished checkpoint removed); the same command with --resume goes on from the last checkpoint",

@@ -27,7 +27,8 @@ from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
 from dflash_ray.train import mesh
 from dflash_ray.train.handoff import Layout
-from dflash_ray.train.workers import ColocatedWorker, DrafterWorker, TargetWorker
+from dflash_ray.train.target_worker import TargetWorker
+from dflash_ray.train.workers import ColocatedWorker, DrafterWorker
 
 CHECKPOINT_THREAD = "checkpoint"  # a drafter actor's concurrency group for its checkpoint files
 
