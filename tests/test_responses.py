@@ -179,6 +179,7 @@ def test_the_pipeline_trains_on_existing_responses_without_generating(
     assert summary["responses"] and summary["completions"] == 12 and summary["samples"] == 12
     assert "generate" not in summary["stage_seconds"] and summary["generated_tokens"] == 0
     assert summary["training_steps"] == 2 and summary["lossless"]
+    assert set(summary["start"]) == {"flash", "spark"} and set(summary["start"].values()) <= {"target", "random"}
     kept = manifest.read_rows(str(tmp_path / "run" / "prompts-eval"), ["messages"], 10)
     assert len(kept) == 2 and all([m["role"] for m in r["messages"]] == ["user"] for r in kept)
 
@@ -228,7 +229,7 @@ def test_a_hybrid_gated_deltanet_target_runs_the_whole_pipeline(tmp_path, ray_cl
     )
     summary = run_pipeline(cfg, progress=False)
     assert summary["completions"] == 8 and summary["samples"] == 8 and summary["generated_tokens"] > 0
-    assert summary["training_steps"] == 2 and summary["lossless"]
+    assert summary["training_steps"] == 2 and summary["lossless"] and summary["start"] in ("target", "random")
     exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert exported["num_target_layers"] == 4 and exported["vocab_size"] == vocab
 

@@ -25,9 +25,24 @@ def _resolved(path):
     return json.loads(json.dumps({"config": cfg.to_dict(), "drafters": drafters}, sort_keys=True, default=str))
 
 
+def _as_before(now, before, where=""):
+    """The keys of `before` whose value `now` holds otherwise (a setting added since has no value before)."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [d for k in before for d in _as_before(now.get(k, "(gone)"), before[k], f"{where}.{k}")]
+    return [] if now == before else [f"{where}: {before!r} -> {now!r}"]
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: os.path.basename(p) if p else "defaults")
 def test_every_preset_resolves_to_the_values_it_had(path):
-    assert _resolved(path) == RESOLVED[os.path.basename(path) if path else "(defaults)"]
+    assert _as_before(_resolved(path), RESOLVED[os.path.basename(path) if path else "(defaults)"]) == []
+
+
+def test_the_comparison_sees_a_changed_or_lost_value():
+    before = {"train": {"lr": 0.001, "num_layers": 1}}
+    assert _as_before({"train": {"lr": 0.002, "init_from": ""}}, before) == [
+        ".train.lr: 0.001 -> 0.002",
+        ".train.num_layers: 1 -> '(gone)'",
+    ]
 
 
 def _keys(cfg, prefix=""):

@@ -89,11 +89,14 @@ def init_mode(target_config, init: str) -> str:
 
 
 def initial_drafter(cfg: DrafterConfig, target_dir: str | Path, mode: str, seed: int) -> DFlashDrafter:
-    """The drafter training starts from: the same on every rank and for the untrained baseline."""
-    from dflash_ray.drafter import families
+    """The drafter training starts from: the same on every rank and for the untrained baseline.
+    `mode`: "target", "random", or a released drafter's folder after `warm_start.PREFIX`."""
+    from dflash_ray.drafter import families, warm_start
 
     torch.manual_seed(seed)
     drafter = families.get(cfg.family).build(cfg)
     if mode == "target":
         init_from_target(drafter, target_dir)
+    elif mode.startswith(warm_start.PREFIX):
+        warm_start.load_released(drafter, cfg, mode.removeprefix(warm_start.PREFIX))
     return drafter

@@ -347,6 +347,8 @@ def _train(
         shown.close()
         ray.kill(coordinator)
     _plot_each_drafter(teams, output, summary)
+    for name, _, _, init in teams:  # how each drafter started: the target's layers, random, or a released one
+        (summary["drafters"][name] if name else summary)["start"] = init  # "drafter:FOLDER" for a released one
     return summary
 
 
@@ -402,6 +404,9 @@ def _step(run: PipelineRun) -> dict[str, Any]:
         "coordinator_node": train["coordinator_node"],
         "train_restarts": train["restarts"],
         "train_seconds_lost": train["seconds_lost"],
+        "start": {name: result.get("start") for name, result in run.results["train"].items()}
+        if len(run.results["train"]) > 1
+        else train.get("start"),
     }
 
 

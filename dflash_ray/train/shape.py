@@ -94,9 +94,16 @@ def check_mask_row(target: str, drafter_cfg: dict) -> None:
 
 
 def drafter_init(target: str, cfg: RunConfig) -> str:
-    """How the drafter starts ("target" or "random"), checked on the driver before any actor."""
+    """How the drafter starts ("target", "random", or from a released drafter: `warm_start.PREFIX` and
+    its folder), checked on the driver before any actor."""
+    from dflash_ray.drafter import warm_start
+    from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.drafter.init import init_mode
 
+    folder = cfg.train.init_from
+    if folder:
+        warm_start.check_fits(warm_start.released_config(folder), from_hf_config(drafter_config(target, cfg)), folder)
+        return warm_start.PREFIX + folder
     try:
         return init_mode(target_config(target), cfg.train.init)
     except ValueError as e:

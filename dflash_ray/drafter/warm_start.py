@@ -1,0 +1,105 @@
+"""A run that starts from a released drafter (`train.init_from`: an exported folder, local or S3).
+
+Most teams adapt a published drafter to their own traffic rather than train one from nothing. What
+must agree is what the weights mean: every tensor's shape (the drafter's width, depth, heads, MLP,
+vocabulary and the captured layers' count), the mask token's row and which target layers the
+features come from; a different `block_size` is free (the weights do not depend on it). A DSpark or
+DFlash2 run may start from a plain DFlash drafter: the backbone is loaded, the family's own heads
+start fresh. The optimizer always starts fresh; the rate warms up over `train.warmup_ratio`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_ray import storage
+from dflash_ray.drafter import families
+from dflash_ray.drafter.config import DrafterConfig
+from dflash_ray.drafter.export import CONFIG, WEIGHTS, read_config
+from dflash_ray.errors import DFlashError
+
+PREFIX = "drafter:"  # the start mode that names a released drafter's folder (`initial_drafter`)
+
+# (the run's setting, the drafter config's field) that must match the released drafter's
+MUST_MATCH = (
+    ("train.num_layers", "num_layers"),
+    ("train.num_heads", "num_heads"),
+    ("train.num_kv_heads", "num_kv_heads"),
+    ("train.head_dim", "head_dim"),
+    ("train.intermediate_size", "intermediate_size"),
+    ("train.layer_types", "layer_types"),
+    ("train.num_target_features", "target_layer_ids"),
+    ("train.target_layer_ids", "target_layer_ids"),
+    ("train.mask_token_id", "mask_token_id"),
+)
+
+
+def released_config(folder: str) -> DrafterConfig:
+    """The released drafter's config, every field checked (a bad one names the file and field)."""
+    uri = storage.join(folder, CONFIG)
+    if not storage.exists(uri):
+        raise DFlashError("no exported drafter here (no config.json)", file=folder, field="train.init_from")
+    return read_config(storage.read_bytes(uri), uri)
+
+
+def check_fits(released: DrafterConfig, run: DrafterConfig, folder: str) -> None:
+    """Refuse a released drafter whose weights mean something else in this run, naming the setting."""
+    if (released.hidden_size, released.vocab_size) != (run.hidden_size, run.vocab_size):
+        raise DFlashError(
+            f"a drafter of a target with hidden_size {released.hidden_size} and vocab_size {released.vocab_size}; "
+            f"this run's target has {run.hidden_size} and {run.vocab_size}: its weights cannot start this run",
+            file=folder,
+            field="train.init_from",
+        )
+    for setting, name in MUST_MATCH:
+        theirs, ours = getattr(released, name), getattr(run, name)
+        if name == "target_layer_ids" and setting == "train.num_target_features":
+            theirs, ours = len(theirs), len(ours)
+        if theirs != ours:
+            raise DFlashError(
+                f"{theirs!r} in the released drafter, {ours!r} in this run: its weights would be read as "
+                f"another {name}; set {setting} to the released drafter's, or start from another",
+                file=folder,
+                field=setting,
+            )
+    if released.family != run.family and released.family != "dflash":
+        raise DFlashError(
+            f"a {released.family!r} drafter; a {run.family!r} run starts from its own family or a plain "
+            "DFlash drafter (whose backbone it keeps, its own heads fresh)",
+            file=folder,
+            field="train.drafter",
+        )
+
+
+def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> list[str]:
+    """Copy the released drafter's weights into `drafter` (built for this run); returns the names
+    that start fresh (a family's own heads over a plain DFlash backbone)."""
+    from safetensors.torch import load
+
+    released = released_config(folder)
+    uri = storage.join(folder, WEIGHTS)
+    try:
+        state = load(storage.read_bytes(uri))
+    except Exception as e:  # safetensors' own error: a cut or damaged file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise DFlashError(f"not a readable safetensors file ({e})", file=uri) from None
+    own = drafter.state_dict()
+    if released.family != cfg.family:  # a plain DFlash backbone: its names, counted on the meta device
+        with torch.device("meta"):
+            backbone = set(families.get("dflash").build(released).state_dict())
+    else:
+        backbone = set(own)
+    fresh = sorted(k for k in own if k not in state)
+    if set(fresh) - (set(own) - backbone) or set(state) - set(own):
+        name = next(iter(sorted(set(fresh) - (set(own) - backbone)) or sorted(set(state) - set(own))))
+        raise DFlashError("a weight the released drafter and this run's do not share", file=uri, field=name)
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise DFlashError(
+                f"shape {list(tensor.shape)}, this run's drafter has {list(own[name].shape)}", file=uri, field=name
+            )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor.to(own[name].dtype))
+    return fresh

@@ -1,0 +1,90 @@
+"""A run that starts from a released drafter (`train.init_from`): its weights, not a random or the
+target's start; a drafter whose weights would mean something else in this run is refused naming
+the setting; a DSpark run keeps a plain DFlash drafter's backbone."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_ray.config import load_config
+from dflash_ray.drafter.export import from_hf_config, save_drafter
+from dflash_ray.drafter.init import initial_drafter
+from dflash_ray.errors import DFlashError
+from dflash_ray.tiny_models import tiny_qwen3
+from dflash_ray.train.shape import drafter_config, drafter_init
+
+SETTINGS = ["train.num_layers=1", "train.target_layer_ids=[0,1,2]"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_qwen3(tmp_path_factory.mktemp("target"), num_layers=4, hidden_size=64, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def released(target, tmp_path_factory):
+    """A drafter someone trained: here one with weights no start of this run makes."""
+    cfg = load_config(None, SETTINGS)
+    drafter = initial_drafter(from_hf_config(drafter_config(target, cfg)), target, "random", seed=1234)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01)
+    folder = tmp_path_factory.mktemp("released")
+    save_drafter(drafter, folder, dtype=torch.float32)
+    return str(folder), {k: v.clone() for k, v in drafter.state_dict().items()}
+
+
+def test_a_run_starts_from_the_released_drafters_weights(target, released):
+    from dflash_ray.train.workers import DrafterWorker
+
+    folder, weights = released
+    cfg = load_config(None, [*SETTINGS, f"train.init_from={folder}", "train.block_size=8"])  # a block size is free
+    mode = drafter_init(target, cfg)
+    worker = DrafterWorker(target, json.dumps(drafter_config(target, cfg)), mode, cfg.train, 0, 1)
+    got = worker.drafter.state_dict()
+    assert sorted(got) == sorted(weights)
+    assert all(torch.equal(got[k].cpu(), weights[k]) for k in weights)
+    cold = load_config(None, SETTINGS)
+    random = DrafterWorker(
+        target, json.dumps(drafter_config(target, cold)), drafter_init(target, cold), cold.train, 0, 1
+    )
+    assert not torch.equal(random.drafter.fc.weight.cpu(), weights["fc.weight"])
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ("train.num_layers=2", "train.num_layers"),
+        ("train.mask_token_id=7", "train.mask_token_id"),
+        ("train.target_layer_ids=[0,1,3]", "train.target_layer_ids"),
+        ("train.target_layer_ids=[0,2]", "train.num_target_features"),
+    ],
+)
+def test_a_released_drafter_whose_weights_mean_something_else_is_refused_naming_the_setting(
+    target, released, change, field
+):
+    cfg = load_config(None, [*SETTINGS, f"train.init_from={released[0]}", change])
+    with pytest.raises(DFlashError) as e:
+        drafter_init(target, cfg)
+    assert e.value.field == field and e.value.exit_code == 2, str(e.value)
+
+
+def test_no_drafter_in_the_folder_is_named(target, tmp_path):
+    cfg = load_config(None, [*SETTINGS, f"train.init_from={tmp_path}"])
+    with pytest.raises(DFlashError, match="no exported drafter here"):
+        drafter_init(target, cfg)
+
+
+def test_a_dspark_run_keeps_a_plain_dflash_backbone_and_starts_its_own_heads_fresh(target, released):
+    from dflash_ray.drafter import warm_start
+
+    folder, weights = released
+    cfg = load_config(None, [*SETTINGS, f"train.init_from={folder}", "train.drafter=dspark"])
+    dcfg = from_hf_config(drafter_config(target, cfg))
+    drafter = initial_drafter(dcfg, target, "random", seed=0)
+    fresh = warm_start.load_released(drafter, dcfg, folder)
+    state = drafter.state_dict()
+    assert fresh and all(k not in weights for k in fresh)
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    assert drafter_init(target, cfg) == warm_start.PREFIX + folder
