@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_ray.drafter import config_checks as checks
-from dflash_ray.drafter import families
+from dflash_ray.drafter import families, speculators_format
 from dflash_ray.drafter.config import DrafterConfig
 from dflash_ray.errors import DFlashError
 
@@ -191,12 +191,16 @@ def save_drafter(
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """The drafter of a folder holding config.json and model.safetensors; a bad config field, or a
-    weight missing, unexpected, of another shape or not a float, is a DFlashError naming it."""
+    """The drafter of a folder holding config.json and model.safetensors (ours, or a DFlash drafter
+    saved by vLLM's speculators trainer: `speculators_format`); a bad config field, or a weight
+    missing, unexpected, of another shape or not a float, is a DFlashError naming it."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = read_config((path / CONFIG).read_bytes(), str(path / CONFIG))
+    config = str(path / CONFIG)
+    data = checks.parse((path / CONFIG).read_bytes(), config)
+    theirs = speculators_format.is_speculators(data)
+    cfg = from_hf_config(speculators_format.hf_config(data, config) if theirs else data, config)
     drafter = families.get(cfg.family).build(cfg)
     try:
         state = load_file(str(path / WEIGHTS), device=str(device))
@@ -206,6 +210,8 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlash
         raise DFlashError(
             f"not a readable safetensors file ({e}): cut short or damaged", file=str(path / WEIGHTS)
         ) from None
+    if theirs:
+        state = speculators_format.our_weights(state, str(path / WEIGHTS))
     _check_weights(state, drafter.state_dict(), str(path / WEIGHTS))
     drafter.to(next(iter(state.values())).dtype)
     drafter.load_state_dict(state)

@@ -5,7 +5,8 @@ must agree is what the weights mean: every tensor's shape (the drafter's width, 
 vocabulary and the captured layers' count), the mask token's row and which target layers the
 features come from; a different `block_size` is free (the weights do not depend on it). A DSpark or
 DFlash2 run may start from a plain DFlash drafter: the backbone is loaded, the family's own heads
-start fresh. The optimizer always starts fresh; the rate warms up over `train.warmup_ratio`.
+start fresh. The optimizer always starts fresh; the rate warms up over `train.warmup_ratio`. A DFlash
+drafter saved by vLLM's speculators trainer starts a run too (`speculators_format`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from dflash_ray import storage
-from dflash_ray.drafter import families
+from dflash_ray.drafter import config_checks, families, speculators_format
 from dflash_ray.drafter.config import DrafterConfig
-from dflash_ray.drafter.export import CONFIG, WEIGHTS, read_config
+from dflash_ray.drafter.export import CONFIG, WEIGHTS, from_hf_config
 from dflash_ray.errors import DFlashError
 
 PREFIX = "drafter:"  # the start mode that names a released drafter's folder (`initial_drafter`)
@@ -34,12 +35,20 @@ MUST_MATCH = (
 )
 
 
-def released_config(folder: str) -> DrafterConfig:
-    """The released drafter's config, every field checked (a bad one names the file and field)."""
+def released_config(folder: str, num_target_layers: int | None = None) -> DrafterConfig:
+    """The released drafter's config, every field checked (a bad one names the file and field).
+    `num_target_layers`: the run's target's, which a speculators config.json does not hold."""
+    return _read_config(folder, num_target_layers)[0]
+
+
+def _read_config(folder: str, num_target_layers: int | None) -> tuple[DrafterConfig, bool]:
+    """The config, and whether vLLM's speculators trainer wrote the folder (its weight names then)."""
     uri = storage.join(folder, CONFIG)
     if not storage.exists(uri):
         raise DFlashError("no exported drafter here (no config.json)", file=folder, field="train.init_from")
-    return read_config(storage.read_bytes(uri), uri)
+    data = config_checks.parse(storage.read_bytes(uri), uri)
+    theirs = speculators_format.is_speculators(data)
+    return from_hf_config(speculators_format.hf_config(data, uri, num_target_layers) if theirs else data, uri), theirs
 
 
 def check_fits(released: DrafterConfig, run: DrafterConfig, folder: str) -> None:
@@ -76,7 +85,7 @@ def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> 
     that start fresh (a family's own heads over a plain DFlash backbone)."""
     from safetensors.torch import load
 
-    released = released_config(folder)
+    released, theirs = _read_config(folder, cfg.num_target_layers)
     uri = storage.join(folder, WEIGHTS)
     try:
         state = load(storage.read_bytes(uri))
@@ -84,6 +93,8 @@ def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> 
         if type(e).__name__ != "SafetensorError":
             raise
         raise DFlashError(f"not a readable safetensors file ({e})", file=uri) from None
+    if theirs:
+        state = speculators_format.our_weights(state, uri)
     own = drafter.state_dict()
     if released.family != cfg.family:  # a plain DFlash backbone: its names, counted on the meta device
         with torch.device("meta"):

@@ -102,7 +102,8 @@ def drafter_init(target: str, cfg: RunConfig) -> str:
 
     folder = cfg.train.init_from
     if folder:
-        warm_start.check_fits(warm_start.released_config(folder), from_hf_config(drafter_config(target, cfg)), folder)
+        run = from_hf_config(drafter_config(target, cfg))
+        warm_start.check_fits(warm_start.released_config(folder, run.num_target_layers), run, folder)
         return warm_start.PREFIX + folder
     try:
         return init_mode(target_config(target), cfg.train.init)
