@@ -60,3 +60,15 @@ def test_tiny_targets_run(tiny_qwen3_dir, tiny_qwen35_dir):
             out = model(torch.randint(0, 1000, (2, 9)), output_hidden_states=True)
         assert out.logits.shape == (2, 9, vocab)
         assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """A folder of the package missing from pyproject's `packages` works from a checkout and is
+    absent from an installed wheel (a cluster image's)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "dflash_ray").rglob("__init__.py")}
+    assert found - listed == set()
