@@ -78,7 +78,11 @@ from dflash_ray.generation.actors import NAMESPACE, ShardPool
 connect(RayConfig(num_cpus=1, include_dashboard=False))  # as a local `generate` starts its cluster
 name = sys.argv[1]
 pool = ShardPool.options(name=name, namespace=NAMESPACE).remote(
-    [{"index": 0, "count": 3}], {}, GenerateConfig(name=name, generators=1), "unused", {}
+    [{"index": 0, "count": 3}, {"index": 1, "count": 3}],
+    {},
+    GenerateConfig(name=name, generators=1, generator_cpus=0.5),  # room for two on the 1-CPU cluster
+    "unused",
+    {},
 )
 ray.get(pool.status.remote())
 print("READY", flush=True)
@@ -113,10 +117,12 @@ def test_status_and_scale_reach_a_generation_on_the_local_cluster(tmp_path):
             return done.returncode, json.loads(done.stdout.strip().splitlines()[-1]), time.monotonic() - start
 
         code, status, seconds = command("status", "--name", name)
-        assert code == 0 and status["generators_target"] == 1 and status["prompts_total"] == 3, status
+        assert code == 0 and status["generators_target"] == 1 and status["prompts_total"] == 6, status
         assert seconds < 30
         code, scaled, _ = command("scale", "generators", "2", "--name", name)
-        assert code == 0 and scaled["generators_target"] == 2, scaled
+        assert code == 0 and scaled["generators_target"] == 2 and scaled["bounded"] is None, scaled
+        code, scaled, _ = command("scale", "generators", "99999999999999999999", "--name", name)
+        assert code == 0 and scaled["generators_target"] == 2 and "2 shards are left" in scaled["bounded"], scaled
         code, missing, seconds = command("status", "--name", f"{name}-not")
         assert code == 2 and "is running on this machine" in missing["error"] and seconds < 30, missing
     finally:
