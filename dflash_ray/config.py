@@ -28,6 +28,7 @@ from dflash_ray.settings.loading import apply_override, config_from_dict, load_c
 from dflash_ray.settings.optimizer import TRACKERS
 from dflash_ray.settings.pipeline import FAULT_KINDS, ChaosConfig, PipelineConfig, parse_faults
 from dflash_ray.settings.plan import PLAN_GPUS, PlanConfig
+from dflash_ray.settings.pretrain import PretrainConfig
 from dflash_ray.settings.resilience import ClocksConfig
 from dflash_ray.settings.run import RunConfig, check, check_lengths
 from dflash_ray.settings.training import TrainConfig
@@ -47,6 +48,7 @@ __all__ = [
     "PLAN_GPUS",
     "PipelineConfig",
     "PlanConfig",
+    "PretrainConfig",
     "PromptsConfig",
     "RayConfig",
     "RunConfig",

@@ -15,6 +15,7 @@ from dflash_ray.settings.evaluation import EvaluateConfig, OneSampleConfig
 from dflash_ray.settings.generation import GenerateConfig
 from dflash_ray.settings.pipeline import ChaosConfig, PipelineConfig
 from dflash_ray.settings.plan import PlanConfig
+from dflash_ray.settings.pretrain import PretrainConfig
 from dflash_ray.settings.training import TrainConfig
 
 
@@ -34,6 +35,7 @@ class RunConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     onesample: OneSampleConfig = field(default_factory=OneSampleConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
     def __post_init__(self):
         check(self)  # also when a command line flag replaces a field (`dataclasses.replace`)

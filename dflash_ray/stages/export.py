@@ -19,26 +19,11 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dic
     """A training checkpoint (sharded: assembled here from every rank's shard, each file checked
     against the checkpoint's manifest whatever the folder is called) or a drafter folder → the
     serving format in `out_dir`."""
-    from dflash_ray import writer
+    from dflash_ray.drafter.export_folder import exporting
 
-    if storage.overlaps(checkpoint, out_dir):  # the export would overwrite what it reads
-        raise DFlashError(
-            f"the output {out_dir} and the checkpoint {checkpoint} overlap (one is, or is inside, "
-            "the other): nothing was exported; choose an output folder outside the checkpoint",
-            file=out_dir,
-        )
-    storage.require_folder(out_dir, "nothing was exported")
-    _check_replaceable(out_dir)
-    local = None if storage.is_s3(out_dir) else storage.local_path(out_dir)
-    made = local is not None and not local.exists()
-    try:
-        with writer.claim(out_dir, "drafter") as held:  # one export writes here at a time; another is refused
-            summary = _export(checkpoint, out_dir, dtype)
-            held.check()
-    except BaseException:
-        if made and local is not None and local.is_dir() and not any(local.iterdir()):
-            local.rmdir()  # the folder the claim made: a failed export leaves nothing
-        raise
+    with exporting(out_dir, (checkpoint,)) as held:
+        summary = _export(checkpoint, out_dir, dtype)
+        held.check()
     return summary
 
 
@@ -72,34 +57,6 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> dict[str, Any]:
         )
         raise DFlashError(f"{e}; nothing was exported: {hint}") from None
     return {**export_drafter(drafter, out_dir, dtype), "checkpoint": checkpoint, "verified_files": verified}
-
-
-def _check_replaceable(out_dir: str) -> None:
-    """An export writes `config.json` and `model.safetensors`: into a folder holding them, only when
-    they are an earlier drafter export (a re-export); a user's own files of those names are never
-    replaced. Other files in the folder are left alone."""
-    import json
-
-    from dflash_ray.drafter import families
-
-    config = storage.join(out_dir, "config.json")
-    weights = storage.join(out_dir, "model.safetensors")
-    if storage.exists(config):
-        try:
-            families.of_architecture(json.loads(storage.read_text(config)).get("architectures") or [])
-            return
-        except (ValueError, AttributeError):  # not JSON, not a mapping, or no drafter's architecture
-            pass
-        raise DFlashError(
-            "holds a config.json that is no drafter export: nothing was exported or replaced; choose an empty folder",
-            file=config,
-        )
-    if storage.exists(weights):
-        raise DFlashError(
-            "holds a model.safetensors without a drafter's config.json: nothing was exported or "
-            "replaced; choose an empty folder",
-            file=weights,
-        )
 
 
 def _verify_whole_files(folder: str) -> int:
