@@ -88,3 +88,41 @@ def test_a_dspark_run_keeps_a_plain_dflash_backbone_and_starts_its_own_heads_fre
     assert fresh and all(k not in weights for k in fresh)
     assert all(torch.equal(state[k], weights[k]) for k in weights)
     assert drafter_init(target, cfg) == warm_start.PREFIX + folder
+
+
+HUB_CODE = """
+import json, sys, torch
+from dflash_ray.config import load_config
+from dflash_ray.drafter.export import from_hf_config
+from dflash_ray.drafter.init import initial_drafter
+from dflash_ray.train.shape import drafter_config, drafter_init
+target, hub_id = sys.argv[1:]
+cfg = load_config(None, ["train.num_layers=1", "train.target_layer_ids=[0,1,2]", f"train.init_from={hub_id}"])
+start = drafter_init(target, cfg)
+drafter = initial_drafter(from_hf_config(drafter_config(target, cfg)), target, start, 0)
+print(json.dumps({"start": start, "fc": drafter.fc.weight.flatten()[:8].tolist()}))
+"""
+
+
+def test_a_released_drafter_is_taken_by_its_hub_id_from_the_hub_cache(target, released, tmp_path):
+    """Offline, as each node reads it: the Hub cache's snapshot of ORG/NAME, at main or a revision."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    folder, weights = released
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--some-org--released-drafter"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    shutil.copytree(folder, repo / "snapshots" / sha)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    for hub_id in ("some-org/released-drafter", f"some-org/released-drafter@{sha}"):
+        done = subprocess.run(
+            [sys.executable, "-c", HUB_CODE, target, hub_id], env=env, capture_output=True, text=True, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        assert got["start"] == f"drafter:{hub_id}"
+        assert torch.allclose(torch.tensor(got["fc"]), weights["fc.weight"].flatten()[:8])

@@ -1,4 +1,5 @@
-"""A run that starts from a released drafter (`train.init_from`: an exported folder, local or S3).
+"""A run that starts from a released drafter (`train.init_from`: an exported folder, local or S3, or
+a Hugging Face Hub id, `ORG/NAME[@REVISION]`, fetched into each node's Hub cache where it is read).
 
 Most teams adapt a published drafter to their own traffic rather than train one from nothing. What
 must agree is what the weights mean: every tensor's shape (the drafter's width, depth, heads, MLP,
@@ -41,9 +42,19 @@ def released_config(folder: str, num_target_layers: int | None = None) -> Drafte
     return _read_config(folder, num_target_layers)[0]
 
 
+def located(folder: str) -> str:
+    """Where the released drafter's files are read: the folder itself (local or `s3://`), or a Hub
+    id's snapshot in this node's Hugging Face cache (fetched once; offline, the cache must hold it)."""
+    from dflash_ray.registry import HUB_ID, resolve
+
+    if storage.is_s3(folder) or storage.local_path(folder).exists() or not HUB_ID.match(folder):
+        return folder
+    return resolve(folder)
+
+
 def _read_config(folder: str, num_target_layers: int | None) -> tuple[DrafterConfig, bool]:
     """The config, and whether vLLM's speculators trainer wrote the folder (its weight names then)."""
-    uri = storage.join(folder, CONFIG)
+    uri = storage.join(located(folder), CONFIG)
     if not storage.exists(uri):
         raise DFlashError("no exported drafter here (no config.json)", file=folder, field="train.init_from")
     data = config_checks.parse(storage.read_bytes(uri), uri)
@@ -86,7 +97,7 @@ def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> 
     from safetensors.torch import load
 
     released, theirs = _read_config(folder, cfg.num_target_layers)
-    uri = storage.join(folder, WEIGHTS)
+    uri = storage.join(located(folder), WEIGHTS)
     try:
         state = load(storage.read_bytes(uri))
     except Exception as e:  # safetensors' own error: a cut or damaged file

@@ -38,8 +38,9 @@ class DrafterShape:
     head_dim: int | None = at_least(2, default=None)
     intermediate_size: int | None = at_least(1, default=None)  # drafter MLP width; None: the target's
     init: Literal["auto", "target", "random"] = "auto"  # copies of the target's next layers, or random
-    # a released drafter's exported folder (local or s3://) the run starts from instead: its weights, a fresh
-    # optimizer (drafter/warm_start.py); shapes, mask token and captured layers must match; block_size is free
+    # a released drafter the run starts from (its exported folder, local or s3://, or a Hub id ORG/NAME[@REV]):
+    # its weights, a fresh optimizer (drafter/warm_start.py); shapes, mask token and captured layers must
+    # match; block_size is free
     init_from: str = ""
     block_size: int = at_least(2, default=16)
     layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
