@@ -126,3 +126,25 @@ def test_a_released_drafter_is_taken_by_its_hub_id_from_the_hub_cache(target, re
         got = json.loads(done.stdout.strip().splitlines()[-1])
         assert got["start"] == f"drafter:{hub_id}"
         assert torch.allclose(torch.tensor(got["fc"]), weights["fc.weight"].flatten()[:8])
+
+
+def test_a_released_drafter_saved_in_shards_starts_the_run(target, released, tmp_path):
+    """`model.safetensors.index.json` and the shards it lists, as large checkpoints are published."""
+    from safetensors.torch import save_file
+
+    from dflash_ray.drafter.init import initial_drafter
+
+    folder, weights = released
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    (tmp_path / "config.json").write_text(open(f"{folder}/config.json").read())
+    for file, part in halves.items():
+        save_file({k: weights[k].contiguous() for k in part}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, part in halves.items() for k in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = load_config(None, [*SETTINGS, f"train.init_from={tmp_path}"])
+    drafter = initial_drafter(from_hf_config(drafter_config(target, cfg)), target, drafter_init(target, cfg), 0)
+    assert all(torch.equal(drafter.state_dict()[k], weights[k]) for k in weights)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(DFlashError, match="model-00002-of-00002.safetensors: field 'train.init_from': missing"):
+        initial_drafter(from_hf_config(drafter_config(target, cfg)), target, drafter_init(target, cfg), 0)

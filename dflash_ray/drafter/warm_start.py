@@ -91,19 +91,44 @@ def check_fits(released: DrafterConfig, run: DrafterConfig, folder: str) -> None
         )
 
 
+INDEX = WEIGHTS + ".index.json"  # a checkpoint saved in shards: which file holds each weight
+
+
+def read_weights(folder: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The released drafter's weights, from `model.safetensors` or the shards its index lists; and the
+    file (or index) to name in an error."""
+    import json
+
+    from safetensors.torch import load
+
+    single, index = storage.join(folder, WEIGHTS), storage.join(folder, INDEX)
+    if storage.exists(single) or not storage.exists(index):
+        files, uri = [single], single
+    else:
+        uri = index
+        try:
+            weight_map = json.loads(storage.read_text(index))["weight_map"]
+            files = [storage.join(folder, name) for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DFlashError(f"not a safetensors index with a weight_map ({e!r})", file=index) from None
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not storage.exists(file):
+            raise DFlashError("missing: the drafter's weights are not here", file=file, field="train.init_from")
+        try:
+            state.update(load(storage.read_bytes(file)))
+        except Exception as e:  # safetensors' own error: a cut or damaged file
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise DFlashError(f"not a readable safetensors file ({e})", file=file) from None
+    return state, uri
+
+
 def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> list[str]:
     """Copy the released drafter's weights into `drafter` (built for this run); returns the names
     that start fresh (a family's own heads over a plain DFlash backbone)."""
-    from safetensors.torch import load
-
     released, theirs = _read_config(folder, cfg.num_target_layers)
-    uri = storage.join(located(folder), WEIGHTS)
-    try:
-        state = load(storage.read_bytes(uri))
-    except Exception as e:  # safetensors' own error: a cut or damaged file
-        if type(e).__name__ != "SafetensorError":
-            raise
-        raise DFlashError(f"not a readable safetensors file ({e})", file=uri) from None
+    state, uri = read_weights(located(folder))
     if theirs:
         state = speculators_format.our_weights(state, uri)
     own = drafter.state_dict()
