@@ -180,12 +180,17 @@ def samples(cfg: RunConfig):
     return Sample(longest, prompt, batch), Sample(mean, mean_prompt, batch)
 
 
-def team_drafters(cfg: RunConfig, hf) -> list[tuple[str, RunConfig, Any]]:
+def team_drafters(cfg: RunConfig, hf, serving: dict[str, dict] | None = None) -> list[tuple[str, RunConfig, Any]]:
+    """(name, settings, shape) of each drafter of the run; `serving`: each one's `drafter_config` by
+    name, where the run resolved them (`preflight.resolve_run`), else derived from `hf`."""
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.train.shape import drafter_config_of
     from dflash_ray.train import drafters
 
-    return [(name, team, from_hf_config(drafter_config_of(hf, team))) for name, team in drafters.expand(cfg)]
+    return [
+        (name, team, from_hf_config(serving[name] if serving is not None else drafter_config_of(hf, team)))
+        for name, team in drafters.expand(cfg)
+    ]
 
 
 @functools.lru_cache(maxsize=32)
@@ -282,12 +287,18 @@ def stream_gpus(cfg: RunConfig) -> int:
 
 
 def simulate_roles(
-    cfg: RunConfig, hf, sample, zero_grad_first: bool = True, sharding: Sharding | None = None
+    cfg: RunConfig,
+    hf,
+    sample,
+    zero_grad_first: bool = True,
+    sharding: Sharding | None = None,
+    serving: dict[str, dict] | None = None,
 ) -> dict[str, dict]:
     """Each GPU role's step at `sample`: memory by category per GPU at the drafters' steady-state
     peak, FLOPs (and the decoder layers' share), the bytes each mesh dimension's collectives send a
     step, and seconds on `plan.gpu`. `zero_grad_first`: where the drafter's step frees last step's
-    gradients (`simulate.drafter_step`); `sharding`: the drafters' (`sharding_of` by default)."""
+    gradients (`simulate.drafter_step`); `sharding`: the drafters' (`sharding_of` by default);
+    `serving`: the drafters' resolved shapes (`team_drafters`)."""
     import torch
 
     from dflash_ray.drafter.export import to_hf_config
@@ -297,7 +308,7 @@ def simulate_roles(
 
     tr, gpu = cfg.train, gpu_of(cfg)
     sharding = sharding or sharding_of(cfg)
-    teams = team_drafters(cfg, hf)
+    teams = team_drafters(cfg, hf, serving)
     layers, _ = union_layers([list(d.target_layer_ids) for _, _, d in teams])
     distilled = [t.train.distill > 0 and not d.settings.wants_target_distribution() for _, t, d in teams]
     top_k, last = target_sends(tr)
@@ -457,12 +468,12 @@ def fitting(cfg: RunConfig, roles: dict[str, dict]) -> None:
         )
 
 
-def check_memory(cfg: RunConfig, target: str) -> dict[str, dict]:
+def check_memory(cfg: RunConfig, target: str, serving: dict[str, dict] | None = None) -> dict[str, dict]:
     """`train`'s preflight on GPUs: every role's simulated peak at the longest sequence, refused when
-    above the GPU's memory (`fitting`)."""
+    above the GPU's memory (`fitting`); `serving`: the drafters' resolved shapes by name."""
     hf, _ = target_config(cfg, target)
     longest, _ = samples(cfg)
-    roles = simulate_roles(cfg, hf, longest)
+    roles = simulate_roles(cfg, hf, longest, serving=serving)
     fitting(cfg, roles)
     return roles
 

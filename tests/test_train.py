@@ -306,7 +306,17 @@ def test_two_drafters_from_one_target_pass_each_train_as_alone(ray_cluster, targ
     assert run_train(target, data, out, cfg, progress=False, stop_after_step=5)["step"] == 5
     both = run_train(target, data, out, cfg, progress=False)
     assert both["step"] == both["total_steps"] == 8 and set(both["drafters"]) == {"flash", "spark"}
+    resolved = both["resolved"]  # what ran, as the driver resolved it once
+    assert resolved["placement"] == {"device": "cpu", "attention": "sdpa", "dtype": "float32", "backend": "gloo"}
+    assert [(d["name"], d["family"], d["block_size"], d["target_layer_ids"]) for d in resolved["drafters"]] == [
+        ("flash", "dflash", 16, [0, 1, 2]),
+        ("spark", "dspark", 6, [1, 3]),
+    ]
+    assert [d["start"] for d in resolved["drafters"]] == [both["drafters"][n]["start"] for n in ("flash", "spark")]
     alone_dir, alone = alone
+    assert (
+        alone["resolved"]["drafters"][0]["start"] == alone["start"] and "name" not in alone["resolved"]["drafters"][0]
+    )
     assert alone["step"] == 8 and alone["checkpoint"] == checkpoint.step_dir(alone_dir, 8)
     assert _final_weights(storage.join(out, "flash")) == _final_weights(alone_dir)  # bitwise
     spark, flash = _metrics(storage.join(out, "spark")), _metrics(storage.join(out, "flash"))

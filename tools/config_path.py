@@ -1,8 +1,9 @@
 """The path a run's settings take through the package, from `dflash-ray train` to the moment it would
 start the cluster: every call of the package's code that receives the config (or one of its
-sections) as an argument, in order, grouped by module. It says how many modules the settings enter,
-how often the path climbs to a higher floor (`tests/test_layering.py`'s FLOORS), and how often it
-goes back to a module it had left: the measure of how scattered a run's resolution is.
+sections, or the run resolved from it: `train.resolved`) as an argument, in order, grouped by
+module. It says how many modules the settings enter, how often the path climbs to a higher floor
+(`tests/test_layering.py`'s FLOORS), and how often it goes back to a module it had left: the
+measure of how scattered a run's resolution is.
 
     .venv/bin/python tools/config_path.py [--json] [--path]
 
@@ -26,9 +27,14 @@ class _Stop(Exception):
     """Raised where the stage would start the coordinator: the path is complete."""
 
 
+# what carries a run's settings: the config and its sections, and the run resolved from them
+# (`train.resolved`: the placement, each drafter's settings, shape and start), which the stage and the
+# coordinator receive in their place
+SETTINGS_MODULES = ("dflash_ray.config", "dflash_ray.settings", "dflash_ray.train.resolved")
+
+
 def _is_settings(value) -> bool:
-    module = type(value).__module__
-    return module.startswith(("dflash_ray.config", "dflash_ray.settings"))
+    return type(value).__module__.startswith(SETTINGS_MODULES)
 
 
 def trace() -> list[str]:

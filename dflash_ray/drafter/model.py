@@ -88,7 +88,7 @@ class Attention(nn.Module):
 
 
 # graphs one compiled function may hold: a run meets one per padded length, mask kind and grad mode
-# (`preflight.compiled_shapes`: 24 x 2 x 2 = 96 for the Qwen3.6-27B preset), each compiled once
+# (`train.shape.compiled_shapes`: 24 x 2 x 2 = 96 for the Qwen3.6-27B preset), each compiled once
 MAX_SHAPES = 128
 
 

@@ -1,7 +1,8 @@
-"""`dflash-ray train`: checks the run on the driver (the drafter's shape, the placement, the mask
-row, the trackers), starts the coordinator actor (`train.coordinator`) and follows it with a
-progress bar; the metrics plot is drawn from `metrics.jsonl` at the end. The coordinator's own
-errors reach the caller as they were raised."""
+"""`dflash-ray train`: resolves the run on the driver, once (`preflight.resolve_run`: the settings,
+the pinned target, the placement, each drafter's shape, start and folder, the memory fit), starts the
+coordinator actor (`train.coordinator`) on what it decided and follows it with a progress bar; the
+metrics plot is drawn from `metrics.jsonl` at the end, and the summary's `resolved` section says what
+ran. The coordinator's own errors reach the caller as they were raised."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import json
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_ray import disk, storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
-from dflash_ray.train.shape import check_mask_row, drafter_config, drafter_init
 from dflash_ray.errors import DFlashError, DiskFull, Interrupted, note_sigterm
 from dflash_ray.stages import PipelineRun, Stage
 from dflash_ray.train import drafters
-from dflash_ray.train.trackers import check_installed, driver_env
+from dflash_ray.train.trackers import driver_env
+
+if TYPE_CHECKING:
+    from dflash_ray.train.resolved import ResolvedRun
 
 
 def plot_metrics(metrics: list[dict[str, Any]]) -> bytes:
@@ -72,8 +75,7 @@ def run_train(
     settings and storage is checked before Ray starts: the output is claimed for this run (`writer`),
     and a checkpoint to resume from is compared with this run's settings, data and target."""
     from dflash_ray import writer
-    from dflash_ray.preflight import preflight
-    from dflash_ray.registry import pin
+    from dflash_ray.preflight import resolve_run
 
     storage.require_folder(output, "nothing was trained")
     if storage.overlaps(data, output):  # checkpoints and metrics would land among the data's shards
@@ -82,37 +84,14 @@ def run_train(
             "output folder of its own",
             file=output,
         )
-    late = [s for s in cfg.train.profile_steps if cfg.train.max_steps and s > cfg.train.max_steps]
-    if late:
-        print(
-            f"dflash-ray train: warning: train.profile_steps {late} are past train.max_steps={cfg.train.max_steps}: "
-            "no trace of them",
-            file=sys.stderr,
-        )
-    check_installed(cfg.train.trackers)
-    preflight(cfg, generating=False)
-    target = pin(target)  # a Hub id: the commit every stream actor loads, recorded in the checkpoints
-    if cfg.train.actor_gpus > 0:  # every GPU role's simulated peak against the GPU's memory (`plan`)
-        from dflash_ray.planning import check_memory
-
-        check_memory(cfg, target)
-    teams = []
-    for name, team_cfg in drafters.expand(cfg):  # bad settings fail here, naming the drafter
-        try:
-            drafter_cfg, init = drafter_config(target, team_cfg), drafter_init(target, team_cfg)
-            check_mask_row(target, drafter_cfg)
-        except DFlashError as e:
-            if not name:
-                raise
-            raise DFlashError(f"drafter {name!r}: {e}") from None
-        teams.append((name, team_cfg, drafter_cfg, init))
+    run = resolve_run(target, cfg, output)  # the whole run decided once: from here on it is executed
     local = None if storage.is_s3(output) else storage.local_path(output)
     made = local is not None and not local.exists()
     try:
         with writer.claim(output, "training"):  # one run trains into an output; a second is refused at once
-            _check_checkpoints(target, data, output, cfg, resume)
+            _check_checkpoints(run, data, output, resume)
             try:
-                return _train(target, data, output, cfg, teams, stop_after_step, progress, run_name)
+                return _train(run, data, output, stop_after_step, progress, run_name)
             except DFlashError as e:
                 if isinstance(e, (DiskFull, Interrupted)) or not disk.no_space(e):
                     raise
@@ -152,7 +131,7 @@ def _disk_full(e: DFlashError, output: str, cfg: RunConfig) -> DiskFull:
     )
 
 
-def _check_checkpoints(target: str, data: str, output: str, cfg: RunConfig, resume: bool | None) -> None:
+def _check_checkpoints(run: ResolvedRun, data: str, output: str, resume: bool | None) -> None:
     """On storage alone, before Ray: an output holding checkpoints without `resume` is refused, and the
     newest checkpoint to resume from must be of this run (settings, data, target: `recovery.differences`,
     as the coordinator checks it, less the data's fingerprint, which needs the data read). A raised or
@@ -161,8 +140,8 @@ def _check_checkpoints(target: str, data: str, output: str, cfg: RunConfig, resu
     from dflash_ray.train import checkpoint
     from dflash_ray.train.recovery import Origin, differences
 
-    outputs = drafters.outputs(output, cfg)
-    for folder in outputs:
+    cfg = run.cfg
+    for folder in (d.output for d in run.drafters):
         steps = checkpoint.complete_steps(folder)
         if resume is False and steps:
             raise DFlashError(
@@ -182,7 +161,7 @@ def _check_checkpoints(target: str, data: str, output: str, cfg: RunConfig, resu
         state = json.loads(checkpoint.read_file(output, step, "state.json", checkpoint.verify(output, step)))
     except checkpoint.CorruptCheckpoint:
         return  # the coordinator resumes from an older one, or says none verifies
-    changed = differences(state, Origin(cfg, target, data, state.get("data_print", ""), output))
+    changed = differences(state, Origin(cfg, run.target, data, state.get("data_print", ""), output))
     if changed:
         raise DFlashError(
             f"the checkpoint {checkpoint.step_dir(output, step)} was made with other settings ({', '.join(changed)} "
@@ -284,10 +263,9 @@ def _follow(run_ref: Any, shown: _Progress, interrupted: threading.Event) -> dic
     return ray.get(run_ref)
 
 
-def _plot_each_drafter(teams: list, output: str, summary: dict[str, Any]) -> None:
+def _plot_each_drafter(run: ResolvedRun, summary: dict[str, Any]) -> None:
     """Each drafter's metrics plot beside its `metrics.jsonl`, named in the summary."""
-    for name, _, _, _ in teams:
-        folder = storage.join(output, name) if name else output
+    for name, folder in ((d.name, d.output) for d in run.drafters):
         metrics_uri = storage.join(folder, "metrics.jsonl")
         if storage.exists(metrics_uri):
             metrics = [json.loads(x) for x in storage.read_text(metrics_uri).splitlines() if x.strip()]
@@ -297,11 +275,9 @@ def _plot_each_drafter(teams: list, output: str, summary: dict[str, Any]) -> Non
 
 
 def _train(
-    target: str,
+    run: ResolvedRun,
     data: str,
     output: str,
-    cfg: RunConfig,
-    teams: list,
     stop_after_step: int | None,
     progress: bool,
     run_name: str | None,
@@ -314,6 +290,7 @@ def _train(
     from dflash_ray.train.coordinator import Coordinator
     from dflash_ray.train.devices import check_resources
 
+    cfg = run.cfg
     connect(cfg.ray)
     check_resources(cfg.train, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     network = _measured_network(cfg)
@@ -322,7 +299,7 @@ def _train(
     coordinator: Any = (
         ray.remote(Coordinator)
         .options(num_cpus=0, max_concurrency=2, resources=on_node(cfg.ray.head_resource))
-        .remote(target, data, output, cfg, run_name, teams, driver_env())
+        .remote(run, data, output, run_name, driver_env())
     )
     run_ref = coordinator.run.remote(stop_after_step)
     shown = _Progress(coordinator, progress)
@@ -346,9 +323,10 @@ def _train(
         _restore_signals(handlers)
         shown.close()
         ray.kill(coordinator)
-    _plot_each_drafter(teams, output, summary)
-    for name, _, _, init in teams:  # how each drafter started: the target's layers, random, or a released one
-        (summary["drafters"][name] if name else summary)["start"] = init  # "drafter:FOLDER" for a released one
+    _plot_each_drafter(run, summary)
+    for d in run.drafters:  # how each drafter started: the target's layers, random, or a released one
+        (summary["drafters"][d.name] if d.name else summary)["start"] = d.init  # "drafter:FOLDER" for a released one
+    summary["resolved"] = run.section()  # what ran: the placement, each drafter's shape and start
     return summary
 
 

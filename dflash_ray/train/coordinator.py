@@ -29,13 +29,13 @@ import logging
 import time
 from typing import Any
 
-from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError, failure_cause
 from dflash_ray.train import evaluation, history
 from dflash_ray.train.deadlines import Stalled
 from dflash_ray.train.feeding import Feeder
 from dflash_ray.train.profile import step_trace
 from dflash_ray.train.recovery import Checkpoints, Origin
+from dflash_ray.train.resolved import ResolvedRun
 from dflash_ray.train.schedule import RunSamples, Schedule, passes, sample_lengths, slots
 from dflash_ray.train.step_figures import Gauges, step_row, summary_of
 from dflash_ray.train.streams import Streams, Team, make_teams
@@ -57,21 +57,21 @@ class GrowBack(Exception):
 class Coordinator:
     def __init__(
         self,
-        target: str,
+        resolved: ResolvedRun,
         data: str,
         output: str,
-        cfg: RunConfig,
         run_name: str,
-        drafters: list[tuple[str, RunConfig, dict, str]],
         tracking_env: dict[str, str] | None = None,
     ):
-        """`drafters`: (name, its settings, `drafter_config`, `drafter_init`) for each drafter of the
-        run, computed on the driver; `tracking_env`: the trackers' settings from the driver's environment."""
+        """`resolved`: the run as the driver resolved it (`preflight.resolve_run`: the pinned target, the
+        placement, each drafter's settings, shape, start and folder), executed here, never derived
+        again; `tracking_env`: the trackers' settings from the driver's environment."""
         self.stopping = False
-        self.target, self.data, self.output, self.cfg = target, data, output, cfg
+        self.resolved = resolved
+        self.target, self.data, self.output, self.cfg = resolved.target, data, output, resolved.cfg
         self.run_name = run_name  # actors are named `{run_name}-target-{s}` / `-drafter-{s}`
-        self.teams, self.layer_ids = make_teams(drafters, output)  # layer_ids: what the targets capture
-        self.streams = Streams(cfg, target, run_name, self.teams, self.layer_ids)
+        self.teams, self.layer_ids = make_teams(resolved.drafters)  # layer_ids: what the targets capture
+        self.streams = Streams(self.cfg, self.target, run_name, self.teams, self.layer_ids)
         self.gauges = [Gauges(run_name, team.name) for team in self.teams]
         self.schedule: Schedule | None = None  # `_plan`, in `run`
         self.total_steps: int | None = None
@@ -87,7 +87,7 @@ class Coordinator:
         self.restart_seconds: list[float] = []  # from each failure to the next step taken (placement, weights, compile)
         self.warm: list[dict[str, Any]] = []  # each start's warm-up: shapes met before step 0, seconds
         self.taken: dict[int, list[tuple[str, int]]] = {}  # step -> the samples it trained on, every stream's
-        self.trackers = Trackers(cfg.train.trackers, output, tracking_env or {})
+        self.trackers = Trackers(self.cfg.train.trackers, output, tracking_env or {})
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
@@ -132,8 +132,6 @@ class Coordinator:
     def _plan(self) -> None:
         """The samples, the held-out split and the schedule. Run inside `run`, not the constructor, so
         a bad dataset or setting reaches the driver as its own error, not as a dead actor."""
-        from dflash_ray.train.devices import planned_placement
-
         tcfg = self.cfg.train
         self.samples = RunSamples(self.data, tcfg)
         self.data_print = self.samples.fingerprint
@@ -144,7 +142,7 @@ class Coordinator:
         held_lengths = sample_lengths(heldout) if heldout else []
         self.heldout_batches = evaluation.batches_by_length(heldout, held_lengths, tcfg.batch_size)
         self.shapes: list[tuple[int, int, bool]] = []
-        if tcfg.clocks.scale > 0 or planned_placement(self.cfg).attention == "flex":
+        if tcfg.clocks.scale > 0 or self.resolved.placement.attention == "flex":
             evaluated = self.heldout_batches if tcfg.eval_every else []
             self.shapes = evaluation.warm_shapes(
                 self.samples.train_lengths(),

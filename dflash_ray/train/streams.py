@@ -15,9 +15,8 @@ import dataclasses
 import json
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-from dflash_ray import storage
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.families import mask_and_layer_ids
@@ -27,6 +26,7 @@ from dflash_ray.train.devices import stream_bundles
 from dflash_ray.train.drafters import union_layers
 from dflash_ray.train import mesh
 from dflash_ray.train.handoff import Layout
+from dflash_ray.train.resolved import ResolvedDrafter
 from dflash_ray.train.target_worker import TargetWorker
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker
 
@@ -94,20 +94,11 @@ class Team:
     gauges: dict[str, Any] = field(default_factory=dict)
 
 
-def make_teams(drafters: list[tuple[str, RunConfig, dict, str]], output: str) -> tuple[list[Team], list[int]]:
-    """A `Team` for each drafter of the run ((name, its settings, `drafter_config`, `drafter_init`),
-    computed on the driver), writing to `output` or `output/NAME`; and the target layers to capture
-    for them all (each team's `pick` among them)."""
+def make_teams(drafters: Sequence[ResolvedDrafter]) -> tuple[list[Team], list[int]]:
+    """A `Team` for each drafter the driver resolved (its settings, shape, start and output folder);
+    and the target layers to capture for them all (each team's `pick` among them)."""
     teams = [
-        Team(
-            name,
-            team_cfg,
-            json.dumps(drafter_cfg),
-            init,
-            storage.join(output, name) if name else output,
-            mask_and_layer_ids(drafter_cfg)[1],
-        )
-        for name, team_cfg, drafter_cfg, init in drafters
+        Team(d.name, d.cfg, json.dumps(d.serving), d.init, d.output, mask_and_layer_ids(d.serving)[1]) for d in drafters
     ]
     layer_ids, picks = union_layers([t.layer_ids for t in teams])
     for team, pick in zip(teams, picks):
