@@ -60,7 +60,7 @@ def _worker(target: str, cfg: RunConfig):
         lr=p.lr if p.lr is not None else cfg.train.lr,
         warmup_ratio=p.warmup_ratio if p.warmup_ratio is not None else cfg.train.warmup_ratio,
     )
-    start = drafter_init(target, cfg)
+    start = drafter_init(target, cfg, serving)
     worker = DrafterWorker(target, json.dumps(serving), start, tcfg, 0, 1)
     worker.set_total_steps(p.steps)
     return worker, start
