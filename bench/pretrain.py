@@ -100,28 +100,20 @@ def main() -> None:
 
     from pathlib import Path
 
-    from bench.scaling import prepare
+    from bench.scaling import prepare, steps_config
     from dflash_ray.cli import summary_stdout
-    from dflash_ray.registry import SMOLLM2
-    from dflash_ray.stages.demo import bundled_inputs, demo_config
+    from dflash_ray.stages.demo import bundled_inputs
 
     arms, sets = args.arms.split(","), args.sets.split(",")
     unknown = [a for a in arms if a not in ARMS] + [s for s in sets if s not in SETS]
     if unknown:
         parser.error(f"unknown {unknown}; arms: {list(ARMS)}, sets: {list(SETS)}")
     work = str(Path(args.workdir).absolute())
-    cfg = demo_config(
-        None,
+    cfg = steps_config(
+        work,
+        args.steps,
         [
-            f"pipeline.workdir={work}",
-            f"pipeline.target={SMOLLM2}",
             f"pipeline.inputs=[{','.join(bundled_inputs())}]",
-            "train.epochs=1000",  # the steps decide
-            f"train.max_steps={args.steps}",
-            "train.eval_every=0",
-            "pipeline.vllm_evaluate=false",
-            "pipeline.min_tau_gain=0",
-            "pipeline.beat_ngram=false",
             # a pretraining step near a distillation step's cost: two sequences of 256 tokens
             "pretrain.batch_size=2",
             "pretrain.seq_len=256",

@@ -127,6 +127,28 @@ def one_size(run, size: int, references: dict, progress: bool, epochs: float | N
     }
 
 
+def steps_config(work: str, steps: int, overrides: list[str]):
+    """The demo's settings for a benchmark in `work` that trains `steps` steps and asks none of the
+    demo's gates (`overrides` last)."""
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.stages.demo import demo_config
+
+    return demo_config(
+        None,
+        [
+            f"pipeline.workdir={work}",
+            f"pipeline.target={SMOLLM2}",
+            "train.epochs=1000",  # the steps decide
+            f"train.max_steps={steps}",
+            "train.eval_every=0",
+            "pipeline.vllm_evaluate=false",
+            "pipeline.min_tau_gain=0",  # the bench trains; the demo's gates are not its question
+            "pipeline.beat_ngram=false",
+            *overrides,
+        ],
+    )
+
+
 def steps_for(epochs: float, samples: int, per_step: int) -> int:
     """Optimizer steps that pass over `samples` `epochs` times, `per_step` samples a step."""
     return max(1, math.ceil(epochs * samples / per_step))
@@ -217,27 +239,19 @@ def main() -> None:
     from importlib import resources
 
     from dflash_ray.cli import summary_stdout
-    from dflash_ray.stages.demo import DEMO_FILES, UNSEEN_FILE, demo_config
-    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.stages.demo import DEMO_FILES, UNSEEN_FILE
 
     sizes = sorted(int(s) for s in args.sizes.split(","))
     assets = resources.files("dflash_ray.assets")
     work = str(Path(args.workdir).absolute())
-    cfg = demo_config(
-        None,
+    cfg = steps_config(
+        work,
+        args.steps,
         [
-            f"pipeline.workdir={work}",
-            f"pipeline.target={SMOLLM2}",
             f"pipeline.inputs=[{','.join(str(assets / f) for f in DEMO_FILES)}]",
             f"pipeline.unseen_prompts=[{assets / UNSEEN_FILE},{UNSEEN_MORE}]",
             f"selfprompt.count={args.self_prompts}",
-            "train.epochs=1000",  # the steps decide
-            f"train.max_steps={args.steps}",
             "train.heldout=0",
-            "train.eval_every=0",
-            "pipeline.vllm_evaluate=false",
-            "pipeline.min_tau_gain=0",  # the bench trains; the demo's gates are not its question
-            "pipeline.beat_ngram=false",
             *args.overrides,
         ],
     )
