@@ -1,0 +1,350 @@
+"""Our trainer beside SpecForge's on the same data, at equal steps, scored by the same evaluation.
+
+One DFlash drafter shape (the demo's earlier one: one layer, block 16, the target's layers
+1, 8, 14, 20, 27 captured, `train.shape.drafter_config`: SpecForge trains from that very config) and
+one recipe (hard labels, `--anchors` blocks a sample, loss decay gamma `--gamma`, AdamW at `--lr`
+with no weight decay, linear warm-up over `--warmup` of the steps then cosine to zero, gradients
+clipped to norm 1, bf16 compute over fp32 weights, `--batch` samples a step, `--steps` steps) is
+trained three times on the same tokenized samples:
+
+- SpecForge 0.2.0 (`specforge train`, offline mode, from the random start HF gives a fresh model),
+  on hidden-state files written once by a Hugging Face forward of the bf16 target;
+- dflash-ray from the target's layers (`train.init=target`, our default start);
+- dflash-ray from a random start (`train.init=random`, as SpecForge starts).
+
+Each drafter is scored by the same `dflash-ray evaluate` (real greedy speculative decoding, fp32,
+`--max-new-tokens` new tokens) on the kept-aside prompts and on the prompts of unseen kinds, with
+n-gram prompt lookup beside them. Printed: a row per trainer (tau on both sets, the first draft
+position's acceptance, the median seconds a step, the training's wall seconds), then prompt lookup's
+row and each of our drafters' tau over SpecForge's; `--json` prints the rows as JSON lines.
+
+The peers live in their own virtualenv, installed once (never into .venv):
+
+    bash bench/peers_install.sh                    # -> .peers-venv (SpecForge, CPU torch)
+    .venv/bin/python -m bench.peers --workdir /tmp/demo-run2 [--steps 600] [--json]
+
+`--workdir` reuses a demo run's `tokenized`, `prompts-eval` and `prompts-unseen`; a folder without
+them gets the demo's pipeline run up to the validation gate first (minutes: generation by the
+target). Outputs go to `--out` (default WORKDIR/peers). `--steps 5` is a smoke run; `--reuse`
+scores the drafters a run cut off in its evaluation left there. On a busy machine keep `--threads 1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_VENV = ROOT / ".peers-venv"
+STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")  # SpecForge's log line a step (log_interval 1)
+
+
+def settings(args) -> list[str]:
+    """Our run's settings over the demo's (`bench.scaling.steps_config`): its earlier DFlash drafter,
+    the recipe both trainers share, the demo's bundled prompts and unseen prompts for a new workdir."""
+    from importlib import resources
+
+    from dflash_ray.stages.demo import DFLASH_SETTINGS, UNSEEN_FILE, bundled_inputs
+
+    streams = 2 if args.batch % 2 == 0 else 1  # the demo's two streams where the batch splits
+    return [
+        f"pipeline.inputs=[{','.join(bundled_inputs())}]",
+        f"pipeline.unseen_prompts=[{resources.files('dflash_ray.assets') / UNSEEN_FILE}]",
+        *DFLASH_SETTINGS,
+        "train.target_layer_ids=[1,8,14,20,27]",
+        f"train.num_anchors={args.anchors}",
+        f"train.loss_decay={args.gamma}",
+        f"train.lr={args.lr}",
+        f"train.warmup_ratio={args.warmup}",
+        "train.clip=1.0",
+        "train.weight_decay=0",
+        f"train.num_streams={streams}",
+        f"train.batch_size={args.batch // streams}",
+        "train.heldout=0",
+        f"evaluate.max_new_tokens={args.max_new_tokens}",
+        "evaluate.temperature=0",
+    ]
+
+
+def data_folders(work: Path, cfg, progress: bool) -> dict[str, str]:
+    """The tokenized samples and both prompt sets: a finished demo run's, else made here by the
+    demo's pipeline up to the validation gate."""
+    wanted = ("tokenized", "prompts-eval", "prompts-unseen")
+    if not all((work / name / "_manifest.json").exists() for name in wanted):
+        from bench.scaling import prepare
+
+        prepare(cfg, progress)
+    return {name: str(work / name) for name in wanted}
+
+
+def write_hidden_states(tokenized: str, out: Path, layer_ids: list[int]) -> dict[str, Any]:
+    """SpecForge's offline DFlash files, one a sample: input_ids [S], loss_mask [S] and
+    hidden_states [S, n*H] (the outputs of `layer_ids`, concatenated in that order: what its
+    capture writes), from one forward of the bf16 target, as our target actors run it."""
+    done = out / "_done.json"
+    if done.exists() and json.loads(done.read_text())["layer_ids"] == layer_ids:
+        return json.loads(done.read_text())
+    import io
+
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray import manifest, storage
+    from dflash_ray.registry import SMOLLM2, resolve
+    from dflash_ray.target_model.capture import target_features
+
+    started = time.time()
+    torch.set_num_threads(1)  # on a busy machine two threads wait on each other (20x slower here)
+    model = AutoModelForCausalLM.from_pretrained(resolve(SMOLLM2), dtype=torch.bfloat16).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for f in manifest.dataset_files(tokenized):
+        for row in pq.read_table(io.BytesIO(storage.read_bytes(f)), columns=["input_ids", "loss_mask"]).to_pylist():
+            ids = torch.tensor(row["input_ids"], dtype=torch.long)
+            features = target_features(model, ids[None], layer_ids)[0]
+            sample = {"input_ids": ids, "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.long)}
+            torch.save({**sample, "hidden_states": features.contiguous()}, out / f"data_{count:06d}.ckpt")
+            count += 1
+    summary = {"layer_ids": layer_ids, "samples": count, "seconds": round(time.time() - started, 1)}
+    done.write_text(json.dumps(summary))
+    return summary
+
+
+def reused(folder: Path, steps: int) -> dict[str, Any] | None:
+    """A trainer's finished record in `folder` (`--reuse`: a run cut off in its evaluation)."""
+    record = folder / "trained.json"
+    if record.exists() and json.loads(record.read_text())["steps"] == steps:
+        return json.loads(record.read_text())
+    return None
+
+
+def train(trainer: str, args, cfg, data: dict[str, str], out: Path, folder: Path) -> dict[str, Any]:
+    """One trainer's drafter, trained and exported into `folder`, with its time figures."""
+    if trainer == "specforge":
+        from dflash_ray.registry import SMOLLM2
+        from dflash_ray.train.shape import drafter_config
+
+        draft = drafter_config(SMOLLM2, cfg)
+        hidden = write_hidden_states(
+            data["tokenized"], out / "hidden-states", draft["dflash_config"]["target_layer_ids"]
+        )
+        return train_specforge(args, folder, out / "hidden-states", draft, hidden)
+    if trainer in ("target", "random"):
+        return train_ours(trainer, cfg, data["tokenized"], folder, not args.json)
+    raise SystemExit(f"--trainers: {trainer!r} is none of specforge, target, random")
+
+
+def train_specforge(args, folder: Path, hidden: Path, draft_config: dict, files: dict[str, Any]) -> dict[str, Any]:
+    """SpecForge's offline DFlash training on the files, then its HF export; its own step times."""
+    import yaml
+
+    from dflash_ray.registry import SMOLLM2, resolve
+
+    specforge = PEERS_VENV / "bin" / "specforge"
+    if not specforge.exists():
+        raise SystemExit(f"{specforge} is missing: run `bash bench/peers_install.sh` first")
+    for made in ("out", "drafter"):  # afresh: SpecForge would resume from an earlier run's checkpoint
+        shutil.rmtree(folder / made, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "draft.json").write_text(json.dumps(draft_config, indent=1))
+    run = {
+        "model": {
+            "target_model_path": str(resolve(SMOLLM2)),
+            "draft_model_config": str(folder / "draft.json"),
+            "mask_token_id": draft_config["dflash_config"]["mask_token_id"],
+            "torch_dtype": "bfloat16",  # bf16 weights, fp32 master copies in its optimizer
+        },
+        "data": {"hidden_states_path": str(hidden), "max_length": 4096, "dataloader_num_workers": 0},
+        "training": {
+            "strategy": "dflash",
+            "fsdp_sharding": "NO_SHARD",  # one process: DDP, which runs on the CPU (FSDP needs a GPU)
+            "attention_backend": "sdpa",  # the dense mask, as our drafters use on the CPU
+            "num_epochs": math.ceil(args.steps * args.batch / files["samples"]) + 1,
+            "max_steps": args.steps,
+            "batch_size": args.batch,
+            "learning_rate": args.lr,
+            "lr_scheduler": "cosine",
+            "warmup_ratio": args.warmup,
+            "max_grad_norm": 1.0,
+            "num_anchors": args.anchors,
+            "loss_decay_gamma": args.gamma,
+            "loss_type": "dflash",
+            "log_interval": 1,
+            "save_interval": 0,
+            "seed": 0,
+        },
+        "output_dir": str(folder / "out"),
+        "run_id": "peers",
+    }
+    (folder / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
+    log = folder / "train.log"
+    started = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}  # its torch's threads
+    with log.open("w") as sink:
+        subprocess.run(
+            [str(specforge), "train", "-c", "run.yaml"], cwd=folder, env=env, stdout=sink, stderr=sink, check=True
+        )
+    train_s = time.time() - started
+    steps = [
+        (int(m.group(1)), ast.literal_eval(m.group(2))) for m in map(STEP_LINE.match, log.read_text().splitlines()) if m
+    ]
+    if not steps or steps[-1][0] != args.steps:
+        raise SystemExit(f"SpecForge stopped before step {args.steps}: see {log}")
+    drafter = folder / "drafter"
+    with (folder / "export.log").open("w") as sink:
+        subprocess.run(
+            [str(specforge), "export", "--to", "hf", "--checkpoint", str(folder / "out" / "peers-latest"),
+             "--draft-config", str(folder / "draft.json"), "--output-dir", str(drafter)],
+            cwd=folder, stdout=sink, stderr=sink, check=True,
+        )  # fmt: skip
+    return record(
+        folder,
+        {
+            "drafter": str(drafter),
+            "steps": steps[-1][0],
+            "loss": round(steps[-1][1]["loss"], 4),
+            "step_s": round(statistics.median(s["perf/optimizer_step_time_s"] for _, s in steps[2:] or steps), 3),
+            "train_s": round(train_s, 1),
+            "load_15min": round(os.getloadavg()[2], 1),  # the machine's load over the training (2 cores)
+            "capture_s": files["seconds"],  # the hidden-state files, once before training (not in step_s)
+        },
+    )
+
+
+def train_ours(init: str, cfg, tokenized: str, folder: Path, progress: bool) -> dict[str, Any]:
+    """dflash-ray's training from `init` (target | random), then its export."""
+    import dataclasses
+
+    from dflash_ray import storage
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.stages.export import run_export
+    from dflash_ray.stages.pipeline import clear_training
+    from dflash_ray.stages.train import run_train
+
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init=init))
+    train = str(folder / "train")
+    clear_training(train, cfg)
+    started = time.time()
+    trained = run_train(SMOLLM2, tokenized, train, cfg, progress=progress)
+    train_s = time.time() - started
+    run_export(trained["checkpoint"], str(folder / "drafter"), dtype="float32")
+    metrics = [json.loads(x) for x in storage.read_text(storage.join(train, "metrics.jsonl")).splitlines()]
+    return record(
+        folder,
+        {
+            "drafter": str(folder / "drafter"),
+            "steps": trained["step"],
+            "loss": round(trained["loss"], 4),
+            "step_s": round(statistics.median(m["step_seconds"] for m in metrics[2:] or metrics), 3),
+            "train_s": round(train_s, 1),
+            "load_15min": round(os.getloadavg()[2], 1),  # the machine's load over the training (2 cores)
+        },
+    )
+
+
+def record(folder: Path, trained: dict[str, Any]) -> dict[str, Any]:
+    (folder / "trained.json").write_text(json.dumps(trained))
+    return trained
+
+
+def score(drafter: str, prompts: dict[str, str], cfg, references: dict[str, dict]) -> dict[str, Any]:
+    """tau (and the first position's acceptance) on each prompt set by the same evaluation."""
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.stages.evaluate import first_position, run_evaluate
+
+    out: dict[str, Any] = {}
+    for name, uri in prompts.items():
+        result = run_evaluate(drafter, SMOLLM2, uri, cfg, sampled=False, reference_cache=references[name])
+        out[f"tau_{name}"] = result["tau"]
+        out[f"first_{name}"] = first_position(result["acceptance_by_position"])
+        out[f"tau_ngram_{name}"] = result["tau_ngram"]
+        out[f"lossless_{name}"] = result["lossless"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", default="peers-run", help="a demo run's folder (its data reused), or a new one")
+    parser.add_argument("--out", help="where the trainers write (default: WORKDIR/peers)")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of every trainer")
+    parser.add_argument("--batch", type=int, default=2, help="samples a step, every trainer")
+    parser.add_argument("--anchors", type=int, default=64, help="blocks a sample a step")
+    parser.add_argument("--gamma", type=float, default=7.0, help="loss decay over a block's positions")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=float, default=0.04, help="share of the steps warming up")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of SpecForge's training and of the evaluation (our actors: one each); on a "
+        "busy machine two threads wait on each other",
+    )
+    parser.add_argument("--reuse", action="store_true", help="score the drafters OUT already holds, untrained again")
+    parser.add_argument(
+        "--trainers", default="specforge,target,random", help="which of specforge, target, random to run"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from bench.scaling import steps_config
+    from dflash_ray.cli import summary_stdout
+
+    torch.set_num_threads(args.threads)
+    # Ray starts its workers at nice 15: on a busy machine that alone slows our actors several times
+    # against SpecForge's process (nice 0), so both run at 0
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    work = Path(args.workdir).absolute()
+    out = Path(args.out).absolute() if args.out else work / "peers"
+    cfg = steps_config(str(work), args.steps, settings(args))
+    started = time.time()
+    with summary_stdout(args.json) as stdout:  # Ray's worker logs to stderr: stdout holds the rows alone
+
+        def show(row: dict[str, Any]) -> None:
+            print(
+                json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), file=stdout, flush=True
+            )
+
+        data = data_folders(work, cfg, progress=not args.json)
+        prompts = {"kept": data["prompts-eval"], "unseen": data["prompts-unseen"]}
+        references: dict[str, dict] = {name: {} for name in prompts}  # the target's outputs, decoded once
+        rows: dict[str, dict[str, Any]] = {}
+        for trainer in args.trainers.split(","):
+            folder = out / ("specforge" if trainer == "specforge" else f"dflash-ray-{trainer}")
+            trained = reused(folder, args.steps) if args.reuse else None
+            trained = trained or train(trainer, args, cfg, data, out, folder)
+            name = "specforge" if trainer == "specforge" else f"dflash-ray ({trainer} init)"
+            scored = score(trained["drafter"], prompts, cfg, references)
+            rows[trainer] = {"trainer": name, **{k: v for k, v in scored.items() if "ngram" not in k}, **trained}
+            show(rows[trainer])
+        lookup = {k.replace("_ngram", ""): v for k, v in scored.items() if "ngram" in k}
+        show({"trainer": "prompt lookup", **lookup})
+        done: dict[str, Any] = {
+            "steps": args.steps,
+            "samples_a_step": args.batch,
+            "seconds": round(time.time() - started, 1),
+        }
+        if "specforge" in rows:
+            for trainer in ("target", "random"):
+                if trainer in rows:
+                    for name in prompts:
+                        ratio = rows[trainer][f"tau_{name}"] / rows["specforge"][f"tau_{name}"]
+                        done[f"{trainer}_over_specforge_{name}"] = round(ratio, 3)
+        show(done)
+
+
+if __name__ == "__main__":
+    main()
