@@ -148,3 +148,58 @@ def test_a_released_drafter_saved_in_shards_starts_the_run(target, released, tmp
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(DFlashError, match="model-00002-of-00002.safetensors: field 'train.init_from': missing"):
         initial_drafter(from_hf_config(drafter_config(target, cfg)), target, drafter_init(target, cfg), 0)
+
+
+@pytest.mark.parametrize(
+    "family, extra", [("dflash", []), ("dflash2", []), ("dspark", ["train.family={markov_rank: 8}"])]
+)
+def test_each_familys_export_starts_a_run_whose_first_loss_is_the_exports(target, family, extra, tmp_path):
+    """Export, warm start: the first step's loss is the exported drafter's own on the same batch and
+    anchors, not a fresh start's."""
+    from dflash_ray.drafter import families
+    from dflash_ray.target_model.capture import load_embed_and_head
+    from dflash_ray.train.workers import DrafterWorker
+
+    settings = [*SETTINGS, f"train.drafter={family}", *extra]
+    cold = load_config(None, settings)
+    exported = initial_drafter(from_hf_config(drafter_config(target, cold)), target, "random", seed=99)
+    warm = load_config(None, [*settings, f"train.init_from={tmp_path}"])
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 500, (1, 48), generator=gen)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "features": torch.randn(1, 48, 3 * 64, generator=gen)}
+
+    def first_loss(worker_cfg, mode):
+        worker = DrafterWorker(target, json.dumps(drafter_config(target, worker_cfg)), mode, worker_cfg.train, 0, 1)
+        with torch.no_grad():
+            return float(worker._forward(batch, torch.Generator().manual_seed(0), False).loss.loss)
+
+    embed, head = load_embed_and_head(target)
+    opt = torch.optim.AdamW(exported.parameters(), lr=2e-2)
+    for _ in range(30):  # a drafter that has learned this batch's blocks: a loss no fresh start has
+        out = families.get(family).forward_loss(
+            exported,
+            embed,
+            head,
+            batch["features"],
+            ids,
+            batch["loss_mask"],
+            num_anchors=cold.train.num_anchors,
+            generator=torch.Generator().manual_seed(0),
+        )
+        opt.zero_grad()
+        out.loss.loss.backward()
+        opt.step()
+    save_drafter(exported, tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        own = families.get(family).forward_loss(
+            exported,
+            embed,
+            head,
+            batch["features"],
+            ids,
+            batch["loss_mask"],
+            num_anchors=cold.train.num_anchors,
+            generator=torch.Generator().manual_seed(0),
+        )
+    assert first_loss(warm, drafter_init(target, warm)) == pytest.approx(float(own.loss.loss), rel=1e-5)
+    assert first_loss(cold, drafter_init(target, cold)) > float(own.loss.loss) + 0.5
