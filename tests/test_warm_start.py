@@ -174,32 +174,30 @@ def test_each_familys_export_starts_a_run_whose_first_loss_is_the_exports(target
             return float(worker._forward(batch, torch.Generator().manual_seed(0), False).loss.loss)
 
     embed, head = load_embed_and_head(target)
+
+    def own_loss():  # the exported drafter's loss on the batch, at the anchors of generator seed 0
+        return (
+            families.get(family)
+            .forward_loss(
+                exported,
+                embed,
+                head,
+                batch["features"],
+                ids,
+                batch["loss_mask"],
+                num_anchors=cold.train.num_anchors,
+                generator=torch.Generator().manual_seed(0),
+            )
+            .loss.loss
+        )
+
     opt = torch.optim.AdamW(exported.parameters(), lr=2e-2)
     for _ in range(30):  # a drafter that has learned this batch's blocks: a loss no fresh start has
-        out = families.get(family).forward_loss(
-            exported,
-            embed,
-            head,
-            batch["features"],
-            ids,
-            batch["loss_mask"],
-            num_anchors=cold.train.num_anchors,
-            generator=torch.Generator().manual_seed(0),
-        )
         opt.zero_grad()
-        out.loss.loss.backward()
+        own_loss().backward()
         opt.step()
     save_drafter(exported, tmp_path, dtype=torch.float32)
     with torch.no_grad():
-        own = families.get(family).forward_loss(
-            exported,
-            embed,
-            head,
-            batch["features"],
-            ids,
-            batch["loss_mask"],
-            num_anchors=cold.train.num_anchors,
-            generator=torch.Generator().manual_seed(0),
-        )
-    assert first_loss(warm, drafter_init(target, warm)) == pytest.approx(float(own.loss.loss), rel=1e-5)
-    assert first_loss(cold, drafter_init(target, cold)) > float(own.loss.loss) + 0.5
+        own = float(own_loss())
+    assert first_loss(warm, drafter_init(target, warm)) == pytest.approx(own, rel=1e-5)
+    assert first_loss(cold, drafter_init(target, cold)) > own + 0.5
