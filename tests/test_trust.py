@@ -171,11 +171,17 @@ def test_a_signal_during_a_start_up_stops_the_command_once_the_start_is_over():
     from dflash_ray.errors import signals_held
 
     finished = []
-    with pytest.raises(KeyboardInterrupt):
-        with signals_held():
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of `ray.init`
-            finished.append(True)  # the start is not cut short inside a library's C++ code
-    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler, as a command starts with: whatever an earlier test in this
+    # process left (a test runner's worker ignores SIGINT) is put back after
+    left = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of `ray.init`
+                finished.append(True)  # the start is not cut short inside a library's C++ code
+        assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, left)
 
 
 @pytest.mark.parametrize(
