@@ -87,7 +87,12 @@ def _records(file: str) -> Iterator[dict[str, Any]]:
 
 def documents(uri: str, tokenizer) -> Iterator[list[int]]:
     """Every document of one source, as token ids (empty ones skipped)."""
-    for file in data_files(uri):
+    return file_documents(data_files(uri), tokenizer)
+
+
+def file_documents(files: list[str], tokenizer) -> Iterator[list[int]]:
+    """Every document of the files (a source's `data_files`), as token ids (empty ones skipped)."""
+    for file in files:
         if file.lower().endswith(TEXT_SUFFIXES):
             ids = tokenizer(storage.read_text(file), add_special_tokens=False)["input_ids"]
             if ids:
@@ -137,11 +142,11 @@ class TextStream:
         self._it: Iterator[list[int]] = iter(())
         self.epoch_tokens: int | None = None  # the text's tokens as packed, once a whole epoch was read
         self._this_epoch = 0
-        for source in sources:  # every source readable and known before a step is taken
-            data_files(source)
+        # every source's files found and checked (a manifest's sums) once, before a step is taken
+        self.files = [f for source in sources for f in data_files(source)]
 
     def _epoch(self) -> Iterator[list[int]]:
-        docs = (ids for source in self.sources for ids in documents(source, self.tokenizer))
+        docs = file_documents(self.files, self.tokenizer)
         return shuffled(packed(docs, self.seq_len, self.separator), self.window, self.rng)
 
     def next_batch(self, n: int) -> list[list[int]]:
