@@ -127,8 +127,9 @@ def read_weights(folder: str) -> tuple[dict[str, torch.Tensor], str]:
 def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> list[str]:
     """Copy the released drafter's weights into `drafter` (built for this run); returns the names
     that start fresh (a family's own heads over a plain DFlash backbone)."""
+    folder = located(folder)  # a Hub id looked up once: the config and the weights from one snapshot
     released, theirs = _read_config(folder, cfg.num_target_layers)
-    state, uri = read_weights(located(folder))
+    state, uri = read_weights(folder)
     if theirs:
         state = speculators_format.our_weights(state, uri)
     own = drafter.state_dict()
