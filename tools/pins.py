@@ -3,6 +3,7 @@ cannot go through `pip install .[extra]` alone (the Makefile, the Dockerfile).
 
     python tools/pins.py extra cpu torch   # the `torch` requirement of the `cpu` extra
     python tools/pins.py no-deps           # [tool.dflash-ray] no-deps: installed with --no-deps
+    python tools/pins.py tool peers        # any list of [tool.dflash-ray], here bench.peers' own
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ def pins(*args: str) -> list[str]:
     data = tomllib.loads(PYPROJECT.read_text())
     if args[:1] == ("no-deps",):
         return list(data["tool"]["dflash-ray"]["no-deps"])
+    if args[:1] == ("tool",) and len(args) == 2:
+        found = data["tool"]["dflash-ray"].get(args[1])
+        if not isinstance(found, list):
+            raise SystemExit(f"{PYPROJECT}: [tool.dflash-ray] has no list {args[1]!r}")
+        return list(found)
     if args[:1] == ("extra",) and len(args) == 3:
         _, extra, name = args
         found = [
