@@ -103,7 +103,9 @@ def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, metavar="DIR")
+    p.add_argument(
+        "--drafter", required=True, metavar="PATH", help="an exported drafter: a folder, an s3:// URI or a Hub id"
+    )
     p.add_argument("--target", required=True, metavar="PATH", help="target model (path, URI or short name)")
     p.add_argument("--prompts", required=True, metavar="URI", help="prompt shards (from `dflash-ray prompts`)")
     p.add_argument("--heldout", metavar="URI", help="tokenized held-out set for the simulated tau")
