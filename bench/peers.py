@@ -1,14 +1,18 @@
-"""Our trainer beside SpecForge's on the same data, at equal steps, scored by the same evaluation.
+"""Our trainer beside SpecForge's and vLLM speculators' on the same data, at equal steps, scored by
+the same evaluation.
 
 One DFlash drafter shape (the demo's earlier one: one layer, block 16, the target's layers
 1, 8, 14, 20, 27 captured, `train.shape.drafter_config`: SpecForge trains from that very config) and
 one recipe (hard labels, `--anchors` blocks a sample, loss decay gamma `--gamma`, AdamW at `--lr`
 with no weight decay, linear warm-up over `--warmup` of the steps then cosine to zero, gradients
 clipped to norm 1, bf16 compute over fp32 weights, `--batch` samples a step, `--steps` steps) is
-trained three times on the same tokenized samples:
+trained four times on the same tokenized samples:
 
 - SpecForge 0.2.0 (`specforge train`, offline mode, from the random start HF gives a fresh model),
   on hidden-state files written once by a Hugging Face forward of the bf16 target;
+- speculators 0.9.0 (`speculators train`, offline, from its random start) on the same target's
+  hidden states in its layout, the nearest recipe it has (`bench/peer_speculators.py` says where it
+  differs: packed samples, the target's greedy labels);
 - dflash-ray from the target's layers (`train.init=target`, our default start);
 - dflash-ray from a random start (`train.init=random`, as SpecForge starts).
 
@@ -16,11 +20,11 @@ Each drafter is scored by the same `dflash-ray evaluate` (real greedy speculativ
 `--max-new-tokens` new tokens) on the kept-aside prompts and on the prompts of unseen kinds, with
 n-gram prompt lookup beside them. Printed: a row per trainer (tau on both sets, the first draft
 position's acceptance, the median seconds a step, the training's wall seconds), then prompt lookup's
-row and each of our drafters' tau over SpecForge's; `--json` prints the rows as JSON lines.
+row and each of our drafters' tau over each peer's; `--json` prints the rows as JSON lines.
 
 The peers live in their own virtualenv, installed once (never into .venv):
 
-    bash bench/peers_install.sh                    # -> .peers-venv (SpecForge, CPU torch)
+    bash bench/peers_install.sh     # -> .peers-venv (SpecForge), .peers-venv-speculators (CPU torch)
     .venv/bin/python -m bench.peers --workdir /tmp/demo-run2 [--steps 600] [--json]
 
 `--workdir` reuses a demo run's `tokenized`, `prompts-eval` and `prompts-unseen`; a folder without
@@ -44,8 +48,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import peer_data
+from bench.peer_speculators import train_speculators
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_VENV = ROOT / ".peers-venv"
+TRAINERS = ("specforge", "speculators", "target", "random")
+PEERS = {"specforge": "SpecForge", "speculators": "speculators"}
 STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")  # SpecForge's log line a step (log_interval 1)
 
 
@@ -87,40 +96,6 @@ def data_folders(work: Path, cfg, progress: bool) -> dict[str, str]:
     return {name: str(work / name) for name in wanted}
 
 
-def write_hidden_states(tokenized: str, out: Path, layer_ids: list[int]) -> dict[str, Any]:
-    """SpecForge's offline DFlash files, one a sample: input_ids [S], loss_mask [S] and
-    hidden_states [S, n*H] (the outputs of `layer_ids`, concatenated in that order: what its
-    capture writes), from one forward of the bf16 target, as our target actors run it."""
-    done = out / "_done.json"
-    if done.exists() and json.loads(done.read_text())["layer_ids"] == layer_ids:
-        return json.loads(done.read_text())
-    import io
-
-    import pyarrow.parquet as pq
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dflash_ray import manifest, storage
-    from dflash_ray.registry import SMOLLM2, resolve
-    from dflash_ray.target_model.capture import target_features
-
-    started = time.time()
-    torch.set_num_threads(1)  # on a busy machine two threads wait on each other (20x slower here)
-    model = AutoModelForCausalLM.from_pretrained(resolve(SMOLLM2), dtype=torch.bfloat16).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    count = 0
-    for f in manifest.dataset_files(tokenized):
-        for row in pq.read_table(io.BytesIO(storage.read_bytes(f)), columns=["input_ids", "loss_mask"]).to_pylist():
-            ids = torch.tensor(row["input_ids"], dtype=torch.long)
-            features = target_features(model, ids[None], layer_ids)[0]
-            sample = {"input_ids": ids, "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.long)}
-            torch.save({**sample, "hidden_states": features.contiguous()}, out / f"data_{count:06d}.ckpt")
-            count += 1
-    summary = {"layer_ids": layer_ids, "samples": count, "seconds": round(time.time() - started, 1)}
-    done.write_text(json.dumps(summary))
-    return summary
-
-
 def reused(folder: Path, steps: int) -> dict[str, Any] | None:
     """A trainer's finished record in `folder` (`--reuse`: a run cut off in its evaluation)."""
     record = folder / "trained.json"
@@ -131,18 +106,22 @@ def reused(folder: Path, steps: int) -> dict[str, Any] | None:
 
 def train(trainer: str, args, cfg, data: dict[str, str], out: Path, folder: Path) -> dict[str, Any]:
     """One trainer's drafter, trained and exported into `folder`, with its time figures."""
-    if trainer == "specforge":
-        from dflash_ray.registry import SMOLLM2
-        from dflash_ray.train.shape import drafter_config
+    from dflash_ray.registry import SMOLLM2
+    from dflash_ray.train.shape import drafter_config
 
+    if trainer == "specforge":
         draft = drafter_config(SMOLLM2, cfg)
-        hidden = write_hidden_states(
-            data["tokenized"], out / "hidden-states", draft["dflash_config"]["target_layer_ids"]
-        )
+        layer_ids = draft["dflash_config"]["target_layer_ids"]
+        hidden = peer_data.specforge_files(data["tokenized"], out / "hidden-states", layer_ids)
         return train_specforge(args, folder, out / "hidden-states", draft, hidden)
+    if trainer == "speculators":
+        draft = drafter_config(SMOLLM2, cfg)
+        layer_ids, last = draft["dflash_config"]["target_layer_ids"], draft["num_target_layers"] - 1
+        files = peer_data.speculators_files(data["tokenized"], out / "speculators-data", layer_ids, last)
+        return record(folder, train_speculators(args, folder, out / "speculators-data", draft, files))
     if trainer in ("target", "random"):
         return train_ours(trainer, cfg, data["tokenized"], folder, not args.json)
-    raise SystemExit(f"--trainers: {trainer!r} is none of specforge, target, random")
+    raise SystemExit(f"--trainers: {trainer!r} is none of {', '.join(TRAINERS)}")
 
 
 def train_specforge(args, folder: Path, hidden: Path, draft_config: dict, files: dict[str, Any]) -> dict[str, Any]:
@@ -293,7 +272,7 @@ def main() -> None:
     )
     parser.add_argument("--reuse", action="store_true", help="score the drafters OUT already holds, untrained again")
     parser.add_argument(
-        "--trainers", default="specforge,target,random", help="which of specforge, target, random to run"
+        "--trainers", default=",".join(TRAINERS), help=f"which of {', '.join(TRAINERS)} to run, in that order"
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -323,10 +302,10 @@ def main() -> None:
         references: dict[str, dict] = {name: {} for name in prompts}  # the target's outputs, decoded once
         rows: dict[str, dict[str, Any]] = {}
         for trainer in args.trainers.split(","):
-            folder = out / ("specforge" if trainer == "specforge" else f"dflash-ray-{trainer}")
+            folder = out / (trainer if trainer in PEERS else f"dflash-ray-{trainer}")
             trained = reused(folder, args.steps) if args.reuse else None
             trained = trained or train(trainer, args, cfg, data, out, folder)
-            name = "specforge" if trainer == "specforge" else f"dflash-ray ({trainer} init)"
+            name = PEERS.get(trainer, f"dflash-ray ({trainer} init)")
             scored = score(trained["drafter"], prompts, cfg, references)
             rows[trainer] = {"trainer": name, **{k: v for k, v in scored.items() if "ngram" not in k}, **trained}
             show(rows[trainer])
@@ -337,12 +316,11 @@ def main() -> None:
             "samples_a_step": args.batch,
             "seconds": round(time.time() - started, 1),
         }
-        if "specforge" in rows:
-            for trainer in ("target", "random"):
-                if trainer in rows:
-                    for name in prompts:
-                        ratio = rows[trainer][f"tau_{name}"] / rows["specforge"][f"tau_{name}"]
-                        done[f"{trainer}_over_specforge_{name}"] = round(ratio, 3)
+        for peer in (p for p in PEERS if p in rows):
+            for trainer in (t for t in ("target", "random") if t in rows):
+                for name in prompts:
+                    ratio = rows[trainer][f"tau_{name}"] / rows[peer][f"tau_{name}"]
+                    done[f"{trainer}_over_{peer}_{name}"] = round(ratio, 3)
         show(done)
 
 

@@ -1,25 +1,47 @@
 #!/usr/bin/env bash
-# The peer trainers `python -m bench.peers` runs, in their own virtualenv (never .venv):
-# SpecForge with the CPU torch the project pins and the transformers SpecForge pins.
+# The peer trainers `python -m bench.peers` runs, each in its own virtualenv (never .venv), beside
+# the CPU torch the project pins:
+#   .peers-venv              SpecForge, with the transformers it pins
+#   .peers-venv-speculators  vLLM speculators
 #
-#     bash bench/peers_install.sh [VENV]     # default: .peers-venv at the repository root
+#     bash bench/peers_install.sh [specforge|speculators|all]     # default: all
 #
 # SpecForge goes in with --no-deps: its requirements pull sglang, whose CUDA wheels only its
 # hidden-state capture needs; the bench writes those files itself. What its offline DFlash training
 # and its export import are installed beside it (pure Python, plus torch and transformers).
+# Every pin is read from pyproject.toml ([tool.dflash-ray] peers, peers-no-deps, peers-speculators).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-VENV="${1:-$ROOT/.peers-venv}"
 PY="${PY:-python3}"
+WHICH="${1:-all}"
+case "$WHICH" in
+    all | specforge | speculators) ;;
+    *) echo "usage: bash bench/peers_install.sh [specforge|speculators|all]" >&2; exit 2 ;;
+esac
 
-"$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-# torch first and alone, the project's CPU pin (pyproject.toml's `cpu` extra), as the Makefile does
-"$VENV/bin/pip" install -q "$("$PY" "$ROOT/tools/pins.py" extra cpu torch)"
-# the pins of [tool.dflash-ray] peers and peers-no-deps in pyproject.toml, the one place pins live
-# shellcheck disable=SC2046
-"$VENV/bin/pip" install -q $("$PY" "$ROOT/tools/pins.py" tool peers)
-# shellcheck disable=SC2046
-"$VENV/bin/pip" install -q --no-deps $("$PY" "$ROOT/tools/pins.py" tool peers-no-deps)
-"$VENV/bin/specforge" --help > /dev/null
-echo "peers installed in $VENV"
+new_venv() {  # a virtualenv with the project's CPU torch alone, first, as the Makefile does
+    "$PY" -m venv "$1"
+    "$1/bin/pip" install -q --upgrade pip
+    "$1/bin/pip" install -q "$("$PY" "$ROOT/tools/pins.py" extra cpu torch)"
+}
+
+if [[ "$WHICH" == all || "$WHICH" == specforge ]]; then
+    VENV="$ROOT/.peers-venv"
+    new_venv "$VENV"
+    # shellcheck disable=SC2046
+    "$VENV/bin/pip" install -q $("$PY" "$ROOT/tools/pins.py" tool peers)
+    # shellcheck disable=SC2046
+    "$VENV/bin/pip" install -q --no-deps $("$PY" "$ROOT/tools/pins.py" tool peers-no-deps)
+    "$VENV/bin/specforge" --help > /dev/null
+    echo "SpecForge installed in $VENV"
+fi
+if [[ "$WHICH" == all || "$WHICH" == speculators ]]; then
+    VENV="$ROOT/.peers-venv-speculators"
+    new_venv "$VENV"
+    # shellcheck disable=SC2046
+    "$VENV/bin/pip" install -q $("$PY" "$ROOT/tools/pins.py" tool peers-speculators)
+    # CUDA builds its dependencies drag in, which break `import transformers` on a CPU; it uses neither
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio || true
+    "$VENV/bin/python" -c "import speculators.train.cli"
+    echo "speculators installed in $VENV"
+fi
