@@ -1,10 +1,12 @@
 """A DFlash drafter saved by vLLM's speculators trainer (its checkpoint format, written here by hand
-from one of ours: their field and weight names, their layer ids one higher) is read as ours by
+from one of ours: their field and weight names, their layer ids one higher; and the config their own
+trainer wrote in `bench.peers`, in tests/data) is read as ours by
 `load_drafter`, `export` and `train.init_from`: the same weights and the same captured layers; a
 missing field or a weight with no counterpart is a DFlashError (exit 2) naming it. No Ray, nothing
 downloaded: the verifier the config names is the tiny target's folder."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +232,26 @@ def test_export_writes_their_folder_in_our_format(theirs, original, tmp_path, ca
     assert config["dflash_config"] == {"mask_token_id": original.cfg.mask_token_id, "target_layer_ids": [0, 1, 2]}
     assert config["num_target_layers"] == 4 and config["block_size"] == original.cfg.block_size
     assert _same_weights(load_drafter(out), original)
+
+
+REAL = Path(__file__).parent / "data" / "speculators-0.9.0-dflash"
+
+
+def test_a_folder_their_trainer_wrote_is_read_with_its_shape_and_weights(tmp_path):
+    """`config.json` as speculators 0.9.0's own `speculators train` wrote it (`bench.peers`: a
+    one-layer DFlash drafter of SmolLM2-135M; only the verifier's path replaced by its Hub id), and
+    weights of the names and shapes that run saved (bf16; no embedding or head: the target's)."""
+    released = warm_start.released_config(str(REAL), num_target_layers=30)  # the run's target's
+    assert (released.hidden_size, released.num_layers, released.num_heads, released.num_kv_heads) == (576, 1, 9, 3)
+    assert released.target_layer_ids == [1, 8, 14, 20, 27]  # their 2, 9, 15, 21, 28
+    assert (released.mask_token_id, released.block_size, released.layer_types) == (49151, 16, ["full_attention"])
+    assert released.family == "dflash" and released.vocab_size == 49152
+    shapes = json.loads((REAL / "weights.json").read_text())
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in shapes.items()}
+    save_file(weights, str(tmp_path / WEIGHTS))
+    (tmp_path / CONFIG).write_text(json.dumps({**json.loads((REAL / CONFIG).read_text()), "num_target_layers": 30}))
+    drafter = load_drafter(tmp_path)
+    assert drafter.cfg == released
+    state = drafter.state_dict()
+    assert all(torch.equal(state[name].to(torch.bfloat16), w) for name, w in weights.items())
