@@ -6,7 +6,7 @@ One DFlash drafter shape (the demo's earlier one: one layer, block 16, the targe
 one recipe (hard labels, `--anchors` blocks a sample, loss decay gamma `--gamma`, AdamW at `--lr`
 with no weight decay, linear warm-up over `--warmup` of the steps then cosine to zero, gradients
 clipped to norm 1, bf16 compute over fp32 weights, `--batch` samples a step, `--steps` steps) is
-trained four times on the same tokenized samples:
+trained on the same tokenized samples by each of:
 
 - SpecForge 0.2.0 (`specforge train`, offline mode, from the random start HF gives a fresh model),
   on hidden-state files written once by a Hugging Face forward of the bf16 target;
@@ -14,7 +14,9 @@ trained four times on the same tokenized samples:
   hidden states in its layout, the nearest recipe it has (`bench/peer_speculators.py` says where it
   differs: packed samples, the target's greedy labels);
 - dflash-ray from the target's layers (`train.init=target`, our default start);
-- dflash-ray from a random start (`train.init=random`, as SpecForge starts).
+- dflash-ray from a random start (`train.init=random`, as SpecForge starts);
+- and, not at equal steps but as a team adapting a released drafter would, dflash-ray from the
+  speculators row's drafter (`train.init_from`, `--trainers warm`, after `speculators`).
 
 Each drafter is scored by the same `dflash-ray evaluate` (real greedy speculative decoding, fp32,
 `--max-new-tokens` new tokens) on the kept-aside prompts and on the prompts of unseen kinds, with
@@ -53,8 +55,9 @@ from bench.peer_speculators import train_speculators
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_VENV = ROOT / ".peers-venv"
-TRAINERS = ("specforge", "speculators", "target", "random")
+TRAINERS = ("specforge", "speculators", "target", "random", "warm")
 PEERS = {"specforge": "SpecForge", "speculators": "speculators"}
+STARTS = {"target": "target init", "random": "random init", "warm": "from speculators' drafter"}
 STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")  # SpecForge's log line a step (log_interval 1)
 
 
@@ -121,6 +124,11 @@ def train(trainer: str, args, cfg, data: dict[str, str], out: Path, folder: Path
         return record(folder, train_speculators(args, folder, out / "speculators-data", draft, files))
     if trainer in ("target", "random"):
         return train_ours(trainer, cfg, data["tokenized"], folder, not args.json)
+    if trainer == "warm":  # a team adapting a released drafter: the speculators row's, trained on by ours
+        released = reused(out / "speculators", args.steps)
+        if released is None:
+            raise SystemExit("--trainers warm starts from the speculators row's drafter: run speculators first")
+        return train_ours("target", cfg, data["tokenized"], folder, not args.json, init_from=released["drafter"])
     raise SystemExit(f"--trainers: {trainer!r} is none of {', '.join(TRAINERS)}")
 
 
@@ -201,8 +209,9 @@ def train_specforge(args, folder: Path, hidden: Path, draft_config: dict, files:
     )
 
 
-def train_ours(init: str, cfg, tokenized: str, folder: Path, progress: bool) -> dict[str, Any]:
-    """dflash-ray's training from `init` (target | random), then its export."""
+def train_ours(init: str, cfg, tokenized: str, folder: Path, progress: bool, init_from: str = "") -> dict[str, Any]:
+    """dflash-ray's training from `init` (target | random) or from a released drafter's folder
+    (`init_from`), then its export."""
     import dataclasses
 
     from dflash_ray import storage
@@ -211,7 +220,7 @@ def train_ours(init: str, cfg, tokenized: str, folder: Path, progress: bool) -> 
     from dflash_ray.stages.pipeline import clear_training
     from dflash_ray.stages.train import run_train
 
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init=init))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init=init, init_from=init_from))
     train = str(folder / "train")
     clear_training(train, cfg)
     started = time.time()
@@ -305,7 +314,7 @@ def main() -> None:
             folder = out / (trainer if trainer in PEERS else f"dflash-ray-{trainer}")
             trained = reused(folder, args.steps) if args.reuse else None
             trained = trained or train(trainer, args, cfg, data, out, folder)
-            name = PEERS.get(trainer, f"dflash-ray ({trainer} init)")
+            name = PEERS.get(trainer, f"dflash-ray ({STARTS.get(trainer, trainer)})")
             scored = score(trained["drafter"], prompts, cfg, references)
             rows[trainer] = {"trainer": name, **{k: v for k, v in scored.items() if "ngram" not in k}, **trained}
             show(rows[trainer])
@@ -317,7 +326,7 @@ def main() -> None:
             "seconds": round(time.time() - started, 1),
         }
         for peer in (p for p in PEERS if p in rows):
-            for trainer in (t for t in ("target", "random") if t in rows):
+            for trainer in (t for t in ("target", "random", "warm") if t in rows):
                 for name in prompts:
                     ratio = rows[trainer][f"tau_{name}"] / rows[peer][f"tau_{name}"]
                     done[f"{trainer}_over_{peer}_{name}"] = round(ratio, 3)
