@@ -112,16 +112,16 @@ def train(trainer: str, args, cfg, data: dict[str, str], out: Path, folder: Path
     from dflash_ray.registry import SMOLLM2
     from dflash_ray.train.shape import drafter_config
 
-    if trainer == "specforge":
+    if trainer in PEERS:  # both train our drafter's config, on the target's layers it captures
         draft = drafter_config(SMOLLM2, cfg)
         layer_ids = draft["dflash_config"]["target_layer_ids"]
+    if trainer == "specforge":
         hidden = peer_data.specforge_files(data["tokenized"], out / "hidden-states", layer_ids)
         return train_specforge(args, folder, out / "hidden-states", draft, hidden)
     if trainer == "speculators":
-        draft = drafter_config(SMOLLM2, cfg)
-        layer_ids, last = draft["dflash_config"]["target_layer_ids"], draft["num_target_layers"] - 1
+        last = draft["num_target_layers"] - 1
         files = peer_data.speculators_files(data["tokenized"], out / "speculators-data", layer_ids, last)
-        return record(folder, train_speculators(args, folder, out / "speculators-data", draft, files))
+        return train_speculators(args, folder, out / "speculators-data", draft, files)
     if trainer in ("target", "random"):
         return train_ours(trainer, cfg, data["tokenized"], folder, not args.json)
     if trainer == "warm":  # a team adapting a released drafter: the speculators row's, trained on by ours
@@ -195,18 +195,15 @@ def train_specforge(args, folder: Path, hidden: Path, draft_config: dict, files:
              "--draft-config", str(folder / "draft.json"), "--output-dir", str(drafter)],
             cwd=folder, stdout=sink, stderr=sink, check=True,
         )  # fmt: skip
-    return record(
-        folder,
-        {
-            "drafter": str(drafter),
-            "steps": steps[-1][0],
-            "loss": round(steps[-1][1]["loss"], 4),
-            "step_s": round(statistics.median(s["perf/optimizer_step_time_s"] for _, s in steps[2:] or steps), 3),
-            "train_s": round(train_s, 1),
-            "load_15min": round(os.getloadavg()[2], 1),  # the machine's load over the training (2 cores)
-            "capture_s": files["seconds"],  # the hidden-state files, once before training (not in step_s)
-        },
-    )
+    return {
+        "drafter": str(drafter),
+        "steps": steps[-1][0],
+        "loss": round(steps[-1][1]["loss"], 4),
+        "step_s": round(statistics.median(s["perf/optimizer_step_time_s"] for _, s in steps[2:] or steps), 3),
+        "train_s": round(train_s, 1),
+        "load_15min": round(os.getloadavg()[2], 1),  # the machine's load over the training (2 cores)
+        "capture_s": files["seconds"],  # the hidden-state files, once before training (not in step_s)
+    }
 
 
 def train_ours(init: str, cfg, tokenized: str, folder: Path, progress: bool, init_from: str = "") -> dict[str, Any]:
@@ -228,22 +225,14 @@ def train_ours(init: str, cfg, tokenized: str, folder: Path, progress: bool, ini
     train_s = time.time() - started
     run_export(trained["checkpoint"], str(folder / "drafter"), dtype="float32")
     metrics = [json.loads(x) for x in storage.read_text(storage.join(train, "metrics.jsonl")).splitlines()]
-    return record(
-        folder,
-        {
-            "drafter": str(folder / "drafter"),
-            "steps": trained["step"],
-            "loss": round(trained["loss"], 4),
-            "step_s": round(statistics.median(m["step_seconds"] for m in metrics[2:] or metrics), 3),
-            "train_s": round(train_s, 1),
-            "load_15min": round(os.getloadavg()[2], 1),  # the machine's load over the training (2 cores)
-        },
-    )
-
-
-def record(folder: Path, trained: dict[str, Any]) -> dict[str, Any]:
-    (folder / "trained.json").write_text(json.dumps(trained))
-    return trained
+    return {
+        "drafter": str(folder / "drafter"),
+        "steps": trained["step"],
+        "loss": round(trained["loss"], 4),
+        "step_s": round(statistics.median(m["step_seconds"] for m in metrics[2:] or metrics), 3),
+        "train_s": round(train_s, 1),
+        "load_15min": round(os.getloadavg()[2], 1),  # the machine's load over the training (2 cores)
+    }
 
 
 def score(drafter: str, prompts: dict[str, str], cfg, references: dict[str, dict]) -> dict[str, Any]:
@@ -313,7 +302,9 @@ def main() -> None:
         for trainer in args.trainers.split(","):
             folder = out / (trainer if trainer in PEERS else f"dflash-ray-{trainer}")
             trained = reused(folder, args.steps) if args.reuse else None
-            trained = trained or train(trainer, args, cfg, data, out, folder)
+            if trained is None:
+                trained = train(trainer, args, cfg, data, out, folder)
+                (folder / "trained.json").write_text(json.dumps(trained))  # what `--reuse` reads
             name = PEERS.get(trainer, f"dflash-ray ({STARTS.get(trainer, trainer)})")
             scored = score(trained["drafter"], prompts, cfg, references)
             rows[trainer] = {"trainer": name, **{k: v for k, v in scored.items() if "ngram" not in k}, **trained}

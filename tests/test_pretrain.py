@@ -39,12 +39,12 @@ def pretrained(tmp_path_factory):
 
 
 def test_the_drafter_learns_the_text_and_is_exported_for_a_warm_start(pretrained):
-    from dflash_ray.data.pretrain_text import documents
+    from dflash_ray.data.pretrain_text import data_files, documents
     from dflash_ray.registry import load_tokenizer
 
     summary, out, data = pretrained
     assert summary["steps"] == 40 and summary["family"] == "dflash" and summary["start"] == "target"
-    docs = list(documents(data, load_tokenizer(SMOLLM2)))
+    docs = list(documents(data_files(data), load_tokenizer(SMOLLM2)))
     assert len(docs) == 1 + 8 + 4  # the text file, each JSONL record, each chat
     assert summary["tokens_per_epoch"] == sum(len(d) + 1 for d in docs)  # an end-of-text token after each
     assert summary["epochs"] > 1  # read again from the start when it ran out

@@ -85,12 +85,7 @@ def _records(file: str) -> Iterator[dict[str, Any]]:
         yield row
 
 
-def documents(uri: str, tokenizer) -> Iterator[list[int]]:
-    """Every document of one source, as token ids (empty ones skipped)."""
-    return file_documents(data_files(uri), tokenizer)
-
-
-def file_documents(files: list[str], tokenizer) -> Iterator[list[int]]:
+def documents(files: list[str], tokenizer) -> Iterator[list[int]]:
     """Every document of the files (a source's `data_files`), as token ids (empty ones skipped)."""
     for file in files:
         if file.lower().endswith(TEXT_SUFFIXES):
@@ -146,7 +141,7 @@ class TextStream:
         self.files = [f for source in sources for f in data_files(source)]
 
     def _epoch(self) -> Iterator[list[int]]:
-        docs = file_documents(self.files, self.tokenizer)
+        docs = documents(self.files, self.tokenizer)
         return shuffled(packed(docs, self.seq_len, self.separator), self.window, self.rng)
 
     def next_batch(self, n: int) -> list[list[int]]:
