@@ -76,17 +76,15 @@ def _convert_smollm2(out: Path, with_model: bool) -> None:
 
 
 def _write_smollm2(gguf: Path, tmp: Path, with_model: bool) -> None:
-    from transformers import AutoTokenizer
+    from dflash_ray import hf_load
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = hf_load.tokenizer(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(tmp)
     if not with_model:
         return
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model = hf_load.causal_lm(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
     # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
     # already dequantized, so write them and a plain config directly.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -203,11 +201,11 @@ def revision_of(path: str) -> str | None:
 
 def load_tokenizer(name_or_path: str):
     """A fast Hugging Face tokenizer (with its chat template) by short name or path."""
-    from transformers import AutoTokenizer
+    from dflash_ray import hf_load
 
     path = resolve(name_or_path, need="tokenizer")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return hf_load.tokenizer(path)
     except (OSError, ValueError) as e:
         raise DFlashError(f"cannot load a tokenizer: {e}", file=name_or_path) from None
 

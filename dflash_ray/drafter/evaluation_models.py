@@ -40,8 +40,8 @@ class Models:
 
 def load_models(drafter_uri: str, target_uri: str, tokenizer_name: str | None, ecfg) -> Models:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from dflash_ray import hf_load
     from dflash_ray.drafter import families
     from dflash_ray.drafter.export import load_drafter
     from dflash_ray.registry import load_tokenizer, resolve, stop_token_ids
@@ -56,7 +56,7 @@ def load_models(drafter_uri: str, target_uri: str, tokenizer_name: str | None, e
         drafter = load_drafter(drafter_dir).to(device, dtype).eval()
     except ValueError as e:  # no drafter family's config.json, or weights that do not fit it
         raise DFlashError(f"not a drafter this project exports: {e}", file=drafter_uri) from None
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    target = hf_load.causal_lm(target_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     text_cfg = target.config.get_text_config()
     check_same_target(drafter, target, text_cfg, tokenizer, drafter_uri)
     embed, head = (t.to(device, dtype) for t in load_embed_and_head(target_dir))

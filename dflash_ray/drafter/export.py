@@ -194,25 +194,20 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlash
     """The drafter of a folder holding config.json and model.safetensors (ours, or a DFlash drafter
     saved by vLLM's speculators trainer: `speculators_format`); a bad config field, or a weight
     missing, unexpected, of another shape or not a float, is a DFlashError naming it."""
-    from safetensors.torch import load_file
+    from dflash_ray import weights_files
 
     path = Path(path)
     config = str(path / CONFIG)
+    if not (path / CONFIG).is_file():
+        raise DFlashError(f"no {CONFIG}: not a drafter folder", file=str(path))
     data = checks.parse((path / CONFIG).read_bytes(), config)
     theirs = speculators_format.is_speculators(data)
     cfg = from_hf_config(speculators_format.hf_config(data, config) if theirs else data, config)
     drafter = families.get(cfg.family).build(cfg)
-    try:
-        state = load_file(str(path / WEIGHTS), device=str(device))
-    except Exception as e:  # safetensors' own error: a cut or damaged file
-        if type(e).__name__ != "SafetensorError":
-            raise
-        raise DFlashError(
-            f"not a readable safetensors file ({e}): cut short or damaged", file=str(path / WEIGHTS)
-        ) from None
+    state, weights = weights_files.read_state(str(path))  # shards inside the folder, whole, finite
     if theirs:
-        state = speculators_format.our_weights(state, str(path / WEIGHTS))
-    _check_weights(state, drafter.state_dict(), str(path / WEIGHTS))
+        state = speculators_format.our_weights(state, weights)
+    _check_weights(state, drafter.state_dict(), weights)
     drafter.to(next(iter(state.values())).dtype)
     drafter.load_state_dict(state)
     return drafter.to(device)
@@ -252,18 +247,17 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str = "bfloat16") ->
     source = resolve(checkpoint)
     if (Path(source) / "drafter" / CONFIG).exists():
         source = str(Path(source) / "drafter")
-    if not (Path(source) / CONFIG).exists() or not (Path(source) / WEIGHTS).exists():
-        from dflash_ray.errors import DFlashError
-
-        raise DFlashError(
-            f"no {CONFIG} and {WEIGHTS}: not a drafter folder or a checkpoint holding one", file=checkpoint
-        )
+    if not (Path(source) / CONFIG).exists():
+        raise DFlashError(f"no {CONFIG}: not a drafter folder or a checkpoint holding one", file=checkpoint)
     return {**export_drafter(load_drafter(source), out_dir, dtype), "checkpoint": checkpoint}
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: str = "bfloat16") -> dict:
-    """Write `drafter` in the serving format to a local folder or `s3://`."""
-    from dflash_ray import storage
+    """Write `drafter` in the serving format to a local folder or `s3://`; weights that are NaN or
+    infinite are refused, naming the first, and nothing is written."""
+    from dflash_ray import storage, weights_files
+
+    weights_files.check_finite(dict(drafter.state_dict()), f"the drafter to export to {out_dir}")
 
     if storage.is_s3(out_dir):
         import tempfile

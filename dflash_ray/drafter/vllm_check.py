@@ -100,7 +100,9 @@ def run(
 
     if not torch.cuda.is_available():
         engine_in_process()
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from dflash_ray import hf_load
 
     kwargs: dict[str, Any] = {"enforce_eager": True, "max_model_len": 2048, "seed": 0, "dtype": dtype}
     if drafter:
@@ -126,7 +128,7 @@ def run(
             engine_args={k: v for k, v in kwargs.items() if k == "speculative_config"},
         )
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(target, sizing)
-    llm = LLM(model=target, **kwargs)
+    llm = hf_load.vllm_engine(target, **kwargs)
     requests: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
     outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     result: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outputs]}

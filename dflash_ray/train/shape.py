@@ -19,11 +19,10 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=8)
 def target_config(target: str):
     """The target's Hugging Face config: the one read of it that every shape decision shares."""
-    from transformers import AutoConfig
-
+    from dflash_ray import hf_load
     from dflash_ray.registry import config_dir
 
-    return AutoConfig.from_pretrained(config_dir(target))
+    return hf_load.config(config_dir(target))
 
 
 def drafter_config(target: str, cfg: RunConfig, placement: Placement | None = None) -> dict:
@@ -111,6 +110,7 @@ def drafter_init(target: str, cfg: RunConfig, serving: dict | None = None) -> st
     if folder:
         run = from_hf_config(serving or drafter_config(target, cfg))
         warm_start.check_fits(warm_start.released_config(folder, run.num_target_layers), run, folder)
+        warm_start.check_weights(run, folder)  # here, not in each actor after Ray starts
         return warm_start.PREFIX + folder
     try:
         return init_mode(target_config(target), cfg.train.init)

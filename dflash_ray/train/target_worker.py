@@ -36,8 +36,7 @@ def pad_batch(rows: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Ten
 
 class TargetWorker:
     def __init__(self, target: str, layer_ids: list[int], cfg: TrainConfig):
-        from transformers import AutoModelForCausalLM
-
+        from dflash_ray import hf_load
         from dflash_ray.registry import resolve
 
         torch.set_num_threads(cfg.torch_threads)
@@ -45,7 +44,7 @@ class TargetWorker:
         self.place = actor_placement(cfg, target=True)
         # a target too big for one GPU spreads its layers over the GPUs the actor holds
         spread = {"device_map": "auto"} if self.place.num_devices > 1 else {}
-        self.model = AutoModelForCausalLM.from_pretrained(resolve(target), dtype=self.place.dtype, **spread).eval()
+        self.model = hf_load.causal_lm(resolve(target), dtype=self.place.dtype, **spread).eval()
         if not spread:
             self.model.to(self.place.device)
         from dflash_ray.train.file_cache import FileCache
