@@ -94,8 +94,7 @@ def check_finite(state: dict[str, torch.Tensor], file: str) -> None:
         if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise DFlashError(
-                f"{bad} of its {tensor.numel()} values are NaN or infinite: weights that would train or serve "
-                "garbage",
+                f"{bad} of its {tensor.numel()} values are NaN or infinite: weights that would train or serve garbage",
                 file=file,
                 field=name,
             )

@@ -17,7 +17,7 @@ import torch
 from dflash_ray import storage
 from dflash_ray.drafter import config_checks, families, speculators_format
 from dflash_ray.drafter.config import DrafterConfig
-from dflash_ray.drafter.export import CONFIG, WEIGHTS, from_hf_config
+from dflash_ray.drafter.export import CONFIG, from_hf_config
 from dflash_ray.errors import DFlashError
 
 PREFIX = "drafter:"  # the start mode that names a released drafter's folder (`initial_drafter`)
