@@ -84,6 +84,7 @@ def _write_smollm2(gguf: Path, tmp: Path, with_model: bool) -> None:
         return
     import torch
     from safetensors.torch import save_file
+
     model = hf_load.causal_lm(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
     # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
     # already dequantized, so write them and a plain config directly.
