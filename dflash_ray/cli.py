@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import Any, Callable, Iterator, TextIO
 
-from dflash_ray import stages
+from dflash_ray import environment, stages
 from dflash_ray.config import RunConfig, load_config
 from dflash_ray.preflight import check_settings
 from dflash_ray.errors import (
@@ -171,6 +171,7 @@ def _refused(e: UsageError, argv: list[str]) -> int:
 def _run_stage(args: argparse.Namespace) -> dict[str, Any]:
     run: Callable[[argparse.Namespace, RunConfig], dict[str, Any]] = args.run
     try:
+        environment.check_all()  # a node's numbers from the environment, named before anything starts
         cfg = load_config(args.config, args.overrides, check=check_settings)
         if cfg.chaos.faults and args.command not in DRILLED | {"plan"}:  # plan checks a pipeline's config
             raise DFlashError(

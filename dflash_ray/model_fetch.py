@@ -19,19 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_ray import disk, progress, s3, storage
+from dflash_ray import disk, environment, progress, storage
 from dflash_ray.errors import DFlashError
 
-DEFAULT_CONCURRENCY = 16  # ranged GETs at once: DFLASH_RAY_S3_CONCURRENCY
-DEFAULT_CHUNK_MB = 64.0  # what one ranged GET asks for: DFLASH_RAY_S3_CHUNK_MB
+DEFAULT_CONCURRENCY = int(environment.VARIABLES["DFLASH_RAY_S3_CONCURRENCY"].default)  # ranged GETs at once
+DEFAULT_CHUNK_MB = environment.VARIABLES["DFLASH_RAY_S3_CHUNK_MB"].default  # what one ranged GET asks for
 
 
 def settings() -> tuple[int, int]:
     """(ranged GETs at once, bytes each) from the environment, where a node's network and the
     store's limits are known."""
-    concurrency = s3.env_number("DFLASH_RAY_S3_CONCURRENCY", DEFAULT_CONCURRENCY, "a whole number >= 1", whole=True)
-    chunk_mb = s3.env_number("DFLASH_RAY_S3_CHUNK_MB", DEFAULT_CHUNK_MB, "a number of MiB > 0")
-    return int(concurrency), max(1, int(chunk_mb * (1 << 20)))
+    concurrency = environment.number("DFLASH_RAY_S3_CONCURRENCY")  # ranges: `environment.VARIABLES`
+    chunk_mb = environment.number("DFLASH_RAY_S3_CHUNK_MB")
+    return int(concurrency), int(chunk_mb * (1 << 20))
 
 
 @dataclass

@@ -98,7 +98,8 @@ def _write_smollm2(gguf: Path, tmp: Path, with_model: bool) -> None:
 
 
 def resolve(name_or_path: str, *, need: str = "model") -> str:
-    """A local folder for a short name, a local path, or an `s3://` folder (downloaded to cache).
+    """A local folder for a short name, a local path, or an `s3://` folder (downloaded to cache),
+    refused when it asks for code to be run (`hf_load.check_no_code`).
 
     `need` is "model" or "tokenizer": a tokenizer alone never converts model weights.
     """
@@ -112,6 +113,15 @@ def resolve(name_or_path: str, *, need: str = "model") -> str:
         out = cache_dir() / SMOLLM2
         _convert_smollm2(out, with_model=need == "model")
         return str(out)
+    from dflash_ray import hf_load
+
+    folder = _located(name_or_path, need)
+    hf_load.check_no_code(folder)  # every model and tokenizer folder a command names, where it is named
+    return folder
+
+
+def _located(name_or_path: str, need: str) -> str:
+    """The local folder of a path, an `s3://` folder or a Hub id (fetched into this node's cache)."""
     if storage.is_s3(name_or_path):
         return _download_folder(name_or_path)
     path = storage.local_path(name_or_path)

@@ -20,12 +20,14 @@ import contextlib
 import functools
 import os
 
+from dflash_ray import environment
 from dflash_ray.errors import DFlashError, MissingObject
 
 PREFIX = "s3://"
-DEFAULT_MAX_ATTEMPTS = 8
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_READ_TIMEOUT_S = 10.0  # per read of an answer (a socket read), not per transfer
+DEFAULT_MAX_ATTEMPTS = int(environment.VARIABLES["AWS_MAX_ATTEMPTS"].default)
+DEFAULT_CONNECT_TIMEOUT_S = environment.VARIABLES["DFLASH_RAY_S3_CONNECT_TIMEOUT_S"].default
+# per read of an answer (a socket read), not per transfer
+DEFAULT_READ_TIMEOUT_S = environment.VARIABLES["DFLASH_RAY_S3_READ_TIMEOUT_S"].default
 
 
 def split(uri: str) -> tuple[str, str]:
@@ -38,31 +40,14 @@ def split(uri: str) -> tuple[str, str]:
 
 
 def tries() -> int:
-    raw = os.environ.get("AWS_MAX_ATTEMPTS", str(DEFAULT_MAX_ATTEMPTS))
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise DFlashError(f"{raw!r}: allowed: a whole number of tries >= 1", field="AWS_MAX_ATTEMPTS (environment)")
-    return int(raw)
-
-
-def env_number(name: str, default: float, allowed: str, whole: bool = False) -> float:
-    """A positive, finite number from the environment variable `name` (`whole`: an integer), or
-    `default`; anything else is refused naming the variable and `allowed`."""
-    raw = os.environ.get(name, str(default))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf") or (whole and value != int(value)):
-        raise DFlashError(f"{raw!r}: allowed: {allowed}", field=f"{name} (environment)")
-    return value
+    return int(environment.number("AWS_MAX_ATTEMPTS"))
 
 
 def timeouts() -> tuple[float, float]:
     """The deadlines of one S3 try, in seconds: (connect, each read of an answer), from the environment."""
-    seconds = "a number of seconds > 0"
     return (
-        env_number("DFLASH_RAY_S3_CONNECT_TIMEOUT_S", DEFAULT_CONNECT_TIMEOUT_S, seconds),
-        env_number("DFLASH_RAY_S3_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S, seconds),
+        environment.number("DFLASH_RAY_S3_CONNECT_TIMEOUT_S"),
+        environment.number("DFLASH_RAY_S3_READ_TIMEOUT_S"),
     )
 
 

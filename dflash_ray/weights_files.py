@@ -64,27 +64,32 @@ def check_safetensors(data: bytes, file: str) -> None:
             file=file,
         )
     if len(data) < 8:
-        raise DFlashError(f"{len(data)} bytes: not a safetensors file (cut short?)", file=file)
+        raise DFlashError(f"not a readable safetensors file: {len(data)} bytes (cut short?)", file=file)
     if length > min(MAX_HEADER, len(data) - 8):
         raise DFlashError(
-            f"a header of {length} bytes in a file of {len(data)}: not a safetensors file, or cut short", file=file
+            f"not a readable safetensors file: a header of {length} bytes in a file of {len(data)} (cut short?)",
+            file=file,
         )
     try:
         header = json.loads(data[8 : 8 + length])
     except (ValueError, UnicodeDecodeError):
-        raise DFlashError("its header is not JSON: not a safetensors file, or damaged", file=file) from None
+        raise DFlashError("not a readable safetensors file: its header is not JSON (damaged?)", file=file) from None
     if not isinstance(header, dict):
-        raise DFlashError("its header is not a mapping: not a safetensors file", file=file)
+        raise DFlashError("not a readable safetensors file: its header is not a mapping", file=file)
     body = len(data) - 8 - length
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise DFlashError("no data_offsets in the header: damaged", file=file, field=str(name))
+            raise DFlashError(
+                "not a readable safetensors file: no data_offsets in its header", file=file, field=str(name)
+            )
         if not 0 <= offsets[0] <= offsets[1] <= body:
             raise DFlashError(
-                f"its bytes {offsets} lie past the file's {body} bytes of data: cut short", file=file, field=str(name)
+                f"not a readable safetensors file: its bytes {offsets} lie past the file's {body} (cut short?)",
+                file=file,
+                field=str(name),
             )
 
 

@@ -17,6 +17,7 @@ earlier runs' shards by name, and a user's `prompts-00000.parquet` looks like on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from dflash_ray import manifest, storage
 from dflash_ray.errors import DFlashError
@@ -129,10 +130,29 @@ def refuse_if_held(folder: str, doing: str = "writing") -> None:
         )
 
 
-def require_ours(folder: str) -> None:
+def _ours_by_its_files(folder: str, kind: str) -> bool:
+    """A folder an earlier version of a run of `kind` wrote, before folders were marked: a training
+    output holding a complete checkpoint of ours."""
+    if kind != "training":
+        return False
+    from dflash_ray.train import checkpoint
+
+    return bool(checkpoint.complete_steps(folder))
+
+
+def require_ours(folder: str, kind: str | None = None) -> None:
     """Refuse a folder without our manifest or mark that holds anything (a claim alone is a run of
-    ours that died), naming what it holds."""
-    if storage.exists(storage.join(folder, MARK)) or storage.exists(storage.join(folder, WRITER)):
+    ours that died), naming what it holds; and one marked for another kind of output."""
+    mark = _read(storage.join(folder, MARK))
+    if mark is not None:
+        if kind is not None and mark.get("kind") not in (kind, None):
+            raise DFlashError(
+                f"holds a '{mark.get('kind')}' output of dflash-ray ({MARK}); a {kind} run would replace or "
+                "mix with it: give an output folder of its own",
+                file=folder,
+            )
+        return
+    if storage.exists(storage.join(folder, WRITER)) or (kind is not None and _ours_by_its_files(folder, kind)):
         return
     held = [storage.basename(f) for f in storage.list_files(folder) + storage.skipped_files(folder)]
     held += [storage.basename(d) + "/" for d in storage.list_dirs(folder)]
@@ -153,9 +173,10 @@ def claim(
     made_from: dict[str, Any] | None = None,
     replace: bool = False,
 ) -> Claim:
-    """Claim `folder` for a run writing a `kind` dataset (`also`: other kinds it may replace).
-    `made_from` (its inputs and settings, flat, JSON): a finished dataset there made from others is
-    refused, naming what differs, unless `replace`; the run records it (`Claim.made_from`)."""
+    """Claim `folder` for a run writing a `kind` output (`also`: other kinds it may replace): a folder
+    of ours (empty, or holding our manifest or mark) or refused. `made_from` (its inputs and settings,
+    flat, JSON): a finished output there made from others is refused, naming what differs, unless
+    `replace`; the run records it (`Claim.made_from`, and the mark of an output without a manifest)."""
     existing = manifest.read_manifest(folder)
     if existing is not None and existing.get("kind") not in (kind, *also):
         raise DFlashError(
@@ -163,20 +184,25 @@ def claim(
             "replace it: give an output folder of its own",
             file=folder,
         )
+    if existing is None:
+        require_ours(folder, kind)
     made_from = None if made_from is None else json.loads(json.dumps(made_from))
-    before = (existing or {}).get("made_from")
-    # a setting one side lacks (newer than the dataset) is not a difference: the older run did without it
+    mark = _read(storage.join(folder, MARK)) if existing is None else None
+    before = (existing or mark or {}).get("made_from")
+    # a setting one side lacks (newer than the output) is not a difference: the older run did without it
     old, new = before or {}, made_from or {}
     changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
     if changed and not replace:
         raise DFlashError(
-            f"holds a finished {kind} dataset made from other {', '.join(changed[:8])}: this run would "
+            f"holds a finished {kind} output made from other {', '.join(changed[:8])}: this run would "
             "replace it; choose another output, or make it anew here (--replace, or delete the folder)",
             file=folder,
         )
-    if existing is None and kind in DATASET_KINDS:
-        require_ours(folder)
-        storage.write_text(storage.join(folder, MARK), json.dumps({"kind": kind, "claimed": time.time()}))
+    if existing is None:
+        body: dict[str, Any] = {"kind": kind, "claimed": time.time()}
+        if kind not in DATASET_KINDS and made_from is not None:  # a dataset's is in its manifest
+            body["made_from"] = made_from
+        storage.write_text(storage.join(folder, MARK), json.dumps(body))
     c = Claim(folder, kind, uuid.uuid4().hex)
     c.made_from = made_from
     held = _read(c.uri)
@@ -188,3 +214,32 @@ def claim(
     c.check()  # two claims at once: the last write wins, the other run stops here
     c._thread.start()
     return c
+
+
+@contextlib.contextmanager
+def output(
+    folder: str,
+    kind: str,
+    *,
+    also: tuple[str, ...] = (),
+    made_from: dict[str, Any] | None = None,
+    replace: bool = False,
+    what: str = "nothing was written",
+) -> Iterator[Claim]:
+    """The one door to an output folder, for every command that writes one: a folder (not a file),
+    ours or refused (`claim`), held while the block runs; a folder it made is removed again when the
+    block fails before writing anything there."""
+    storage.require_folder(folder, what)
+    local = None if storage.is_s3(folder) else storage.local_path(folder)
+    made = local is not None and not local.exists()
+    try:
+        with claim(folder, kind, also=also, made_from=made_from, replace=replace) as held:
+            yield held
+    except BaseException:
+        if made and local is not None and local.is_dir():
+            left = [p for p in local.iterdir() if p.name not in (MARK, WRITER)]
+            if not left:
+                for p in local.iterdir():
+                    p.unlink()
+                local.rmdir()  # the folder the claim made: a failed run leaves nothing
+        raise

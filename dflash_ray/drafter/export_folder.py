@@ -15,11 +15,14 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def exporting(out_dir: str, reads: tuple[str, ...] = ()) -> Iterator[Claim]:
-    """Hold `out_dir` for one drafter written there: refused when it overlaps a folder the run
-    `reads`, when it holds a user's `config.json` or `model.safetensors`, or while another export
-    holds it. A folder the claim made is removed again when the export fails. Yields the claim
-    (`.check()` before the summary: it was not taken over meanwhile)."""
+def exporting(
+    out_dir: str, reads: tuple[str, ...] = (), made_from: dict | None = None, replace: bool = False
+) -> Iterator[Claim]:
+    """Hold `out_dir` for one drafter written there (`writer.output`): refused when it overlaps a
+    folder the run `reads`, when it holds a user's files or a drafter no dflash-ray run marked as
+    its own, when it holds a drafter made from another source or settings (`made_from`) without
+    `replace`, or while another export holds it. A folder the claim made is removed again when the
+    export fails. Yields the claim (`.check()` before the summary: it was not taken over meanwhile)."""
     from dflash_ray import writer
 
     for source in reads:
@@ -31,15 +34,8 @@ def exporting(out_dir: str, reads: tuple[str, ...] = ()) -> Iterator[Claim]:
             )
     storage.require_folder(out_dir, "nothing was exported")
     check_replaceable(out_dir)
-    local = None if storage.is_s3(out_dir) else storage.local_path(out_dir)
-    made = local is not None and not local.exists()
-    try:
-        with writer.claim(out_dir, "drafter") as held:  # one export writes here at a time; another is refused
-            yield held
-    except BaseException:
-        if made and local is not None and local.is_dir() and not any(local.iterdir()):
-            local.rmdir()  # the folder the claim made: a failed export leaves nothing
-        raise
+    with writer.output(out_dir, "drafter", made_from=made_from, replace=replace, what="nothing was exported") as held:
+        yield held  # one export writes here at a time; another is refused
 
 
 def check_replaceable(out_dir: str) -> None:

@@ -14,12 +14,22 @@ def _ranged(default: Any, ok: Callable[[Any], bool], allowed: str) -> Any:
     return field(default=default, metadata={"range": (ok, allowed)})
 
 
-def at_least(low: float, *, default: Any) -> Any:
-    return _ranged(default, lambda v: v >= low, f">= {low}")
+# No setting is unbounded: a count, a size or a time past this is a typo or an overflow, refused
+# where the field is declared rather than found when memory or patience runs out. A field whose
+# value sizes one process's memory declares a tighter `most` of its own.
+CEILING = 10**15
 
 
-def above(low: float, *, default: Any) -> Any:
-    return _ranged(default, lambda v: v > low, f"> {low}")
+def at_least(low: float, *, default: Any, most: float = CEILING) -> Any:
+    return _ranged(default, lambda v: low <= v <= most, f">= {low}" + _most(most))
+
+
+def above(low: float, *, default: Any, most: float = CEILING) -> Any:
+    return _ranged(default, lambda v: low < v <= most, f"> {low}" + _most(most))
+
+
+def _most(most: float) -> str:
+    return f" and <= {most:g}" if most != CEILING else ""  # the ceiling: said when a value passes it
 
 
 def operational(spec: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:

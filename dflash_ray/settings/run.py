@@ -11,6 +11,7 @@ from dflash_ray.errors import DFlashError
 from dflash_ray.settings.cluster import RayConfig
 from dflash_ray.settings.data import PromptsConfig, SelfPromptConfig, TokenizeConfig, ValidateConfig
 from dflash_ray.settings.drafters import expand_drafters
+from dflash_ray.settings.fields import CEILING
 from dflash_ray.settings.evaluation import EvaluateConfig, OneSampleConfig
 from dflash_ray.settings.generation import GenerateConfig
 from dflash_ray.settings.pipeline import ChaosConfig, PipelineConfig
@@ -52,6 +53,8 @@ def check_section(section: Any, prefix: str) -> None:
         if "range" in f.metadata and value is not None:
             ok, allowed = f.metadata["range"]
             if not ok(value):
+                if isinstance(value, (int, float)) and abs(value) > CEILING:
+                    allowed += f" (no setting takes more than {CEILING:g})"
                 raise DFlashError(f"{value!r} is out of range; allowed: {allowed}", field=f"{prefix}{f.name}")
         elif f.name == "tokenizer" and isinstance(value, str) and not value.strip():
             raise DFlashError("is empty: give a short name, a path or a Hub id", field=f"{prefix}{f.name}")

@@ -15,13 +15,14 @@ from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
 
 
-def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16") -> dict[str, Any]:
+def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16", replace: bool = False) -> dict[str, Any]:
     """A training checkpoint (sharded: assembled here from every rank's shard, each file checked
     against the checkpoint's manifest whatever the folder is called) or a drafter folder → the
-    serving format in `out_dir`."""
+    serving format in `out_dir` (a drafter exported there from another source is replaced only
+    with `replace`)."""
     from dflash_ray.drafter.export_folder import exporting
 
-    with exporting(out_dir, (checkpoint,)) as held:
+    with exporting(out_dir, (checkpoint,), made_from={"made_by": "export", "source": checkpoint}, replace=replace) as held:
         summary = _export(checkpoint, out_dir, dtype)
         held.check()
     return summary
@@ -77,6 +78,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a training checkpoint or drafter folder (path or URI)")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--replace", action="store_true", help="replace a drafter this command exported there from another source"
+    )
 
 
 def _step(run: PipelineRun) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def _step(run: PipelineRun) -> dict[str, Any]:
     exported = {}
     for name, trained in run.results["train"].items():
         out = run.at(f"drafter/{name}" if name else "drafter")
-        run_export(trained["checkpoint"], out, dtype="float32")
+        run_export(trained["checkpoint"], out, dtype="float32", replace=True)  # the pipeline's own folder
         exported[name] = out
     run.results["export"] = exported
     return {}
@@ -95,7 +99,7 @@ STAGES = (
     Stage(
         name="export",
         help="write a drafter in the format vLLM and SGLang load",
-        command=lambda args, cfg: run_export(args.checkpoint, args.out_dir, dtype=args.dtype),
+        command=lambda args, cfg: run_export(args.checkpoint, args.out_dir, dtype=args.dtype, replace=args.replace),
         arguments=_arguments,
         order=60,
         inputs=("train",),

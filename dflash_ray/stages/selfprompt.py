@@ -17,7 +17,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from dflash_ray import manifest, storage
+from dflash_ray import manifest, storage, writer
 from dflash_ray.cluster import connect
 from dflash_ray.config import GenerateConfig, RunConfig, SelfPromptConfig
 from dflash_ray.errors import DFlashError, failure_cause
@@ -66,41 +66,44 @@ def run_selfprompt(model: str, output: str, cfg: RunConfig, *, progress: bool = 
     gcfg = dataclasses.replace(
         cfg.generate, temperature=scfg.temperature, top_p=scfg.top_p, max_tokens=scfg.max_tokens, seed=scfg.seed
     )
-    connect(cfg.ray)
-    tasks = max(1, min(gcfg.generators, scfg.count))
-    write = ray.remote(_write).options(**engine_options(gcfg), num_returns="streaming")
-    streams = [write.remote(model, gcfg, scfg, list(range(t, scfg.count, tasks))) for t in range(tasks)]
-    candidates: list[dict[str, Any]] = []
-    with tqdm(total=scfg.count, desc="selfprompt", unit="prompt", disable=not progress) as bar:
-        live = list(streams)
-        while live:
-            ready, _ = ray.wait(live, num_returns=1)
-            try:
-                part = ray.get(next(cast("ObjectRefGenerator", ready[0])))  # num_returns="streaming"
-            except StopIteration:
-                live.remove(ready[0])
-                continue
-            except Exception as e:
-                for stream in live:
-                    ray.cancel(stream, force=True)
-                raise DFlashError(f"a self-prompt task failed: {failure_cause(e)} (stopped at once)") from None
-            candidates += part
-            bar.update(len(part))
-    records, dropped = select(candidates, scfg)
-    storage.write_text(storage.join(output, FILE), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    summary = {
-        "stage": "selfprompt",
-        "output": output,
-        "file": storage.join(output, FILE),
-        "model": model,
-        "candidates": len(candidates),
-        "prompts": len(records),
-        "dropped": dropped,
-    }
-    manifest.write_manifest(
-        output, kind="prompts-jsonl", files=[{"name": FILE, "rows": len(records)}], summary=summary, config=settings
-    )
-    return {**summary, "reused": False, "seconds": round(time.time() - started, 1)}
+    with writer.output(output, "prompts-jsonl"):  # ours or refused, before Ray starts
+        connect(cfg.ray)
+        tasks = max(1, min(gcfg.generators, scfg.count))
+        write = ray.remote(_write).options(**engine_options(gcfg), num_returns="streaming")
+        streams = [write.remote(model, gcfg, scfg, list(range(t, scfg.count, tasks))) for t in range(tasks)]
+        candidates: list[dict[str, Any]] = []
+        with tqdm(total=scfg.count, desc="selfprompt", unit="prompt", disable=not progress) as bar:
+            live = list(streams)
+            while live:
+                ready, _ = ray.wait(live, num_returns=1)
+                try:
+                    part = ray.get(next(cast("ObjectRefGenerator", ready[0])))  # num_returns="streaming"
+                except StopIteration:
+                    live.remove(ready[0])
+                    continue
+                except Exception as e:
+                    for stream in live:
+                        ray.cancel(stream, force=True)
+                    raise DFlashError(f"a self-prompt task failed: {failure_cause(e)} (stopped at once)") from None
+                candidates += part
+                bar.update(len(part))
+        records, dropped = select(candidates, scfg)
+        storage.write_text(
+            storage.join(output, FILE), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        )
+        summary = {
+            "stage": "selfprompt",
+            "output": output,
+            "file": storage.join(output, FILE),
+            "model": model,
+            "candidates": len(candidates),
+            "prompts": len(records),
+            "dropped": dropped,
+        }
+        manifest.write_manifest(
+            output, kind="prompts-jsonl", files=[{"name": FILE, "rows": len(records)}], summary=summary, config=settings
+        )
+        return {**summary, "reused": False, "seconds": round(time.time() - started, 1)}
 
 
 def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:

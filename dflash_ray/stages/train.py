@@ -85,21 +85,15 @@ def run_train(
             file=output,
         )
     run = resolve_run(target, cfg, output)  # the whole run decided once: from here on it is executed
-    local = None if storage.is_s3(output) else storage.local_path(output)
-    made = local is not None and not local.exists()
-    try:
-        with writer.claim(output, "training"):  # one run trains into an output; a second is refused at once
-            _check_checkpoints(run, data, output, resume)
-            try:
-                return _train(run, data, output, stop_after_step, progress, run_name)
-            except DFlashError as e:
-                if isinstance(e, (DiskFull, Interrupted)) or not disk.no_space(e):
-                    raise
-                raise _disk_full(e, output, cfg) from None
-    except BaseException:
-        if made and local is not None and local.is_dir() and not any(local.iterdir()):
-            local.rmdir()  # the folder the claim made: a run refused before any step leaves nothing
-        raise
+    # one run trains into an output of ours; a second, or a folder of the user's files, is refused at once
+    with writer.output(output, "training", what="nothing was trained"):
+        _check_checkpoints(run, data, output, resume)
+        try:
+            return _train(run, data, output, stop_after_step, progress, run_name)
+        except DFlashError as e:
+            if isinstance(e, (DiskFull, Interrupted)) or not disk.no_space(e):
+                raise
+            raise _disk_full(e, output, cfg) from None
 
 
 def _disk_full(e: DFlashError, output: str, cfg: RunConfig) -> DiskFull:
