@@ -498,3 +498,37 @@ def test_hostile_shared(command, name, tmp_path, no_ray, capsys, monkeypatch):
     extra, env, says = SHARED[name]
     monkeypatch.chdir(tmp_path)
     _run(Case([command, *REQUIRED.get(command, []), *extra], says, env=env), capsys, monkeypatch, tmp_path)
+
+
+def test_every_hugging_face_load_goes_through_the_one_door():
+    """No module but `hf_load` calls `from_pretrained` or builds a vLLM engine from a path: each such
+    load elsewhere would be a door where a model folder's code could run."""
+    import re
+
+    package = Path(__file__).parent.parent / "dflash_ray"
+    pattern = re.compile(r"\.from_pretrained\(|\bLLM\(")
+    found = [
+        f"{p.relative_to(package)}:{i}"
+        for p in sorted(package.rglob("*.py"))
+        if p.name != "hf_load.py"
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not found, f"load through dflash_ray.hf_load instead: {found}"
+
+
+def test_a_tokenizer_folder_with_code_is_refused_with_no_prompt_and_nothing_run(world, monkeypatch):
+    """transformers asks on the terminal whether to run a folder's `auto_map` code: here nothing asks."""
+    import builtins
+
+    from dflash_ray.errors import DFlashError
+    from dflash_ray.registry import load_tokenizer
+
+    def no_prompt(*args, **kwargs):
+        raise AssertionError("a prompt was shown")
+
+    monkeypatch.setattr(builtins, "input", no_prompt)
+    folder = world.code_folder("asked", world.target)
+    with pytest.raises(DFlashError, match="auto_map"):
+        load_tokenizer(str(folder))
+    assert not (world.root / "RAN").exists()
