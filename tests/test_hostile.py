@@ -532,3 +532,22 @@ def test_a_tokenizer_folder_with_code_is_refused_with_no_prompt_and_nothing_run(
     with pytest.raises(DFlashError, match="auto_map"):
         load_tokenizer(str(folder))
     assert not (world.root / "RAN").exists()
+
+
+def test_a_drafter_saved_in_shards_exports_whole(world, tmp_path, capsys):
+    """A released drafter in shards (`model.safetensors.index.json`) exports as one file, its weights
+    unchanged: its config.json is there, and the export says so."""
+    from safetensors.torch import load_file, save_file
+
+    names = sorted(world.weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_bytes((Path(world.drafter) / "config.json").read_bytes())
+    for file, part in halves.items():
+        save_file({k: world.weights[k].contiguous() for k in part}, str(sharded / file))
+    index = {"weight_map": {k: f for f, part in halves.items() for k in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["export", str(sharded), str(tmp_path / "out"), "--dtype", "float32"]) == 0, capsys.readouterr().err
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(world.weights) and all(torch.equal(got[k], world.weights[k]) for k in got)
