@@ -197,6 +197,35 @@ def _missing_shard(world: World, name: str) -> Path:
     return folder
 
 
+def _empty(world: World) -> Path:
+    path = world.root / "empty.jsonl"
+    path.write_bytes(b"")
+    return path
+
+
+def _folder_linking_out(world: World) -> Path:
+    """An input folder whose only file is a link to a file outside it."""
+    folder = world.folder("linking-out")
+    outside = world.folder("linked-to") / "chats.jsonl"
+    outside.write_text(json.dumps({"messages": [{"role": "user", "content": "from outside"}]}) + "\n")
+    if not (folder / "chats.jsonl").is_symlink():
+        (folder / "chats.jsonl").symlink_to(outside)
+    return folder
+
+
+def _manifest_out(world: World) -> Path:
+    """A copy of a finished dataset whose manifest names a file outside its folder."""
+    folder = world.folder("manifest-out")
+    for f in (world.root / "completions").iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    for entry in manifest.get("files", []):
+        entry["name"] = "../completions/" + entry["name"]
+    (folder / "_manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
 def warm_starts(world: World, command: Callable[[str], list[str]]) -> dict[str, Case]:
     """Every way a drafter folder read from outside can be bad, for a command that reads one."""
     out: dict[str, Case] = {}
@@ -242,6 +271,15 @@ def doors(world: World) -> dict[str, dict[str, Case]]:
         "prompts": {
             "input-missing": Case(["prompts", "--input", missing, "--output", str(w.root / "p1")], ("missing.jsonl",)),
             "input-scheme": Case(["prompts", "--input", "gs://b/x.jsonl", "--output", str(w.root / "p2")], ("gs://",)),
+            "input-empty": Case(
+                ["prompts", "--input", str(_empty(w)), "--output", str(w.root / "p3")], ("empty.jsonl",)
+            ),
+            "input-binary": Case(
+                ["prompts", "--input", str(binary), "--output", str(w.root / "p4")], ("binary.jsonl",)
+            ),
+            "input-link-out": Case(
+                ["prompts", "--input", str(_folder_linking_out(w)), "--output", str(w.root / "p5")], ("linking-out",)
+            ),
             "output-users": user_output(
                 w, "users-prompts", lambda o: ["prompts", "--input", str(chats), "--output", o], "prompts-00000.parquet"
             ),
@@ -316,6 +354,8 @@ def doors(world: World) -> dict[str, dict[str, Case]]:
                 ["validate", "--input", str(w.users_folder("users-validate", {"a.parquet": b"PAR1 not really"}))],
                 ("users-validate",),
             ),
+            "manifest-out": Case(["validate", "--input", str(_manifest_out(w))], ("_manifest.json", "..")),
+            "input-prompts": Case(["validate", "--input", str(w.root / "prompts")], ("prompts",)),
         },
         "train": {
             "target-code": Case(
@@ -431,6 +471,8 @@ def _stub_table() -> dict[str, dict[str, Case]]:
         (tmp / "target" / "tokenizer_config.json").write_text("{}")
         (tmp / "drafter").mkdir()
         (tmp / "drafter" / "config.json").write_text("{}")
+        (tmp / "completions").mkdir()
+        (tmp / "completions" / "_manifest.json").write_text("{}")
         save_file(stub.weights, str(tmp / "drafter" / "model.safetensors"))
         return doors(stub)
 
