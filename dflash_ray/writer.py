@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dflash_ray import manifest, storage
 from dflash_ray.errors import DFlashError
@@ -130,19 +130,10 @@ def refuse_if_held(folder: str, doing: str = "writing") -> None:
         )
 
 
-def _ours_by_its_files(folder: str, kind: str) -> bool:
-    """A folder an earlier version of a run of `kind` wrote, before folders were marked: a training
-    output holding a complete checkpoint of ours."""
-    if kind != "training":
-        return False
-    from dflash_ray.train import checkpoint
-
-    return bool(checkpoint.complete_steps(folder))
-
-
-def require_ours(folder: str, kind: str | None = None) -> None:
+def require_ours(folder: str, kind: str | None = None, ours_if: Callable[[], bool] | None = None) -> None:
     """Refuse a folder without our manifest or mark that holds anything (a claim alone is a run of
-    ours that died), naming what it holds; and one marked for another kind of output."""
+    ours that died), naming what it holds; and one marked for another kind of output. `ours_if`:
+    how the kind's own files show a folder an earlier version wrote before folders were marked."""
     mark = _read(storage.join(folder, MARK))
     if mark is not None:
         if kind is not None and mark.get("kind") not in (kind, None):
@@ -152,7 +143,7 @@ def require_ours(folder: str, kind: str | None = None) -> None:
                 file=folder,
             )
         return
-    if storage.exists(storage.join(folder, WRITER)) or (kind is not None and _ours_by_its_files(folder, kind)):
+    if storage.exists(storage.join(folder, WRITER)) or (ours_if is not None and ours_if()):
         return
     held = [storage.basename(f) for f in storage.list_files(folder) + storage.skipped_files(folder)]
     held += [storage.basename(d) + "/" for d in storage.list_dirs(folder)]
@@ -172,6 +163,7 @@ def claim(
     also: tuple[str, ...] = (),
     made_from: dict[str, Any] | None = None,
     replace: bool = False,
+    ours_if: Callable[[], bool] | None = None,
 ) -> Claim:
     """Claim `folder` for a run writing a `kind` output (`also`: other kinds it may replace): a folder
     of ours (empty, or holding our manifest or mark) or refused. `made_from` (its inputs and settings,
@@ -185,7 +177,7 @@ def claim(
             file=folder,
         )
     if existing is None:
-        require_ours(folder, kind)
+        require_ours(folder, kind, ours_if)
     made_from = None if made_from is None else json.loads(json.dumps(made_from))
     mark = _read(storage.join(folder, MARK)) if existing is None else None
     before = (existing or mark or {}).get("made_from")
@@ -225,6 +217,7 @@ def output(
     made_from: dict[str, Any] | None = None,
     replace: bool = False,
     what: str = "nothing was written",
+    ours_if: Callable[[], bool] | None = None,
 ) -> Iterator[Claim]:
     """The one door to an output folder, for every command that writes one: a folder (not a file),
     ours or refused (`claim`), held while the block runs; a folder it made is removed again when the
@@ -233,7 +226,7 @@ def output(
     local = None if storage.is_s3(folder) else storage.local_path(folder)
     made = local is not None and not local.exists()
     try:
-        with claim(folder, kind, also=also, made_from=made_from, replace=replace) as held:
+        with claim(folder, kind, also=also, made_from=made_from, replace=replace, ours_if=ours_if) as held:
             yield held
     except BaseException:
         if made and local is not None and local.is_dir():

@@ -75,6 +75,7 @@ def run_train(
     settings and storage is checked before Ray starts: the output is claimed for this run (`writer`),
     and a checkpoint to resume from is compared with this run's settings, data and target."""
     from dflash_ray import writer
+    from dflash_ray.train import checkpoint
     from dflash_ray.preflight import resolve_run
 
     storage.require_folder(output, "nothing was trained")
@@ -86,7 +87,11 @@ def run_train(
         )
     run = resolve_run(target, cfg, output)  # the whole run decided once: from here on it is executed
     # one run trains into an output of ours; a second, or a folder of the user's files, is refused at once
-    with writer.output(output, "training", what="nothing was trained"):
+
+    def ours_if() -> bool:  # an output an earlier version wrote, unmarked, shows itself by its checkpoints
+        return bool(checkpoint.complete_steps(output))
+
+    with writer.output(output, "training", what="nothing was trained", ours_if=ours_if):
         _check_checkpoints(run, data, output, resume)
         try:
             return _train(run, data, output, stop_after_step, progress, run_name)
