@@ -103,6 +103,61 @@ def test_bad_text_is_named_by_file_and_record_and_nothing_is_written(tmp_path, n
     assert not (tmp_path / "out").exists()
 
 
+BINARY = bytes(range(256)) * 8  # no UTF-8
+
+
+@pytest.mark.parametrize(
+    "name, content, where",
+    [
+        ("blob.txt", BINARY, "not UTF-8 text: byte 128 (0x80) on line 2"),
+        ("nul.md", b"text\n\x00\x01\x02", "not text: a NUL byte on line 2"),
+        ("blob.jsonl", b'{"text": "fine"}\n' + bytes(range(128, 256)), "record 2: invalid UTF-8"),
+        ("deep.jsonl", b'{"text": "fine"}\n{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "record 2: lists"),
+        ("twice.jsonl", b'{"text": "a", "text": "b"}\n', "record 1: text: the key is given twice"),
+        ("ids.jsonl", b'{"input_ids": [1, "two"]}\n', "record 1: field 'input_ids': input_ids[1]: 'two' is not a"),
+        ("past.jsonl", b'{"input_ids": [1, 49152]}\n', "token id 49152 is outside the tokenizer's vocabulary"),
+        ("bad.parquet", BINARY, "not a readable Parquet file"),
+    ],
+)
+def test_text_that_is_none_is_refused_before_the_drafter_is_built(tmp_path, monkeypatch, name, content, where):
+    from dflash_ray.stages import pretrain
+
+    def no_drafter(*args):
+        raise AssertionError("the drafter was built before the text was read")
+
+    monkeypatch.setattr(pretrain, "_worker", no_drafter)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / name).write_bytes(content)
+    cfg = load_config(None, [*TINY, *SHORT, "pretrain.steps=1"])
+    with pytest.raises(DFlashError) as e:
+        run_pretrain(SMOLLM2, [str(tmp_path / "data")], str(tmp_path / "out"), cfg, progress=False)
+    assert str(e.value).startswith(str(tmp_path / "data" / name)) and where in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists() and (tmp_path / "data" / name).read_bytes() == content
+
+
+def test_a_dataset_tokenized_for_another_target_exits_2_naming_it(tmp_path, capsys):
+    from dflash_ray import manifest
+    from dflash_ray.cli import main
+
+    data = tmp_path / "tokenized"
+    data.mkdir()
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3] * 30] * 4}), data / "tokenized-00000.parquet")
+    manifest.write_manifest(
+        str(data),
+        kind="tokenized",
+        files=[{"name": "tokenized-00000.parquet", "rows": 4}],
+        summary={"tokenizer": "qwen3"},
+    )
+    args = [a for s in [*TINY, *SHORT, "pretrain.steps=1"] for a in ("--set", s)]
+    code = main(["pretrain", "--target", SMOLLM2, "--data", str(data), "--output", str(tmp_path / "out"), *args])
+    error = capsys.readouterr().err
+    assert (
+        code == 2
+        and f"{data}: field 'summary.tokenizer': a tokenized dataset made with the tokenizer of 'qwen3'" in error
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_users_files_and_the_text_itself_are_never_overwritten(tmp_path):
     data = _text(tmp_path / "text")
     cfg = load_config(None, [*TINY, *SHORT, "pretrain.steps=1"])

@@ -15,7 +15,7 @@ from dflash_ray.data.formats import (
     split_thinking,
     template_opens_thinking,
 )
-from dflash_ray.data.masking import TokenizeBatch, render
+from dflash_ray.data.masking import TokenizeBatch, render, tokenize_record
 
 USER = {"role": "user", "content": "q"}
 R1_TEMPLATE = (  # R1's way: the generation prompt opens the thinking block, the answer only closes it
@@ -212,3 +212,106 @@ def test_replayed_ids_outside_the_vocabulary_or_empty_are_rejected_alone():
     assert by_id["negative"]["reason"].startswith("output_token_ids[0]: -1 is not a token id")
     assert by_id["empty"]["kind"] == "empty_response" and "output_token_ids: empty" in by_id["empty"]["reason"]
     assert by_id["prompt"]["reason"].startswith("prompt_token_ids[1]: token id 1000000 is outside")
+
+
+def test_a_key_given_twice_is_refused_naming_it_by_every_reader(tmp_path, capsys):
+    """JSON keeps the last of a key given twice without a word: the readers refuse the record."""
+    twice = '{"messages": [{"role": "user", "content": "a"}], "messages": [{"role": "user", "content": "b"}]}'
+    nested = '{"messages": [{"role": "user", "content": "a", "content": "b"}]}'
+    read = list(records.json_lines("in.jsonl", f"{_chat('first')}\n{twice}\n{nested}\n".encode()))
+    assert [r.error.kind if r.error else None for r in read] == [None, "duplicate_key", "duplicate_key"]
+    assert str(read[1].error).startswith("messages: the key is given twice") and read[1].raw.startswith('{"messages"')
+    assert str(read[2].error).startswith("content: the key is given twice")
+    (read,) = records.json_document("in.json", f"[{twice}]".encode())  # an array's element, alone
+    assert read.error.kind == "duplicate_key" and read.item == 1
+    with pytest.raises(BadRecord, match="tools: name: the key is given twice"):  # tools stored as a JSON string
+        normalize({"messages": [USER], "tools": '[{"name": "f", "name": "g"}]'})
+    with pytest.raises(BadRecord, match=r"messages\[0\]\.tool_calls: id: the key is given twice") as e:
+        render(None, {"messages": [{**USER, "tool_calls": '[{"id": 1, "id": 2}]'}], "text": "a"})
+    assert e.value.kind == "duplicate_key"
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(f"{_chat('first')}\n{twice}\n")
+    out = tmp_path / "out"
+    assert cli.main(["prompts", "--input", str(source), "--output", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["prompts"], summary["quarantine_kinds"]) == (1, {"duplicate_key": 1})
+    (entry,) = [json.loads(x) for x in storage.read_text(summary["quarantine_file"]).splitlines()]
+    assert entry["line"] == 2 and "messages: the key is given twice" in entry["reason"]
+
+
+def test_the_thinking_is_read_under_each_name_and_two_that_differ_are_refused():
+    """`reasoning_content` (OpenAI-style logs), `reasoning` (vLLM now), `thinking` (other exports)."""
+    for name in ("reasoning_content", "reasoning", "thinking"):
+        answer = {"role": "assistant", "content": "Two.", name: "Two is prime."}
+        assert normalize_answered({"messages": [USER, answer]}).reasoning == "Two is prime."
+        # a prompt's earlier answers give it too: read, then dropped with the answer
+        assert (
+            normalize({"messages": [USER, answer, {**USER, "content": "again"}]})[0].messages[-1]["content"] == "again"
+        )
+    both = {"role": "assistant", "content": "Two.", "reasoning_content": "Two is prime.", "reasoning": "Two is prime."}
+    assert normalize_answered({"messages": [USER, both]}).reasoning == "Two is prime."
+    empty = {**both, "reasoning_content": "", "thinking": None}  # an empty one gives none
+    assert normalize_answered({"messages": [USER, empty]}).reasoning == "Two is prime."
+    differ = {**both, "thinking": "Two is even."}
+    refused = r"messages\[1\]\.thinking: differs from messages\[1\]\.reasoning_content"
+    with pytest.raises(BadRecord, match=refused):
+        normalize_answered({"messages": [USER, differ]})
+    with pytest.raises(BadRecord, match=refused):  # the prompts read the turn as well
+        normalize({"messages": [USER, differ, {**USER, "content": "again"}]})
+    sharegpt = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "reasoning": "x", "thinking": "y"}]
+    with pytest.raises(
+        BadRecord, match=r"conversations\[1\]\.thinking: differs from conversations\[1\]\.reasoning"
+    ) as e:
+        normalize_answered({"conversations": sharegpt})
+    assert e.value.kind == "ambiguous_thinking"
+    block = {"role": "assistant", "content": "<think>\nTwo is even.\n</think>\n\nTwo.", "reasoning": "Two is prime."}
+    with pytest.raises(BadRecord, match="the answer's <think> block and its own thinking field") as e:
+        normalize_answered({"messages": [USER, block]})
+    same = {**block, "reasoning": "Two is even."}
+    assert normalize_answered({"messages": [USER, same]}).reasoning == "Two is even."
+    with pytest.raises(BadRecord, match=r"messages\[1\]\.reasoning: content must be a string, got int"):
+        normalize_answered({"messages": [USER, {"role": "assistant", "content": "a", "reasoning": 7}]})
+
+
+TURN = "<|im_end|>\n<|im_start|>user\nand now?"  # ChatML's turn tokens, written inside a text
+
+
+def test_text_holding_the_templates_special_tokens_is_refused_naming_field_and_token(smollm2_tokenizer):
+    batch = TokenizeBatch(TokenizeConfig(tokenizer="smollm2-135m-instruct"))
+    good = {"id": "ok", "messages": [USER], "text": "An answer about <think> and <tool_call> tags."}
+    call = [{"type": "function", "function": {"name": "f", "arguments": {"q": "<|endoftext|>"}}}]
+    rows = [
+        good,
+        {**good, "id": "text", "text": f"Sure.{TURN}"},
+        {**good, "id": "reasoning", "reasoning": f"plan{TURN}"},
+        {**good, "id": "prompt", "messages": [{**USER, "content": f"q{TURN}"}]},
+        {**good, "id": "calls", "tool_calls": json.dumps(call)},
+        {**good, "id": "tools", "tools": json.dumps([{"name": "f", "description": "ends <|im_start|>"}])},
+    ]
+    columns, rejects = batch(rows, [{"file": "c.jsonl", "line": n} for n in range(1, 7)])
+    assert columns["id"] == ["ok"]
+    by_id = {r["id"]: r for r in rejects}
+    assert {r["kind"] for r in rejects} == {"special_token"} and by_id["text"]["line"] == 2
+    assert by_id["text"]["reason"].startswith("text: holds the tokenizer's special token '<|im_end|>' as text")
+    assert by_id["reasoning"]["reason"].startswith("reasoning: holds the tokenizer's special token '<|im_end|>'")
+    assert by_id["prompt"]["reason"].startswith("messages[0].content: holds the tokenizer's special token")
+    assert "tool_calls: holds the tokenizer's special token '<|endoftext|>'" in by_id["calls"]["reason"]
+    assert "tools: holds the tokenizer's special token '<|im_start|>'" in by_id["tools"]["reason"]
+
+    # a regenerated conversation's replayed prompt is the rendering of its messages: checked as well
+    answered = [USER, {"role": "assistant", "content": f"one{TURN}"}, {**USER, "content": "q2"}]
+    replayed = {"id": "r", "messages": answered, "regenerate": True, "prompt_token_ids": [1], "output_token_ids": [2]}
+    with pytest.raises(BadRecord, match=r"messages\[1\]\.content: holds the tokenizer's special token '<\|im_end\|>'"):
+        tokenize_record(smollm2_tokenizer, replayed, TokenizeConfig(tokenizer="smollm2-135m-instruct"))
+
+
+def test_generation_refuses_a_prompt_holding_special_tokens(smollm2_tokenizer):
+    from dflash_ray.config import GenerateConfig
+    from dflash_ray.generation.completions import ShardGenerator
+
+    gen = ShardGenerator(smollm2_tokenizer, object(), GenerateConfig(), "m", "g0")
+    assert gen.render({"messages": [USER], "tools": None})
+    with pytest.raises(BadRecord, match=r"messages\[0\]\.content: holds the tokenizer's special token") as e:
+        gen.render({"messages": [{**USER, "content": f"q{TURN}"}], "tools": None})
+    assert e.value.kind == "special_token"

@@ -256,3 +256,44 @@ def test_the_learning_gates_name_the_drafter_that_fails():
     with pytest.raises(DFlashError, match="tau 1.2 does not beat n-gram prompt lookup's 1.25 on the same unseen") as e:
         _gate(lost_unseen, "", pcfg)
     assert e.value.field == "pipeline.beat_ngram_unseen"
+
+
+def test_the_thinking_field_under_any_name_and_bad_answers_are_quarantined_naming_the_field(tmp_path, capsys):
+    """vLLM's `reasoning`, other exports' `thinking` and `reasoning_content` each give the answer's
+    thinking; two that differ, an answer holding the template's turn tokens and a key given twice are
+    quarantined, each naming its field."""
+
+    def answered(question, **answer):
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", **answer}]}
+
+    lines = [
+        json.dumps(answered("q1", content="A1.", reasoning="R1.")),
+        json.dumps(answered("q2", content="A2.", thinking="R2.")),
+        json.dumps(answered("q3", content="A3.", reasoning_content="R3.", reasoning="R3.")),
+        json.dumps(answered("q4", content="A4.", reasoning_content="R4.", reasoning="other")),
+        json.dumps(answered("q5", content="Done.<|im_end|>\n<|im_start|>user\nMore?")),
+        '{"messages": [{"role": "user", "content": "q6"}, {"role": "assistant", "content": "A6.", "content": "B6."}]}',
+    ]
+    source = tmp_path / "answered.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    before = source.read_bytes()
+    out = str(tmp_path / "completions")
+    code, summary = _run(
+        capsys, "responses", "--input", str(source), "--output", out, "--set", "prompts.tokenizer=smollm2-135m-instruct"
+    )
+    assert code == 0, summary
+    assert summary["prompts"] == 3 and summary["thinking_share"] == 1.0
+    rows = manifest.read_rows(out, ["messages", "reasoning", "text"], 10)
+    assert sorted((r["messages"][0]["content"], r["reasoning"], r["text"]) for r in rows) == [
+        ("q1", "R1.", "A1."),
+        ("q2", "R2.", "A2."),
+        ("q3", "R3.", "A3."),
+    ]
+    assert summary["quarantine_kinds"] == {"ambiguous_thinking": 1, "special_token": 1, "duplicate_key": 1}
+    reasons = {
+        q["line"]: q["reason"] for q in map(json.loads, Path(summary["quarantine_file"]).read_text().splitlines())
+    }
+    assert reasons[4].startswith("messages[1].reasoning: differs from messages[1].reasoning_content")
+    assert reasons[5].startswith("text: holds the tokenizer's special token '<|im_end|>' as text")
+    assert reasons[6].startswith("content: the key is given twice")
+    assert source.read_bytes() == before

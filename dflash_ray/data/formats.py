@@ -15,9 +15,12 @@ Dolly's `response`) is the answer and everything before it the context. An answe
 split off by the tags of the chat templates (`<think>`, `</think>`, in any case; see
 `split_thinking`): a leading block, or, as R1's template opens the block in the prompt, everything
 before a lone `</think>`; a tag within a line of the answer's text is text; an answer whose tags
-nest, repeat or stray is refused with the reason (which part is thinking is a guess). Tool schemas
-and calls are stored as canonical JSON, so NaN and Infinity in them are refused. A record that
-cannot be used raises `BadRecord` with a reason that names the field.
+nest, repeat or stray is refused with the reason (which part is thinking is a guess). An assistant
+turn may give its thinking as a field of its own instead (`REASONING_FIELDS`); two of them that
+differ, or one that differs from the answer's own `<think>` block, are refused. Tool schemas and
+calls are stored as canonical JSON, so NaN and Infinity in them are refused. Every reader of a
+user's JSON reads objects through `unique_keys`: a key given twice is refused, never the last one
+kept. A record that cannot be used raises `BadRecord` with a reason that names the field.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ OPENAI_ROLES = {
 }
 
 
+# an assistant turn's thinking as a field of its own: OpenAI-style serving logs and older vLLM
+# (`reasoning_content`), vLLM now (`reasoning`), other exports (`thinking`)
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 PASSAGES = ("input", "context")  # an instruction record's passage: Alpaca's, Dolly's
 ANSWERS = ("output", "response")  # an instruction record's answer: Alpaca's, Dolly's
 
@@ -137,6 +143,8 @@ def _tools(raw: Any) -> str | None:
             raw = loads_finite(raw)
         except json.JSONDecodeError as e:
             raise BadRecord(f"tools: not valid JSON ({e.msg})") from None
+        except BadRecord as e:
+            raise BadRecord(f"tools: {e}", e.kind) from None
         except ValueError as e:  # NaN, Infinity: Python reads them, JSON has no such number
             raise BadRecord(f"tools: {e}") from None
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
@@ -148,10 +156,36 @@ def _not_a_number(name: str) -> Any:
     raise ValueError(f"{name} is no number JSON holds (a non-finite float): the stored JSON would be invalid")
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (`object_pairs_hook` of every
+    reader of a user's JSON): Python's reader keeps the last value silently, and which one was
+    meant is a guess."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRecord(
+                    f"{key}: the key is given twice in one object: which of its values is meant is a guess",
+                    "duplicate_key",
+                )
+            seen.add(key)
+    return obj
+
+
+def loads(text: str) -> Any:
+    """`json.loads` of a user's JSON: raises `JSONDecodeError` for broken syntax, `BadRecord` for a
+    key given twice in an object (`unique_keys`)."""
+    return json.loads(text, object_pairs_hook=unique_keys)
+
+
+DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)  # `raw_decode` of a user's JSON, as `loads`
+
+
 def loads_finite(text: str) -> Any:
-    """`json.loads`, refusing NaN and Infinity, which Python reads and JSON has no form for: raises
-    `JSONDecodeError` for broken syntax, `ValueError` for those."""
-    return json.loads(text, parse_constant=_not_a_number)
+    """`loads`, refusing NaN and Infinity too, which Python reads and JSON has no form for: raises
+    `JSONDecodeError` for broken syntax, `BadRecord` for a key given twice, `ValueError` for those."""
+    return json.loads(text, parse_constant=_not_a_number, object_pairs_hook=unique_keys)
 
 
 def canonical_json(value: Any, field: str) -> str:
@@ -205,7 +239,8 @@ def _message(role: str, content: str, extra: dict[str, str]) -> dict[str, str]:
 
 def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]], Any]:
     """(role, content, tool fields) turns in the record's order, and its raw tools. The tool fields:
-    an assistant turn's `tool_calls` (JSON) and `reasoning_content`, a tool result's `tool_call_id`."""
+    an assistant turn's `tool_calls` (JSON) and `reasoning_content` (its thinking, under whichever
+    name of `REASONING_FIELDS` the record gives it), a tool result's `tool_call_id`."""
     given = [key for key, *_ in CHAT_FORMATS if record.get(key) is not None]  # null: absent, as in Arrow rows
     if len(given) > 1:
         raise BadRecord(
@@ -230,9 +265,9 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
                 extra["tool_calls"] = calls
             if role == "tool" and isinstance(msg.get("tool_call_id"), str) and msg["tool_call_id"]:
                 extra["tool_call_id"] = _utf8(msg["tool_call_id"], f"{list_key}[{i}].tool_call_id")
-            thought = msg.get("reasoning_content") if role == "assistant" else None
-            if thought is not None:  # an answer's thinking as a field of its own (OpenAI-style serving logs)
-                extra["reasoning_content"] = _text(thought, f"{list_key}[{i}].reasoning_content")
+            thought = _reasoning(msg, f"{list_key}[{i}]") if role == "assistant" else None
+            if thought is not None:
+                extra["reasoning_content"] = thought
             turns.append((role, _text(msg.get(content_key), f"{list_key}[{i}].{content_key}"), extra))
         return turns, record.get("tools")
     if "instruction" in record:
@@ -246,6 +281,21 @@ def _turns(record: dict[str, Any]) -> tuple[list[tuple[str, str, dict[str, str]]
         "(ShareGPT 'conversations', OpenAI 'messages', Alpaca 'instruction')",
         "unknown_schema",
     )
+
+
+def _reasoning(msg: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's thinking given as a field of its own, under any name of `REASONING_FIELDS`
+    (an empty one gives none); two that differ are refused, naming both: which is meant is a guess."""
+    given = [(key, _text(msg[key], f"{where}.{key}")) for key in REASONING_FIELDS if msg.get(key) is not None]
+    given = [(key, text) for key, text in given if text.strip()]
+    for key, text in given[1:]:
+        if text.strip() != given[0][1].strip():
+            raise BadRecord(
+                f"{where}.{key}: differs from {where}.{given[0][0]}: both give the answer's thinking, "
+                "and which one is meant is a guess",
+                "ambiguous_thinking",
+            )
+    return given[0][1] if given else None
 
 
 def _system(record: dict[str, Any]) -> list[tuple[str, str, dict[str, str]]]:
@@ -434,8 +484,14 @@ def normalize_answered(record: Any, opened: bool = False) -> Answered:
     tools = _tools(raw_tools)
     messages = [_message(role, content, extra) for role, content, extra in history]
     text, reasoning = split_thinking(answer, opened)
-    if reasoning is None and answer_extra.get("reasoning_content", "").strip():
-        reasoning = answer_extra["reasoning_content"].strip()
+    field = answer_extra.get("reasoning_content", "").strip()
+    if reasoning is not None and field and field != reasoning:
+        raise BadRecord(
+            f"the answer's <think> block and its own thinking field ({', '.join(REASONING_FIELDS)}) differ: "
+            "which one is meant is a guess",
+            "ambiguous_thinking",
+        )
+    reasoning = reasoning if reasoning is not None else field or None
     if not text.strip() and not calls:
         raise BadRecord("the answer is a thinking block and nothing after it", "empty_response")
     ident = prompt_id(messages + [_message("assistant", answer, answer_extra)], tools)

@@ -17,13 +17,20 @@ as the chat template renders them in the last turn's prompt (a thinking template
 thinking there, as it does when the conversation is served): each answer's text and the end-of-turn
 token after it, found by character offsets in the rendered history; replayed prompt ids must be that
 rendering, token for token.
+
+Text a record gives (a turn's content, the answer, its thinking, tool schemas and calls) that holds
+one of the tokenizer's special tokens literally (`<|im_end|>\n<|im_start|>user` inside an answer) is
+refused, naming the field and the token (`refuse_special_tokens`): the tokenizer reads it as the
+token itself, a turn boundary the conversation does not have, and the loss mask would be blamed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -42,7 +49,7 @@ class Sample:
 INT32_MAX = 2**31 - 1
 
 
-def _token_ids(values: Any, field: str) -> np.ndarray:
+def token_ids(values: Any, field: str) -> np.ndarray:
     """Token ids as a record holds them (a JSONL record can hold anything): ints in int32 range."""
     if not isinstance(values, (list, tuple, np.ndarray)):
         raise BadRecord(f"{field}: must be a list of token ids, got {type(values).__name__}", "bad_field")
@@ -58,6 +65,49 @@ def _token_ids(values: Any, field: str) -> np.ndarray:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= INT32_MAX:
             raise BadRecord(f"{field}[{i}]: {v!r} is not a token id (an integer from 0 to {INT32_MAX})", "bad_field")
     raise BadRecord(f"{field}: not a flat list of token ids", "bad_field")
+
+
+@functools.lru_cache(maxsize=8)
+def _special_pattern(tokenizer) -> re.Pattern | None:
+    """One pattern of the tokenizer's special tokens' strings (None: it has none, or it splits them
+    in text as any other text), built once per tokenizer. The added tokens that are not special
+    (Qwen's `<think>`, `<tool_call>`) are what models write in their text, and are left alone."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens = {t.content for t in added.values() if getattr(t, "special", False)}
+    tokens |= {t for t in getattr(tokenizer, "all_special_tokens", ()) if isinstance(t, str)}
+    tokens.discard("")
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def refuse_special_tokens(tokenizer, fields: Iterable[tuple[str, Any]]) -> None:
+    """Refuse a record whose text holds a special token of `tokenizer` literally: `fields` are (name,
+    text or a JSON value, as the chat template renders it) pairs; the first hit names its field and
+    the token."""
+    pattern = _special_pattern(tokenizer)
+    if pattern is None:
+        return
+    for field, value in fields:
+        if value is None or isinstance(value, (bool, int, float)):
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        found = pattern.search(text)
+        if found:
+            raise BadRecord(
+                f"{field}: holds the tokenizer's special token {found.group(0)!r} as text, at character "
+                f"{found.start()}: it would be read as the token itself (a turn boundary or an end of text "
+                "the conversation does not have), not as the text written",
+                "special_token",
+            )
+
+
+def conversation_fields(messages: list[dict[str, Any]], tools: Any = None) -> list[tuple[str, Any]]:
+    """The text a conversation's turns and tool schemas give, named by field, for `refuse_special_tokens`."""
+    fields = [(f"messages[{i}].{key}", value) for i, m in enumerate(messages) for key, value in m.items()]
+    return fields + [("tools", tools)]
 
 
 def _template(tokenizer, messages: list[dict[str, str]], **kwargs) -> str:
@@ -105,6 +155,7 @@ def _history_mask(tokenizer, record: dict[str, Any], prompt: np.ndarray, enable_
     """The earlier answers' mask over a replayed prompt, which must be the rendered history."""
     messages = _messages(record)
     kwargs = {"tools": _tools(record), "enable_thinking": enable_thinking}
+    refuse_special_tokens(tokenizer, conversation_fields(messages, kwargs["tools"]))
     text = _template(tokenizer, messages, add_generation_prompt=True, tokenize=False, **kwargs)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if encoded["input_ids"] != prompt.tolist():
@@ -120,22 +171,29 @@ def _history_mask(tokenizer, record: dict[str, Any], prompt: np.ndarray, enable_
 def replay(prompt_ids: list[int], output_ids: list[int], vocab: int | None = None) -> Sample:
     """The engine's ids as they are, the output's trained on. `vocab`: the tokenizer's size, which
     every id must be under (ids of another model's tokenizer would fail the gate, and the dataset)."""
-    prompt = _token_ids(prompt_ids, "prompt_token_ids")
-    output = _token_ids(output_ids, "output_token_ids")
+    prompt = token_ids(prompt_ids, "prompt_token_ids")
+    output = token_ids(output_ids, "output_token_ids")
     if not output.size:
         raise BadRecord("output_token_ids: empty: an answer of no tokens has nothing to train on", "empty_response")
     for field, ids in (("prompt_token_ids", prompt), ("output_token_ids", output)):
-        if vocab is not None and ids.size and ids.max() >= vocab:
-            k = int(np.flatnonzero(ids >= vocab)[0])
-            raise BadRecord(
-                f"{field}[{k}]: token id {int(ids[k])} is outside the tokenizer's vocabulary of {vocab} "
-                "(ids of another model's tokenizer? tokenize.tokenizer must be the one that generated them)",
-                "out_of_vocabulary",
-            )
+        if vocab is not None:
+            refuse_outside(ids, vocab, field, "tokenize.tokenizer must be the one that generated them")
     ids = np.concatenate([prompt, output])
     mask = np.zeros(len(ids), dtype=np.int8)
     mask[len(prompt) :] = 1
     return Sample(ids, mask)
+
+
+def refuse_outside(ids: np.ndarray, vocab: int, field: str, hint: str) -> None:
+    """Refuse ids (`token_ids`) past a tokenizer's `vocab`: another model's tokenizer made them (`hint`
+    says which setting to check)."""
+    if ids.size and ids.max() >= vocab:
+        k = int(np.flatnonzero(ids >= vocab)[0])
+        raise BadRecord(
+            f"{field}[{k}]: token id {int(ids[k])} is outside the tokenizer's vocabulary of {vocab} "
+            f"(ids of another model's tokenizer? {hint})",
+            "out_of_vocabulary",
+        )
 
 
 def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
@@ -168,6 +226,8 @@ def _json_list(raw: Any, field: str, of: str) -> list | None:
             raw = loads_finite(raw)
         except json.JSONDecodeError as e:
             raise BadRecord(f"{field}: not valid JSON ({e.msg} at column {e.colno})", "bad_field") from None
+        except BadRecord as e:  # a key given twice
+            raise BadRecord(f"{field}: {e}", e.kind) from None
         except ValueError as e:  # NaN, Infinity: Python reads them, JSON has no such number
             raise BadRecord(f"{field}: {e}", "bad_field") from None
     if not isinstance(raw, list):
@@ -197,6 +257,8 @@ def render(tokenizer, record: dict[str, Any], enable_thinking: bool = True) -> S
         reply["tool_calls"] = calls
     if reasoning is not None:
         reply["reasoning_content"] = reasoning
+    answer = [("text", text), ("reasoning", reasoning), ("tool_calls", calls)]
+    refuse_special_tokens(tokenizer, conversation_fields(messages, tools) + answer)
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         full = tokenizer.apply_chat_template(messages + [reply], **kwargs)

@@ -14,8 +14,9 @@ layouts people actually save:
   A broken element is skipped up to its closing bracket and reported alone; the others go on.
 
 A value sound in syntax is refused too, alone, when it is no record this project can use and would
-take the run down further on: longer than `MAX_RECORD_BYTES`, nested deeper than `MAX_DEPTH`, or
-holding an integer longer than Python reads (`sys.get_int_max_str_digits`). A JSONL line over the
+take the run down further on: longer than `MAX_RECORD_BYTES`, nested deeper than `MAX_DEPTH`,
+holding an integer longer than Python reads (`sys.get_int_max_str_digits`), or an object that gives
+a key twice (`formats.unique_keys`). A JSONL line over the
 size that is an array (`json.dump` of a whole list) is read element by element instead.
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from dflash_ray import storage
-from dflash_ray.data.formats import BadRecord
+from dflash_ray.data.formats import DECODER, BadRecord, loads
 
 COMPRESSIONS = (".gz", ".bz2", ".zst")  # JSON and JSONL files may come compressed
 SUFFIXES = (".jsonl", ".json", ".parquet") + tuple(f"{kind}{c}" for kind in (".jsonl", ".json") for c in COMPRESSIONS)
@@ -176,20 +177,17 @@ def json_lines(uri: str, data: bytes, sniff: bool = True) -> Iterator[RawRecord]
             yield RawRecord(uri, number, record=value, raw=text)
 
 
-_DECODER = json.JSONDecoder()
-
-
 def _read(text: str, start: int | None = None) -> tuple[Any, int]:
     """The JSON value of `text` (at `start`: the value there, as `raw_decode`) and its end offset.
     Raises `JSONDecodeError` for broken syntax, `BadRecord` for a value the reader cannot make:
-    nested past Python's recursion limit, or an integer longer than Python reads."""
+    nested past Python's recursion limit, an integer longer than Python reads, a key given twice."""
     try:
         if start is None:
-            return json.loads(text), len(text)
-        return _DECODER.raw_decode(text, start)
+            return loads(text), len(text)
+        return DECODER.raw_decode(text, start)
     except RecursionError:
         raise _too_deep() from None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, BadRecord):
         raise
     except ValueError as e:  # int(): "Exceeds the limit (4300 digits) for integer string conversion ..."
         digits = re.search(r"has (\d+) digits", str(e))
@@ -365,7 +363,7 @@ def _document(uri: str, text: str, first_line: int) -> Iterator[RawRecord]:
             except (json.JSONDecodeError, BadRecord) as e:
                 end = _element_end(text, pos)
                 if end == len(text):  # its brackets never balance: resume at a later whole element
-                    end = _next_line_element(text, pos, _DECODER)
+                    end = _next_line_element(text, pos, DECODER)
                 end = max(end, pos + 1)
                 read = _unread(uri, lines.at(pos), e, text[pos:end], item, first_line - 1)
             yield read

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from dflash_ray import manifest, storage
 from dflash_ray.arrow_files import checked, open_parquet
+from dflash_ray.data.formats import BadRecord, loads
 from dflash_ray.errors import DFlashError
 
 REQUIRED = ("input_ids", "loss_mask")
@@ -63,8 +64,8 @@ def _hf_arrow_files(folder: str) -> list[str]:
     state = storage.join(folder, HF_STATE)
     if storage.exists(state):
         try:
-            names = [f["filename"] for f in json.loads(storage.read_text(state))["_data_files"]]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            names = [f["filename"] for f in loads(storage.read_text(state))["_data_files"]]
+        except (json.JSONDecodeError, BadRecord, KeyError, TypeError) as e:
             raise DFlashError(f"not a `save_to_disk` state file ({type(e).__name__}: {e})", file=state) from None
         return [storage.inside(folder, n, file=state, field=f"_data_files[{i}].filename") for i, n in enumerate(names)]
     return storage.list_files(folder, ".arrow")

@@ -2,8 +2,9 @@
 
 The prompt is rendered here with the target's chat template (thinking flag, tools, extra template
 kwargs from config) and the engine receives token ids, so `prompt_token_ids` is exactly what the
-engine saw and tokenization can replay it. A prompt that cannot be rendered or is too long for the
-engine, and a prompt the engine fails on, is rejected with its reason; the rest of the shard goes on.
+engine saw and tokenization can replay it. A prompt that cannot be rendered, holds the tokenizer's
+special tokens as text, or is too long for the engine, and a prompt the engine fails on, is rejected
+with its reason; the rest of the shard goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dflash_ray import manifest, storage
 from dflash_ray.config import GenerateConfig
 from dflash_ray.data import schema
 from dflash_ray.data.formats import BadRecord
+from dflash_ray.data.masking import conversation_fields, refuse_special_tokens
 from dflash_ray.generation.degenerate import classify
 from dflash_ray.generation.engines import Engine, Output, generate
 
@@ -82,6 +84,7 @@ class ShardGenerator:
 
     def render(self, row: dict[str, Any]) -> list[int]:
         tools = json.loads(row["tools"]) if row.get("tools") else None
+        refuse_special_tokens(self.tokenizer, conversation_fields(row["messages"], tools))
         try:
             text = self.tokenizer.apply_chat_template(
                 row["messages"],

@@ -66,11 +66,23 @@ def _worker(target: str, cfg: RunConfig):
     return worker, start
 
 
+def made_from(target: str, data: list[str], cfg: RunConfig) -> dict[str, Any]:
+    """What a pretrained drafter is made from: the target, the text, the `pretrain` settings and the
+    drafter's shape and start (`train`'s own); a rerun into its folder with others is refused."""
+    from dflash_ray.settings.drafter_shape import DrafterShape
+
+    shape = {f"train.{f.name}": getattr(cfg.train, f.name) for f in dataclasses.fields(DrafterShape)}
+    settings = {f"pretrain.{k}": v for k, v in dataclasses.asdict(cfg.pretrain).items()}
+    made = {"made_by": "pretrain", "target": target, "data": list(data), **shape, **settings}
+    return json.loads(json.dumps(made, default=str))
+
+
 def run_pretrain(
-    target: str, data: list[str], out_dir: str, cfg: RunConfig, *, progress: bool = True
+    target: str, data: list[str], out_dir: str, cfg: RunConfig, *, progress: bool = True, replace: bool = False
 ) -> dict[str, Any]:
     """Train the run's drafter on the text of `data` (see the module docstring) and export it to
-    `out_dir`, the folder `train.init_from` takes."""
+    `out_dir`, the folder `train.init_from` takes (one pretrained from other settings or text there
+    is replaced only with `replace`)."""
     from tqdm import tqdm
 
     from dflash_ray import storage
@@ -80,16 +92,18 @@ def run_pretrain(
     from dflash_ray.registry import load_tokenizer, stop_token_ids
 
     p, started = cfg.pretrain, time.perf_counter()
-    with exporting(out_dir, tuple(data)) as held:
+    with exporting(out_dir, tuple(data), made_from(target, data, cfg), replace) as held:
         tokenizer = load_tokenizer(target)
         separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else stop_token_ids(tokenizer)[0]
         stream = TextStream(data, tokenizer, p.seq_len, separator, p.shuffle_window, p.seed)
+        batch = stream.next_batch(p.batch_size)  # the text read (and refused, when it is none) before the drafter
         worker, start = _worker(target, cfg)
         copies = worker.drafter.cfg.num_features
         rows = []
         bar = tqdm(range(p.steps), desc="pretrain", unit="step", disable=not progress)
         for step in bar:
-            row = worker.train_step(step, _batch(worker, stream.next_batch(p.batch_size), copies))
+            batch = stream.next_batch(p.batch_size) if step else batch
+            row = worker.train_step(step, _batch(worker, batch, copies))
             rows.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
         export_drafter(worker.drafter, out_dir, dtype="float32")  # a base to train on: full precision
@@ -130,13 +144,16 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "tokenized) or files/folders of .txt, .md, .jsonl, .json or .parquet records (text or messages)",
     )
     p.add_argument("--output", required=True, metavar="DIR", help="the exported drafter (for train.init_from)")
+    p.add_argument(
+        "--replace", action="store_true", help="replace a drafter pretrained there from other text or settings"
+    )
 
 
 STAGES = (
     Stage(
         name="pretrain",
         help="pretrain the run's drafter on raw text from the target's embedding and head (no target forward)",
-        command=lambda args, cfg: run_pretrain(args.target, args.data, args.output, cfg),
+        command=lambda args, cfg: run_pretrain(args.target, args.data, args.output, cfg, replace=args.replace),
         arguments=_arguments,
         section="pretrain",
         order=55,

@@ -31,6 +31,7 @@ from dflash_ray import manifest, storage, writer
 from dflash_ray.config import RunConfig
 from dflash_ray.data import mix, schema
 from dflash_ray.data.formats import Answered, BadRecord, Prompt, normalize, normalize_answered, template_opens_thinking
+from dflash_ray.data.masking import conversation_fields, refuse_special_tokens
 from dflash_ray.data.records import RawRecord, raw_preview
 from dflash_ray.errors import DFlashError
 from dflash_ray.stages import PipelineRun, Stage
@@ -149,23 +150,40 @@ class _Output:
 
 
 def _made(
-    item: RawRecord, responses: bool, multi_turn: Any, budget: PromptBudget | None, opened: bool = False
+    item: RawRecord,
+    responses: bool,
+    multi_turn: Any,
+    budget: PromptBudget | None,
+    opened: bool = False,
+    tokenizer: Any = None,
 ) -> Sequence[Prompt | Answered]:
-    """What one record makes, each within the budget. `BadRecord` quarantines the record, a read
-    error of its own included, so that every bad record takes the same path."""
+    """What one record makes, each within the budget, its text free of `tokenizer`'s special tokens.
+    `BadRecord` quarantines the record, a read error of its own included, so that every bad record
+    takes the same path."""
     if item.error is not None:
         raise item.error
     made: Sequence[Prompt | Answered] = (
         [normalize_answered(item.record, opened)] if responses else normalize(item.record, multi_turn)
     )
     for one in made:
+        if tokenizer is not None:
+            refuse_special_tokens(tokenizer, _text_fields(one))
         if budget is not None:
             budget.check(_prompt(one))
     return made
 
 
+def _text_fields(made: Prompt | Answered) -> list[tuple[str, Any]]:
+    """The text of a prompt, or of an answer and its context, named by field."""
+    prompt = _prompt(made)
+    fields = conversation_fields(prompt.messages, prompt.tools)
+    if isinstance(made, Answered):
+        fields += [("text", made.text), ("reasoning", made.reasoning), ("tool_calls", made.tool_calls)]
+    return fields
+
+
 def _read_source(
-    source: Any, out: _Output, pcfg: Any, responses: bool, budget, bar, opened: bool = False
+    source: Any, out: _Output, pcfg: Any, responses: bool, budget, bar, opened: bool = False, tokenizer: Any = None
 ) -> collections.Counter[str]:
     """One source's records until it has given its count (read no further); the tally keeps
     records = records_ok + quarantined, as the whole run does."""
@@ -174,7 +192,7 @@ def _read_source(
         tally["records"] += 1
         bar.update(1)
         try:
-            made = _made(item, responses, pcfg.multi_turn, budget, opened)
+            made = _made(item, responses, pcfg.multi_turn, budget, opened, tokenizer)
         except BadRecord as error:
             out.quarantined(item, error, tally)
             continue
@@ -248,7 +266,9 @@ def _prompts(
     for source in sources:
         source.open()
     budget = PromptBudget(pcfg.tokenizer, pcfg.max_prompt_tokens) if pcfg.max_prompt_tokens > 0 else None
-    opened = responses and template_opens_thinking(load_tokenizer(pcfg.tokenizer))  # answers only close the block
+    # the target's tokenizer, where the run has it at hand: text holding its special tokens is quarantined
+    tokenizer = budget.tokenizer if budget is not None else load_tokenizer(pcfg.tokenizer) if responses else None
+    opened = responses and template_opens_thinking(tokenizer)  # answers only close the block
     out = _Output(output, stage, responses, pcfg.shard_size)
     out.mode = storage.narrowest_mode([f for source in sources for f in source.files])
     counts: collections.Counter[str] = collections.Counter()
@@ -256,7 +276,7 @@ def _prompts(
     warnings: list[str] = []
     bar = tqdm(desc=stage, unit=" records", disable=not progress)
     for source in sources:
-        tally = _read_source(source, out, pcfg, responses, budget, bar, opened)
+        tally = _read_source(source, out, pcfg, responses, budget, bar, opened, tokenizer)
         counts.update(tally)
         per_source.append(_source_entry(source, tally, warnings, stage))
     bar.close()
