@@ -461,6 +461,8 @@ def test_every_fields_range_is_declared_with_the_field_and_refused_naming_it():
     import dataclasses
     import typing
 
+    from dflash_ray.settings.fields import CEILING
+
     def ranged(cls, prefix=""):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -477,6 +479,7 @@ def test_every_fields_range_is_declared_with_the_field_and_refused_naming_it():
             low = float(allowed.lstrip(">= "))
             bad = low - 1 if allowed.startswith(">=") else low
         assert not ok(bad), dotted
+        assert not ok(CEILING + 1) and not ok(-CEILING - 1), f"{dotted} takes any number: give it an upper bound"
         bad = int(bad) if bad == int(bad) else bad  # an integer field takes a whole number
         with pytest.raises(DFlashError, match="out of range") as e:
             load_config(None, [f"{dotted}={bad}"])

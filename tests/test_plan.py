@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ray.cli import main
+from dflash_ray.errors import DFlashError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -462,3 +463,49 @@ def test_plan_prices_the_cold_start_from_the_storage_rate_and_a_restart_with_its
     assert s3["restart_s"] == pytest.approx(fetch_and_load + warm + redone, abs=0.2), s3
     assert s3["cold_start_s"] == pytest.approx(fetch_and_load + s3["seconds"]["compile"], abs=0.2)
     assert slow["seconds"]["restarts"] > s3["seconds"]["restarts"] > 0
+
+
+def test_every_plan_number_has_both_bounds_and_an_absurd_value_is_refused_naming_it(capsys):
+    """1e-300 GB/s planned a wall time of null with no warning: every number of the section is
+    bounded on both sides, refused at the settings before any simulation, naming the field."""
+    import dataclasses
+
+    from dflash_ray.config import load_config
+    from dflash_ray.settings.plan import PlanConfig
+
+    preset = ["--config", str(ROOT / "configs" / "qwen3.6-27b.yaml")]
+    error = _refused(capsys, *preset, "--set", "plan.storage_gb_per_s=1e-300")
+    assert "field 'plan.storage_gb_per_s'" in error and "[0.001, 1000]" in error
+    numbers = [f for f in dataclasses.fields(PlanConfig) if f.type in ("int", "float")]
+    assert len(numbers) == 20
+    for f in numbers:
+        absurd = ["1" + "0" * 300] if f.type == "int" else ["1e300", "1e-300"]
+        for value in absurd:
+            with pytest.raises(DFlashError) as e:
+                load_config(None, [f"plan.{f.name}={value}"])
+            assert e.value.field == f"plan.{f.name}" and "out of range" in str(e.value), (f.name, value)
+        load_config(None, [f"plan.{f.name}={getattr(PlanConfig(), f.name)}"])  # the default is in range
+
+
+def test_a_plan_figure_that_is_no_number_is_refused_naming_the_settings_it_is_figured_from():
+    import math
+
+    from dflash_ray.config import load_config
+    from dflash_ray.stages.plan import finite
+
+    cfg = load_config(None, ["plan.storage_gb_per_s=0.001"])
+    plan = {"training": {"wall_hours": 1.5}, "job": {"wall_hours": 2.0}}
+    assert finite(cfg, plan) is plan
+    with pytest.raises(DFlashError) as e:
+        finite(cfg, {"training": {"wall_hours": math.inf}})
+    assert e.value.field == "plan.storage_gb_per_s" and "training.wall_hours comes out inf" in str(e.value)
+    with pytest.raises(DFlashError) as e:  # the job sums both stages: every setting of either, defaults too
+        finite(load_config(), {"stages": {"evaluation": {"wall_hours": math.nan}}, "job": {}})
+    assert e.value.field is None and "plan.generation_roofline_share=0.5" in str(e.value)
+
+
+def test_a_mean_sample_longer_than_the_targets_context_is_refused(capsys):
+    """plan.train_tokens over plan.prompts past the target's context simulated the steps at 1.87e9
+    tokens a sample, for hours."""
+    error = _refused(capsys, "--set", "plan.prompts=1")
+    assert "field 'plan.train_tokens'" in error and "max_position_embeddings=262144" in error

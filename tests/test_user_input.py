@@ -243,6 +243,56 @@ def test_status_on_a_progress_file_of_another_shape_names_it(body, tmp_path, cap
     assert "not a generation progress file" in _error(capsys)
 
 
+_SHARD = {
+    "completions": "completions-0.parquet",
+    "rejected": "rejected-0.jsonl",
+    "prompts": 2,
+    "rows": 2,
+    "counts": {"completions": 2, "rejected": 0},
+    "output_tokens": 40,
+    "node": "10.0.0.1",
+}
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"not json", "corrupt generation progress"),
+        (b'{"done": {"0": {"completions": "compl', "corrupt generation progress"),  # cut short
+        (b"\xff\xfe\x00\x81binary", "corrupt generation progress"),
+        (json.dumps({"done": {"first": _SHARD}}).encode(), "field 'done'"),
+        (json.dumps({"done": {"0": {**_SHARD, "counts": None}}}).encode(), "field 'done.0.counts'"),
+        (json.dumps({"done": {"0": {k: v for k, v in _SHARD.items() if k != "counts"}}}).encode(), "'done.0.counts'"),
+        (json.dumps({"done": {"0": {**_SHARD, "rows": "2"}}}).encode(), "field 'done.0.rows'"),
+        (json.dumps({"done": {"0": {**_SHARD, "output_tokens": float("nan")}}}).encode(), "'done.0.output_tokens'"),
+        (json.dumps({"done": {"0": {**_SHARD, "counts": {"rejected": -1}}}}).encode(), "'done.0.counts.rejected'"),
+        (json.dumps({"done": {"0": {**_SHARD, "node": ["10.0.0.1"]}}}).encode(), "field 'done.0.node'"),
+    ],
+)
+def test_status_on_a_malformed_progress_file_names_the_file_and_field(body, says, tmp_path, capsys):
+    (tmp_path / "_progress.json").write_bytes(body)
+    assert main(["status", "--output", str(tmp_path)]) == 2
+    err = _error(capsys)
+    assert f"{tmp_path / '_progress.json'}: " in err and says in err and "internal error" not in err, err
+
+
+def test_status_reads_a_finished_shard_and_refuses_a_manifest_that_is_no_mapping(tmp_path, capsys):
+    (tmp_path / "_progress.json").write_text(json.dumps({"done": {"0": _SHARD}}))
+    assert main(["status", "--output", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["shards_done"], out["output_tokens"], out["generator_nodes"], out["complete"]) == (
+        1,
+        40,
+        ["10.0.0.1"],
+        False,
+    )
+    for body, says in ((b"\x89PNG\r\n\x1a\n\x00", "not UTF-8 text"), (b"[1, 2]", "field 'files'")):
+        (tmp_path / "_manifest.json").write_bytes(body)
+        assert main(["status", "--output", str(tmp_path)]) == 2
+        err = _error(capsys)
+        assert f"{tmp_path / '_manifest.json'}: " in err and says in err and "internal error" not in err, err
+
+
 @pytest.mark.parametrize("megabytes", ["1e-9", "inf", "nan"])
 def test_netcheck_refuses_a_size_it_cannot_measure(megabytes, capsys):
     assert main(["netcheck", "--megabytes", megabytes, "--iters", "1"]) == 2

@@ -73,32 +73,54 @@ PLAN_PARTS = {
 
 
 def read_progress(output: str) -> dict[str, Any] | None:
-    """The progress file of the generation at `output`, checked (None: there is none yet)."""
+    """The progress file of the generation at `output`, checked (None: there is none yet): every
+    finished shard as `totals` sums it and the files it names inside `output`."""
     uri = storage.join(output, PROGRESS)
     try:
         progress = json.loads(storage.read_text(uri))
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, cut short, or not UTF-8 text at all
         raise DFlashError(
             f"corrupt generation progress ({e}); delete it to generate every shard again", file=uri
         ) from None
-    if (
-        not isinstance(progress, dict)
-        or not isinstance(progress.get("done"), dict)
-        or not all(
-            isinstance(e, dict) and {"completions", "rows", "prompts"} <= set(e) for e in progress["done"].values()
-        )
-    ):
+    if not isinstance(progress, dict) or not isinstance(progress.get("done"), dict):
         raise DFlashError(
             "not a generation progress file (a mapping with `done` shards); delete it to generate every shard again",
             file=uri,
+            field="done",
         )
-    for index, entry in progress["done"].items():  # the shard files it names: read, copied, deleted
-        for key in ("completions", "rejected"):
-            if key in entry:
-                storage.inside(output, entry[key], file=uri, field=f"done.{index}.{key}")
+    for index, entry in progress["done"].items():
+        _check_shard(output, uri, index, entry)
     return progress
+
+
+def _check_shard(output: str, uri: str, index: str, entry: Any) -> None:
+    """One finished shard of a progress file: its index, the files it names (read, copied, deleted:
+    they stay inside `output`) and the counts `totals` sums."""
+
+    def refuse(what: str, field: str) -> DFlashError:
+        return DFlashError(
+            f"not a generation progress file: {what}; delete it to generate every shard again", file=uri, field=field
+        )
+
+    at = f"done.{index}"
+    if not (index.isascii() and index.isdigit()):
+        raise refuse(f"{index!r} is no shard index (a whole number >= 0)", "done")
+    if not isinstance(entry, dict) or not {"completions", "rows", "prompts"} <= set(entry):
+        raise refuse("a finished shard is a mapping with `completions`, `rows` and `prompts`", at)
+    for key in ("completions", "rejected"):
+        if key in entry:
+            storage.inside(output, entry[key], file=uri, field=f"{at}.{key}")
+    counts = entry.get("counts")
+    if not isinstance(counts, dict) or "rejected" not in counts:
+        raise refuse("a finished shard's `counts` is a mapping with `rejected`", f"{at}.counts")
+    numbers = [(f"{at}.{k}", entry.get(k)) for k in ("prompts", "rows", "output_tokens")]
+    for field, value in numbers + [(f"{at}.counts.{k}", v) for k, v in counts.items()]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise refuse(f"{value!r} is not a count (a whole number >= 0)", field)
+    if entry.get("node") is not None and not isinstance(entry["node"], str):
+        raise refuse(f"{entry['node']!r} is no node address", f"{at}.node")
 
 
 def finished_shards(output: str, plan: dict[str, str]) -> dict[int, dict[str, Any]]:

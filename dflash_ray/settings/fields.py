@@ -15,21 +15,18 @@ def _ranged(default: Any, ok: Callable[[Any], bool], allowed: str) -> Any:
 
 
 # No setting is unbounded: a count, a size or a time past this is a typo or an overflow, refused
-# where the field is declared rather than found when memory or patience runs out. A field whose
-# value sizes one process's memory declares a tighter `most` of its own.
+# where the field is declared rather than found when memory or patience runs out (the error says
+# so; the docs show the bound only where a field declares a tighter `most` of its own, as one whose
+# value sizes a process's memory does).
 CEILING = 10**15
 
 
 def at_least(low: float, *, default: Any, most: float = CEILING) -> Any:
-    return _ranged(default, lambda v: low <= v <= most, f">= {low}" + _most(most))
+    return _ranged(default, lambda v: low <= v <= most, f">= {low}" if most == CEILING else f"in [{low}, {most}]")
 
 
 def above(low: float, *, default: Any, most: float = CEILING) -> Any:
-    return _ranged(default, lambda v: low < v <= most, f"> {low}" + _most(most))
-
-
-def _most(most: float) -> str:
-    return f" and <= {most:g}" if most != CEILING else ""  # the ceiling: said when a value passes it
+    return _ranged(default, lambda v: low < v <= most, f"> {low}" if most == CEILING else f"in ({low}, {most}]")
 
 
 def operational(spec: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:

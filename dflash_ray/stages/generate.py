@@ -92,9 +92,9 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
         )
     if todo:
         check_model(model)
-    connect(cfg.ray)
-    check_room(gcfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-    with writer.claim(output, "completions") as held:  # one run writes here; another is refused
+    with writer.output(output, "completions") as held:  # ours or refused before Ray starts; one run writes here
+        connect(cfg.ray)
+        check_room(gcfg, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if committed:  # the old dataset stops being complete now
             storage.delete(storage.join(output, manifest.MANIFEST))
         refuse_same_name(ray, gcfg)
@@ -193,7 +193,7 @@ def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
         if progress is None:
             raise DFlashError("no generation progress here", file=storage.join(output, PROGRESS))
         done = {int(k): v for k, v in progress["done"].items()}
-        info = manifest.read_manifest(output)
+        info = _manifest_of(output)
         return {
             "stage": "status",
             "output": output,
@@ -202,6 +202,19 @@ def status(cfg: RunConfig, output: str | None = None) -> dict[str, Any]:
             **shards.totals(done),
         }
     return {"stage": "status", "name": cfg.generate.name, **ray.get(_pool(cfg).status.remote(), timeout=POOL_TIMEOUT_S)}
+
+
+def _manifest_of(output: str) -> dict[str, Any] | None:
+    """The manifest that makes a finished generation's output a dataset (None: not committed yet);
+    one that is not UTF-8 text, or not a mapping, refused naming it."""
+    uri = storage.join(output, manifest.MANIFEST)
+    try:
+        info = manifest.read_manifest(output)
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"corrupt manifest: not UTF-8 text ({e.reason} at byte {e.start})", file=uri) from None
+    if info is not None and not isinstance(info, dict):
+        raise DFlashError("not a dataset manifest (a mapping with `files`)", file=uri, field="files")
+    return info
 
 
 def _named(cfg: RunConfig, name: str | None) -> RunConfig:

@@ -11,12 +11,15 @@ trip, start-up, evaluations, checkpoints and restarts, the training stage's time
 (`dflash_ray.simulate_job`) for the workload (the seed's by default: 902K prompts, 1.64B output
 tokens, 6 epochs). Generation is simulated from generate's settings and the target's config
 (`dflash_ray.simulate_generation`). Every stage's wall time and GPU-hours, and dollars at
-`plan.dollars_per_gpu_hour`, sum to the job's.
+`plan.dollars_per_gpu_hour`, sum to the job's. A figure that comes out no number (inf, nan) is
+refused, naming the settings it is figured from, never printed as a null wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 from typing import Any
 
 
@@ -38,6 +41,22 @@ from dflash_ray.planning import (
 )
 from dflash_ray.layout_choice import choose
 from dflash_ray.stages import Stage
+
+
+def check_sample_length(cfg: RunConfig, hf) -> None:
+    """Refuse a workload whose mean sample (plan.train_tokens over plan.prompts) is longer than the
+    target's context: no such sample is generated or trained, and the steps simulated at that length
+    would take hours (the attention's pairs are counted position by position)."""
+    p = cfg.plan
+    context = getattr(getattr(hf, "text_config", None) or hf, "max_position_embeddings", None)
+    per_sample = p.train_tokens / p.prompts
+    if isinstance(context, int) and per_sample > context:
+        raise DFlashError(
+            f"plan.train_tokens={p.train_tokens:g} over plan.prompts={p.prompts:g} is {per_sample:.3g} tokens a "
+            f"sample, longer than the target's context (max_position_embeddings={context}): allowed: at most "
+            f"{context} tokens a sample",
+            field="plan.train_tokens",
+        )
 
 
 def _length_scale(cfg: RunConfig, lengths, longest, mean, draws: int = 20_000):
@@ -89,6 +108,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     if gen_gpus < 1 or train_gpus < 1:
         raise DFlashError("needs at least one GPU for each stage", field="plan.generation_gpus")
     hf, source = target_config(cfg, target)
+    check_sample_length(cfg, hf)
     warnings += fallback_warning(cfg, target)
     # the dataset read before any simulation; a completions one gives lengths, not steps
     tokenized = bool(p.dataset) and simulate_generation.dataset_kind(p.dataset) == "tokenized"
@@ -138,7 +158,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         }
         for name, role in peak.items()
     }
-    return {
+    summary = {
         "stage": "plan",
         "cluster": p.cluster or None,
         "target_config": source,
@@ -176,6 +196,71 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
         "written once and read every epoch",
         "warnings": warnings,
     }
+    return finite(cfg, summary)
+
+
+# the settings each part of a plan is figured from: named when one of its figures is no number
+FIGURED_FROM = {
+    "generation": (
+        "plan.generation_tokens_per_s_per_gpu",
+        "plan.generation_roofline_share",
+        "plan.response_mean_tokens",
+        "plan.output_tokens",
+        "plan.prompts",
+        "plan.generation_gpus",
+        "plan.load_gb_per_s",
+        "plan.engine_start_s",
+    ),
+    "training": (
+        "plan.training_tokens_per_s_per_gpu",
+        "plan.train_tokens",
+        "plan.epochs",
+        "plan.training_gpus",
+        "plan.bus_bandwidth",
+        "plan.node_bus_bandwidth",
+        "train.min_bus_bandwidth",
+        "plan.storage_gb_per_s",
+        "plan.load_gb_per_s",
+        "plan.checkpoint_gb_per_s",
+        "plan.failures_per_gpu_hour",
+    ),
+}
+
+
+def _non_finite(value: Any, path: str) -> Any:
+    """(path, value) of every float in `value` that is inf or nan, depth first."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _non_finite(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _non_finite(v, f"{path}[{i}]")
+
+
+def finite(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    """`summary`, once every figure in it is a number: a plan with an inf or nan (`--json` would print
+    null, a wall time of nothing) is refused naming the figure and the settings its part of the plan
+    is figured from; of those, the ones given away from their defaults (which plan finite figures)."""
+    found = next(_non_finite(summary, ""), None)
+    if found is None:
+        return summary
+    path, value = found
+    part = next((p for p in path.replace("[", ".").split(".") if p in FIGURED_FROM), None)
+    names = FIGURED_FROM[part] if part else tuple(dict.fromkeys(n for ns in FIGURED_FROM.values() for n in ns))
+    default = RunConfig()
+
+    def setting(config: RunConfig, name: str) -> Any:
+        return functools.reduce(getattr, name.split("."), config)
+
+    given = [n for n in names if setting(cfg, n) != setting(default, n)]
+    named = ", ".join(f"{n}={setting(cfg, n)!r}" for n in (given or names))
+    raise DFlashError(
+        f"the plan's {path} comes out {value}, no number: it is figured from {named}; bring "
+        f"{'them' if len(given or names) > 1 else 'it'} to a rate a real cluster has",
+        field=given[0] if given else None,
+    )
 
 
 def _command(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
