@@ -66,7 +66,14 @@ def tokenizer(folder: str | Path, **kwargs: Any):
     from transformers import AutoTokenizer
 
     check_no_code(folder)
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **kwargs)
+    loaded = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **kwargs)
+    if len(loaded) < 2:  # transformers builds an empty one from a model folder without tokenizer files
+        raise DFlashError(
+            f"holds no tokenizer (a vocabulary of {len(loaded)}: no tokenizer.json, vocab or merges files): "
+            "give a folder or name that has one (a short name such as qwen3, or the model's own folder)",
+            file=str(folder),
+        )
+    return loaded
 
 
 def config(folder: str | Path):

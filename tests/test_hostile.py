@@ -81,6 +81,15 @@ def world(tmp_path_factory) -> World:
 
     root = tmp_path_factory.mktemp("hostile")
     target = str(tiny_qwen3(root / "target", num_layers=4, hidden_size=64))
+    bare = root / "bare-target"  # a model without its tokenizer's files
+    bare.mkdir()
+    for f in Path(target).iterdir():
+        (bare / f.name).write_bytes(f.read_bytes())
+    from dflash_ray.registry import QWEN3, resolve
+
+    for f in Path(resolve(QWEN3, need="tokenizer")).iterdir():  # the target's own tokenizer beside it
+        if f.is_file():
+            (Path(target) / f.name).write_bytes(f.read_bytes())
     drafter = initial_drafter(from_hf_config(drafter_config(target, load_config(None, SMALL))), target, "random", 7)
     save_drafter(drafter, root / "drafter", dtype=torch.float32)
     from dflash_ray.stages.prompts import run_prompts
@@ -385,6 +394,10 @@ def doors(world: World) -> dict[str, dict[str, Case]]:
                 [*pretrain[:5], "--output", str(w.root / "exported"), *small],
                 ("exported", "made_by"),
                 kept=(w.root / "exported",),
+            ),
+            "target-without-tokenizer": Case(
+                ["pretrain", "--target", str(w.root / "bare-target"), *pretrain[3:], *small],
+                ("bare-target", "no tokenizer"),
             ),
             "batch-absurd": Case(
                 [*pretrain, *small, "--set", "pretrain.batch_size=" + "1" * 21], ("pretrain.batch_size",)
