@@ -33,7 +33,9 @@ TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_RAY_CACHE", Path.home() / ".cache" / "dflash_ray"))
+    """`DFLASH_RAY_CACHE`, or ~/.cache/dflash_ray when it is unset or empty (an empty path would be
+    the current folder, where a user's own folder of a model's name would be written into)."""
+    return Path(os.environ.get("DFLASH_RAY_CACHE", "").strip() or Path.home() / ".cache" / "dflash_ray")
 
 
 def _package_dir(module: str, pip_name: str) -> Path:

@@ -475,6 +475,8 @@ def test_every_fields_range_is_declared_with_the_field_and_refused_naming_it():
     for dotted, (ok, allowed) in ranged(RunConfig):
         if allowed.startswith("in"):  # in [low, high] or (low, high): past the high end
             bad = float(allowed.split(",")[1].strip(" ])")) + 1
+        elif " and <= " in allowed:  # >= low and <= high: past the high end
+            bad = float(allowed.rsplit(" ", 1)[1]) + 1
         else:  # >= low: one below; > low: low itself
             low = float(allowed.lstrip(">= "))
             bad = low - 1 if allowed.startswith(">=") else low

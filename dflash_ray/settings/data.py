@@ -49,11 +49,11 @@ class SelfPromptConfig:
     """Prompts the target writes itself (`dflash-ray selfprompt`; the pipeline when count > 0).
     The engine and its resources are generate's."""
 
-    count: int = at_least(0, default=0)  # candidates to sample (fewer prompts remain after the drops)
+    count: int = at_least(0, default=0, most=10**7)  # candidates to sample (fewer prompts remain after the drops)
     system: str = ""  # a system message opening each conversation; "": the template's default
-    temperature: float = at_least(0, default=1.0)
+    temperature: float = at_least(0, default=1.0, most=100)
     top_p: float = within(0, 1, low_open=True, default=0.95)
-    max_tokens: int = at_least(1, default=96)  # a message cut here is dropped
+    max_tokens: int = at_least(1, default=96, most=1 << 20)  # a message cut here is dropped
     min_chars: int = at_least(0, default=16)
     # the first `openers` candidates are sampled freely; every later one continues one of their distinct
     # openings (first `opener_tokens` tokens), each used equally (generation/selfprompt.py); 0: all free
@@ -69,7 +69,7 @@ class SelfPromptConfig:
 class TokenizeConfig:
     tokenizer: str = "qwen3"
     # what training keeps of a sample; at least generate.max_model_len (check_lengths)
-    max_seq_len: int = at_least(2, default=8192)
+    max_seq_len: int = at_least(2, default=8192, most=1 << 21)
     overlong: Literal["drop", "truncate"] = "truncate"
     enable_thinking: bool = True  # template flag; must match how the data was generated
     batch_size: int = at_least(1, default=256)  # rows per Ray Data batch

@@ -32,19 +32,19 @@ class DrafterShape:
     drafter: str = "dflash"  # the drafter family: a module of dflash_ray/drafter (families.py): dflash, dspark, dflash2
     # that family's own settings and loss weights (its module's `Settings`), e.g. {markov_rank: 64}; unset: defaults
     family: dict = field(default_factory=dict)
-    num_layers: int = at_least(1, default=1)
-    num_heads: int | None = at_least(1, default=None)  # drafter attention shape; None: the target's
-    num_kv_heads: int | None = at_least(1, default=None)
-    head_dim: int | None = at_least(2, default=None)
-    intermediate_size: int | None = at_least(1, default=None)  # drafter MLP width; None: the target's
+    num_layers: int = at_least(1, default=1, most=1024)
+    num_heads: int | None = at_least(1, default=None, most=1024)  # drafter attention shape; None: the target's
+    num_kv_heads: int | None = at_least(1, default=None, most=1024)
+    head_dim: int | None = at_least(2, default=None, most=4096)
+    intermediate_size: int | None = at_least(1, default=None, most=1 << 20)  # drafter MLP width; None: the target's
     init: Literal["auto", "target", "random"] = "auto"  # copies of the target's next layers, or random
     # a released drafter the run starts from (its exported folder, local or s3://, or a Hub id ORG/NAME[@REV]):
     # its weights, a fresh optimizer (drafter/warm_start.py); shapes, mask token and captured layers must
     # match; block_size is free
     init_from: str = ""
-    block_size: int = at_least(2, default=16)
+    block_size: int = at_least(2, default=16, most=1024)
     layer_types: list | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
-    sliding_window: int = at_least(1, default=2048)  # context positions a sliding-attention layer sees
+    sliding_window: int = at_least(1, default=2048, most=1 << 22)  # context positions a sliding-attention layer sees
     # gamma: the i-th prediction of a block weighs exp(-i/gamma) (drafter/blocks.py `position_weights`);
     # None: the family's default (dflash, dflash2: 7 * block_size / 16; dspark: 4)
     loss_decay: float | None = above(0, default=None)
@@ -52,7 +52,7 @@ class DrafterShape:
     distill: float = within(0, 1, default=0.0)
     # how much of that distribution the target actor sends: its top-k, renormalized
     distill_top_k: int = at_least(1, default=32)
-    num_target_features: int = at_least(1, default=5)
+    num_target_features: int = at_least(1, default=5, most=1024)
     target_layer_ids: list | None = None
     mask_token_id: int | None = at_least(0, default=None)  # None: the last vocabulary row that is not a special token
 

@@ -14,14 +14,14 @@ from dflash_ray.settings.fields import above, at_least, within
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvaluateConfig:
     num_prompts: int = at_least(1, default=32)  # prompts decoded (the first ones of the prompt set)
-    max_new_tokens: int = at_least(1, default=128)
+    max_new_tokens: int = at_least(1, default=128, most=1 << 20)
     enable_thinking: bool = True  # chat-template flag for the prompts, as in training data
     dtype: Literal["float32", "bfloat16"] = "float32"  # target and drafter
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the process sees one
     num_anchors: int = at_least(1, default=64)  # per held-out sequence, for the simulated tau
     num_heldout: int = at_least(1, default=64)  # held-out sequences scored
     # tau_sampled: speculative sampling at the serving temperature (0: skip)
-    temperature: float = at_least(0, default=0.6)
+    temperature: float = at_least(0, default=0.6, most=100)
     top_p: float = within(0, 1, low_open=True, default=0.95)
     ngram_min: int = at_least(1, default=2)  # n-gram prompt-lookup baseline
     ngram_max: int = at_least(1, default=4)
@@ -45,7 +45,7 @@ class OneSampleConfig:
     blocks: int = at_least(1, default=4)
     # training steps at most, stopping once every drafted token is predicted right
     steps: int = at_least(1, default=400)
-    lr: float = above(0, default=3e-3)
+    lr: float = above(0, default=3e-3, most=10)
     # pass: drafts accepted per block >= this x the drafts per block, output lossless
     min_share: float = within(0, 1, low_open=True, default=0.9)
     # with --engine vllm: vLLM's acceptance within this share of ours

@@ -22,11 +22,11 @@ CEILING = 10**15
 
 
 def at_least(low: float, *, default: Any, most: float = CEILING) -> Any:
-    return _ranged(default, lambda v: low <= v <= most, f">= {low}" if most == CEILING else f"in [{low}, {most}]")
+    return _ranged(default, lambda v: low <= v <= most, f">= {low}" if most == CEILING else f">= {low} and <= {most}")
 
 
 def above(low: float, *, default: Any, most: float = CEILING) -> Any:
-    return _ranged(default, lambda v: low < v <= most, f"> {low}" if most == CEILING else f"in ({low}, {most}]")
+    return _ranged(default, lambda v: low < v <= most, f"> {low}" if most == CEILING else f"> {low} and <= {most}")
 
 
 def operational(spec: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:

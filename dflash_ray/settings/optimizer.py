@@ -15,7 +15,7 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 @dataclass(frozen=True, kw_only=True)
 class Optimizer:
-    batch_size: int = at_least(1, default=1)  # sequences per stream per step
+    batch_size: int = at_least(1, default=1, most=1 << 16)  # sequences per stream per step
     # tokenized files whose samples shuffle together: a target reads each once an epoch
     shard_window: int = at_least(1, default=4)
     # samples of about one length that run together (balanced steps); None: num_streams x batch_size
@@ -23,8 +23,10 @@ class Optimizer:
     length_group: int | None = at_least(0, default=None)
     epochs: int = at_least(1, default=1)  # passes over the training samples
     max_steps: int = operational(at_least(0, default=0))  # 0: until the epochs are done
-    num_anchors: int = at_least(1, default=64)  # blocks drafted and trained per sample a step
-    lr: float = above(0, default=6e-4)  # AdamW's peak learning rate, after warm-up, decayed by cosine over the samples
+    num_anchors: int = at_least(1, default=64, most=1 << 20)  # blocks drafted and trained per sample a step
+    lr: float = above(
+        0, default=6e-4, most=10
+    )  # AdamW's peak learning rate, after warm-up, decayed by cosine over the samples
     weight_decay: float = at_least(0, default=0.0)  # AdamW's decoupled weight decay
     warmup_ratio: float = within(0, 1, high_open=True, default=0.04)  # share of the samples the rate warms up over
     clip: float = above(0, default=1.0)  # the gradients' global norm is clipped to this

@@ -16,7 +16,7 @@ class PretrainConfig:
     # tokens per packed sequence: documents joined end to end (an end-of-text token between them), cut here
     seq_len: int = at_least(2, default=512, most=1 << 20)
     batch_size: int = at_least(1, default=4, most=1 << 16)  # packed sequences per step
-    lr: float | None = above(0, default=None)  # None: train.lr
+    lr: float | None = above(0, default=None, most=10)  # None: train.lr
     warmup_ratio: float | None = within(0, 1, high_open=True, default=None)  # None: train.warmup_ratio
     # packed sequences shuffled together (a seeded order); 1: the text's own order
     shuffle_window: int = at_least(1, default=256, most=1 << 20)
