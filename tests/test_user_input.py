@@ -28,6 +28,7 @@ def _error(capsys) -> str:
 def test_the_demo_never_deletes_a_users_files_in_its_workdir(tmp_path, capsys):
     """An earlier demo's training output is cleared only after every setting is checked, and only
     when it holds nothing but what training writes."""
+    from dflash_ray import writer
     from dflash_ray.stages.pipeline import clear_training
 
     work = tmp_path / "project"
@@ -47,6 +48,7 @@ def test_the_demo_never_deletes_a_users_files_in_its_workdir(tmp_path, capsys):
     (run / "metrics").mkdir()  # the metric history, appended per checkpoint
     (run / "metrics" / "000000002.jsonl").write_text("{}\n")
     (run / "compile-cache.bin").write_bytes(b"")  # torch's compiled artifacts
+    (run / writer.MARK).write_text('{"kind": "training"}')  # the folder's claim, left by the first run
     clear_training(str(run), cfg)
     assert not run.exists()
 
@@ -565,7 +567,7 @@ def test_evaluate_names_a_drafter_of_another_target_or_a_damaged_one(tmp_path, t
 
 def test_a_block_longer_than_any_kept_sample_and_a_bad_iters_name_their_setting(capsys):
     with pytest.raises(DFlashError, match="no block would fit") as e:
-        load_config(None, ["train.block_size=100000"])
+        load_config(None, ["train.block_size=1000", "tokenize.max_seq_len=512"])
     assert e.value.field == "train.block_size"
     assert main(["netcheck", "--iters", "0"]) == 2
     assert "field '--iters'" in _error(capsys)
@@ -606,7 +608,7 @@ def test_tokenize_names_a_misspelled_tokenizer_before_any_worker(tmp_path, capsy
     assert main(["responses", "--input", _asset("demo_chats.jsonl"), "--output", str(answers)]) == 0
     capsys.readouterr()
     assert main(["tokenize", "--input", str(answers), "--output", str(tmp_path / "t"), "--tokenizer", "smollm2-x"]) == 2
-    assert "smollm2-x: not a short name" in _error(capsys)
+    assert "smollm2-x: field 'tokenize.tokenizer': not a short name" in _error(capsys)
 
 
 def test_export_of_a_training_output_names_its_newest_checkpoint(tmp_path, capsys):
@@ -750,3 +752,169 @@ def test_a_full_disk_is_named_in_every_stage_with_the_json_line(tmp_path, tiny_q
         assert main(["plan", "--json"]) == 2
         out = capsys.readouterr()
         assert said in json.loads(out.out)["error"] and "Traceback" not in out.err and "bug" not in out.err
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Ray may not start: a check that should come first fails the test instead of reaching it."""
+    import ray
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", started)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def _prompts(tmp_path, name="prompts") -> str:
+    from dflash_ray.stages.prompts import run_prompts
+
+    raw = tmp_path / f"{name}.jsonl"
+    raw.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"}]}) + "\n")
+    run_prompts([str(raw)], str(tmp_path / name), load_config(), progress=False)
+    return str(tmp_path / name)
+
+
+def test_validate_and_evaluate_never_write_over_a_users_files_in_their_report_folder(tmp_path, capsys):
+    """A report folder of the user's own files is refused with every file kept, and so is one that
+    is or lies inside the input; a report folder a validation made is written again by a rerun."""
+    from dflash_ray import writer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4]] * 4, "loss_mask": [[0, 0, 1, 1]] * 4}), data / "part.parquet")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    (mine / "evaluation.png").write_bytes(b"my plot")
+    validate = ["validate", "--input", str(data), "--tokenizer", SMOLLM2, "--report"]
+    assert main([*validate, str(mine)]) == 2
+    assert "evaluation.png, report.md, which no dflash-ray run wrote" in _error(capsys)
+    for report in (data, data / "report"):
+        assert main([*validate, str(report)]) == 2
+        assert (
+            f"{report}" in (err := _error(capsys))
+            and "overlap (one is, or is inside, the other)" in err
+            and "field '--report'" in err
+        )
+    assert sorted(p.name for p in data.iterdir()) == ["part.parquet"]
+    ours = tmp_path / "report"
+    first = main([*validate, str(ours)])
+    assert first in (0, 3) and (ours / "report.md").exists()
+    assert main([*validate, str(ours)]) == first  # a rerun into the folder the first run made
+    (ours / writer.MARK).unlink()  # a report an earlier version wrote, unmarked: known by its report.json
+    assert main([*validate, str(ours)]) == first
+    prompts = _prompts(tmp_path)
+    evaluate = ["evaluate", "--drafter", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--prompts", prompts]
+    assert main([*evaluate, "--report", str(mine)]) == 2
+    assert "evaluation.png, report.md, which no dflash-ray run wrote" in _error(capsys)
+    assert main([*evaluate, "--report", str(tmp_path / "prompts" / "plots")]) == 2
+    assert (
+        "overlap (one is, or is inside, the other)" in _error(capsys) and not (tmp_path / "prompts" / "plots").exists()
+    )
+    assert (mine / "report.md").read_text() == "my notes" and (mine / "evaluation.png").read_bytes() == b"my plot"
+    assert sorted(p.name for p in mine.iterdir()) == ["evaluation.png", "report.md"]
+
+
+def test_tokenize_loads_its_tokenizer_on_the_driver_before_ray_starts(tmp_path, tiny_qwen3_dir, no_ray, capsys):
+    """A model folder without tokenizer files, a file that is no tokenizer and a tokenizer without a
+    chat template are each refused naming the setting, before any worker starts and before the
+    output is made."""
+    import shutil
+
+    from dflash_ray.registry import resolve
+
+    answers = tmp_path / "c"
+    assert main(["responses", "--input", _asset("demo_chats.jsonl"), "--output", str(answers)]) == 0
+    afile = tmp_path / "myfile.txt"
+    afile.write_text("not a tokenizer")
+    plain = tmp_path / "plain"
+    shutil.copytree(resolve("qwen3", need="tokenizer"), plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    capsys.readouterr()
+    for tokenizer, says in (
+        (tiny_qwen3_dir, "holds no tokenizer"),
+        (afile, "cannot load"),
+        (plain, "no chat template"),
+    ):
+        code = main(
+            ["tokenize", "--input", str(answers), "--output", str(tmp_path / "t"), "--tokenizer", str(tokenizer)]
+        )
+        err = _error(capsys)
+        assert code == 2 and "field 'tokenize.tokenizer'" in err and says in err, err
+        assert "--tokenizer" in err and "Traceback" not in err
+    assert not (tmp_path / "t").exists()
+
+
+def test_tokenize_and_generate_refuse_an_output_inside_their_input(tmp_path, no_ray, capsys):
+    answers = tmp_path / "c"
+    assert main(["responses", "--input", _asset("demo_chats.jsonl"), "--output", str(answers)]) == 0
+    before = sorted(p.name for p in answers.iterdir())
+    capsys.readouterr()
+    assert main(["tokenize", "--input", str(answers), "--output", str(answers / "tok")]) == 2
+    assert "and the input" in (err := _error(capsys)) and "overlap (one is" in err
+    prompts = _prompts(tmp_path)
+    generate = ["generate", "--prompts", prompts, "--output", f"{prompts}/gen", "--model", str(tmp_path / "no-model")]
+    assert main(generate) == 2
+    assert "and the prompts" in (err := _error(capsys)) and "overlap (one is" in err
+    assert sorted(p.name for p in answers.iterdir()) == before and not (tmp_path / "prompts" / "gen").exists()
+
+
+def test_evaluate_refuses_a_drafter_export_given_as_the_target(tmp_path, tiny_qwen3_dir, capsys):
+    from transformers import AutoConfig
+
+    from dflash_ray.drafter.config import from_target
+    from dflash_ray.drafter.export import save_drafter
+    from dflash_ray.drafter.model import DFlashDrafter
+
+    cfg = from_target(AutoConfig.from_pretrained(tiny_qwen3_dir), mask_token_id=151660, num_layers=1)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "drafter", dtype=torch.float32)
+    drafter, prompts = str(tmp_path / "drafter"), _prompts(tmp_path)
+    evaluate = ["evaluate", "--drafter", drafter, "--target", drafter, "--tokenizer", "qwen3", "--prompts", prompts]
+    assert main(evaluate) == 2
+    err = _error(capsys)
+    assert f"{drafter}: field '--target': a drafter export, not a target model" in err, err
+
+
+def test_train_names_data_that_is_not_tokenized_before_ray_starts(tmp_path, tiny_qwen3_dir, no_ray, capsys):
+    prompts = _prompts(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "--data", prompts, "--target", tiny_qwen3_dir, "--output", str(out)]) == 2
+    err = _error(capsys)
+    assert f"{prompts}: holds prompts, not tokenized samples" in err, err
+    assert not out.exists()
+
+
+def test_the_pipeline_refuses_a_workdir_of_the_users_files(tmp_path, no_ray, monkeypatch, capsys):
+    """A workdir holding files no dflash-ray run wrote is refused before any stage, every file kept; a
+    new one, one a pipeline marked and one an earlier pipeline wrote (its stage folders' manifests)
+    reach the stages."""
+    from dflash_ray import stages, storage
+
+    def step(run):  # a first stage that wrote its folder, then failed
+        storage.write_text(run.at("prompts/part.txt"), "a stage's output")
+        raise DFlashError("the stages were reached")
+
+    first = stages.Stage(name="first", help="", command=lambda args, cfg: {}, step=step)
+    monkeypatch.setattr(stages, "pipeline_stages", lambda: [first])
+    chat = _asset("demo_chats.jsonl")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "chat.jsonl").write_text("{}\n")
+    (work / "notes.md").write_text("mine")
+    pipeline = ["pipeline", "--input", chat, "--target", SMOLLM2, "--workdir"]
+    assert main([*pipeline, str(work)]) == 2
+    assert "chat.jsonl, notes.md, which no dflash-ray run wrote" in _error(capsys)
+    assert sorted(p.name for p in work.iterdir()) == ["chat.jsonl", "notes.md"]
+    for _ in range(2):  # a new workdir, then the same one again (marked by the first run)
+        assert main([*pipeline, str(tmp_path / "new")]) == 2
+        assert "the stages were reached" in _error(capsys)
+        assert (tmp_path / "new" / "prompts" / "part.txt").exists()
+    earlier = tmp_path / "earlier"
+    manifest.write_manifest(str(earlier / "prompts"), kind="prompts", files=[], summary={})
+    (earlier / "notes.md").write_text("beside an earlier run's stages")
+    assert main([*pipeline, str(earlier)]) == 2
+    assert "the stages were reached" in _error(capsys)

@@ -50,6 +50,7 @@ def load_models(drafter_uri: str, target_uri: str, tokenizer_name: str | None, e
     dtype = getattr(torch, ecfg.dtype)
     device = evaluation_device(ecfg.device, torch.cuda.is_available())
     target_dir, drafter_dir = resolve(target_uri), resolve(drafter_uri)
+    refuse_drafter_as_target(target_dir, target_uri)
     tokenizer = load_tokenizer(tokenizer_name or target_uri)
     # transformers types its wrapped `to` as if unbound (the model first)
     try:
@@ -74,6 +75,29 @@ def load_models(drafter_uri: str, target_uri: str, tokenizer_name: str | None, e
         eos=set(stop_token_ids(tokenizer)),
         num_drafts=num_drafts,
     )
+
+
+def refuse_drafter_as_target(target_dir: str, target_uri: str) -> None:
+    """A drafter export named as the target loads as a model of the target's kind with its weights
+    mostly missing, and then reads as a drafter of another target: said here, naming `--target`."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(target_dir) / "config.json").read_text())
+    except (OSError, ValueError):  # no readable config.json: the model's own loading names that
+        return
+    if not isinstance(config, dict):
+        return
+    architectures = config.get("architectures")
+    named = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    if "dflash_config" in config or any(a.endswith("DraftModel") for a in named):
+        raise DFlashError(
+            f"a drafter export, not a target model (its config.json: {', '.join(named) or 'dflash_config'}): give "
+            "the model the drafter drafts for as --target, and the export as --drafter",
+            file=target_uri,
+            field="--target",
+        )
 
 
 def check_same_target(drafter, target, text_cfg, tokenizer, drafter_uri: str) -> None:

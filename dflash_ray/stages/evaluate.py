@@ -17,9 +17,10 @@ the unseen prompts); the measurement is `drafter/acceptance.py`, the models it d
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
-from dflash_ray import manifest
+from dflash_ray import manifest, storage, writer
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter import acceptance
 from dflash_ray.drafter.evaluation_models import load_models
@@ -30,16 +31,19 @@ from dflash_ray.stages import PipelineRun, Stage
 def _check_inputs(prompts_uri: str, heldout_uri: str | None, report_dir: str | None) -> None:
     """Wrong inputs fail here, before minutes of loading models."""
     manifest.require_columns(prompts_uri, ["messages"], "--prompts (a prompts dataset)")
-    if report_dir is not None:
-        from dflash_ray import storage
-
-        storage.require_folder(report_dir)
+    for flag, uri in (("--prompts", prompts_uri), ("--heldout", heldout_uri)):
+        if report_dir is not None and uri and storage.overlaps(uri, report_dir):
+            raise DFlashError(
+                f"the report folder and the {flag} dataset {uri} overlap (one is, or is inside, the other): the "
+                "report would be written among the dataset's files; give a report folder of its own",
+                file=report_dir,
+                field="--report",
+            )
     if heldout_uri:
         manifest.require_columns(heldout_uri, ["input_ids", "loss_mask"], "--heldout (a tokenized dataset)")
 
 
 def _write_report(summary: dict[str, Any], report_dir: str) -> None:
-    from dflash_ray import storage
     from dflash_ray.plots import acceptance_png
 
     summary["evaluation_png"] = storage.join(report_dir, "evaluation.png")
@@ -62,8 +66,41 @@ def run_evaluate(
     """`sampled=False` skips the serving-temperature run; `reference_cache` (a dict the caller keeps)
     holds the target's own greedy outputs across calls on the same target and prompts, so a second
     drafter's evaluation does not decode them again. `report_dir`: where `evaluation.png` goes
-    (acceptance by draft position and by prompt source, the drafter beside prompt lookup)."""
+    (acceptance by draft position and by prompt source, the drafter beside prompt lookup), a folder
+    of its own, held while the run lasts."""
     _check_inputs(prompts_uri, heldout_uri, report_dir)  # before any model loads
+    measure = functools.partial(
+        _evaluate,
+        drafter_uri,
+        target_uri,
+        prompts_uri,
+        cfg,
+        heldout_uri=heldout_uri,
+        engine=engine,
+        tokenizer_name=tokenizer_name,
+        sampled=sampled,
+        reference_cache=reference_cache,
+    )
+    if report_dir is None:
+        return measure(report_dir=None)
+    with writer.output(report_dir, "evaluation-report"):
+        return measure(report_dir=report_dir)
+
+
+def _evaluate(
+    drafter_uri: str,
+    target_uri: str,
+    prompts_uri: str,
+    cfg: RunConfig,
+    *,
+    heldout_uri: str | None,
+    engine: str,
+    tokenizer_name: str | None,
+    sampled: bool,
+    reference_cache: dict | None,
+    report_dir: str | None,
+) -> dict[str, Any]:
+    """`run_evaluate` past its checks; `report_dir` is written into as it is (its caller holds it)."""
     ecfg = cfg.evaluate
     models = load_models(drafter_uri, target_uri, tokenizer_name, ecfg)
     rows = acceptance.prompt_rows(prompts_uri, ecfg.num_prompts)
@@ -145,7 +182,6 @@ def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, 
 
     import torch
 
-    from dflash_ray import storage
     from dflash_ray.drafter import families
     from dflash_ray.plots import acceptance_png
 
@@ -154,14 +190,18 @@ def _evaluate_drafter(run: PipelineRun, name: str, cfg: RunConfig, folder: str, 
     # vLLM's own acceptance of the exported drafter, on the same prompts, where vLLM serves its family
     served = families.get(cfg.train.drafter).vllm_on_cpu or torch.cuda.is_available()
     engine = "vllm" if cfg.pipeline.vllm_evaluate and served and importlib.util.find_spec("vllm") else "hf"
+    # the plot goes beside the training output this pipeline made (`TRAINING_FILES`), not a folder of its own
     after = run.timed(
         f"evaluate_trained{tag}",
-        run_evaluate,
+        _evaluate,
         drafter,
         target,
         run.at("prompts-eval"),
         cfg,
+        heldout_uri=None,
         engine=engine,
+        tokenizer_name=None,
+        sampled=True,
         reference_cache=references,
         report_dir=folder,
     )

@@ -57,6 +57,12 @@ def run_generate(prompts_uri: str, output: str, model: str, cfg: RunConfig, *, p
 
     gcfg = cfg.generate
     _check_samples(gcfg)
+    if storage.overlaps(prompts_uri, output):  # a commit replaces the output's shards: never among the prompts'
+        raise DFlashError(
+            f"the output {output} and the prompts {prompts_uri} overlap (one is, or is inside, the other): writing "
+            "there could replace the prompts' files; give an output folder of its own",
+            file=output,
+        )
     storage.require_folder(output)
     length_warning = check_lengths(cfg)
     if length_warning:

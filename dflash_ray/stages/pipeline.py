@@ -31,6 +31,7 @@ TRAINING_FILES = {
     "evaluation-unseen.png",
     "compile-cache.bin",
     writer.WRITER,
+    writer.MARK,  # the training output's claim: `writer.output` marks the folder it trains into
 }
 TRAINING_DIRS = {"checkpoints", "profile", "metrics"}  # its checkpoints, traces and metric history
 MADE_HERE = "_pipeline.json"  # in the workdir: the training outputs its pipeline made, which it may clear
@@ -79,6 +80,20 @@ def clear_training(folder: str, cfg: RunConfig) -> None:
     storage.delete_tree(folder)
 
 
+def earlier_pipeline(workdir: str) -> bool:
+    """A workdir an earlier pipeline wrote before workdirs were marked: one of its stage folders holds
+    a dataset's manifest or an output's mark, or its training was marked as the pipeline's."""
+    from dflash_ray import manifest
+    from dflash_ray.stages import stages
+
+    if storage.exists(storage.join(workdir, MADE_HERE)):
+        return True
+    folders = {storage.join(workdir, f) for stage in stages() for f in stage.outputs}
+    return any(
+        storage.exists(storage.join(folder, name)) for folder in folders for name in (manifest.MANIFEST, writer.MARK)
+    )
+
+
 def with_target_tokenizer(cfg: RunConfig) -> RunConfig:
     """The pipeline trains the target's drafter on the target's own token ids: the prompts and
     tokenize stages use the target's tokenizer unless a config names one."""
@@ -116,17 +131,19 @@ def run_pipeline(cfg: RunConfig, *, progress: bool = True, fresh_training: bool 
     cfg = with_target_tokenizer(cfg)
     # refused settings fail before the prompts stage, not at generation or in training
     preflight(cfg, generating=not pcfg.responses)
-    if fresh_training:
-        clear_pipeline_training(pcfg.workdir, cfg)
     started = time.time()
     run = PipelineRun(cfg, progress)
     run.summary.update(stage="pipeline", workdir=pcfg.workdir, target=pcfg.target, responses=pcfg.responses)
-    with Injector(cfg.chaos) as chaos:  # `chaos.faults`: a drill, killing actors while the stages run
-        for stage in pipeline_stages():
-            assert stage.step is not None  # what `pipeline_stages` holds
-            part = stage.step(run)
-            if part is not None:
-                run.summary.update(part)
+    # a workdir of ours (new, marked, or an earlier pipeline's) or refused naming what it holds; one run at a time
+    with writer.output(pcfg.workdir, "pipeline", ours_if=lambda: earlier_pipeline(pcfg.workdir)):
+        if fresh_training:
+            clear_pipeline_training(pcfg.workdir, cfg)
+        with Injector(cfg.chaos) as chaos:  # `chaos.faults`: a drill, killing actors while the stages run
+            for stage in pipeline_stages():
+                assert stage.step is not None  # what `pipeline_stages` holds
+                part = stage.step(run)
+                if part is not None:
+                    run.summary.update(part)
     summary = run.summary
     if cfg.chaos.faults:  # the run got here: every fault fired was recovered from
         drill = chaos.summary()

@@ -85,6 +85,7 @@ def run_train(
             "output folder of its own",
             file=output,
         )
+    _refuse_untokenized(data)
     run = resolve_run(target, cfg, output)  # the whole run decided once: from here on it is executed
     # one run trains into an output of ours; a second, or a folder of the user's files, is refused at once
 
@@ -99,6 +100,18 @@ def run_train(
             if isinstance(e, (DiskFull, Interrupted)) or not disk.no_space(e):
                 raise
             raise _disk_full(e, output, cfg) from None
+
+
+def _refuse_untokenized(data: str) -> None:
+    """A dataset of prompts or completions, by its manifest's kind, named on the driver: before Ray
+    starts and resources are checked (the coordinator reads every file's columns again)."""
+    from dflash_ray import manifest
+    from dflash_ray.data.tokenized import NOT_TOKENIZED
+
+    found = manifest.read_manifest(data)
+    kind = str(found.get("kind", "")) if isinstance(found, dict) else ""
+    if kind.startswith("prompts") or kind == "completions":  # prompts-jsonl: `selfprompt`'s chats
+        raise DFlashError(NOT_TOKENIZED["completions" if kind == "completions" else "prompts"], file=data)
 
 
 def _disk_full(e: DFlashError, output: str, cfg: RunConfig) -> DiskFull:

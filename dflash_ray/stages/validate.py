@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_ray import storage
+from dflash_ray import storage, writer
 from dflash_ray.config import RunConfig, TokenizeConfig
 from dflash_ray.data.tokenized import open_tokenized
 from dflash_ray.data.validate import (
@@ -44,10 +44,33 @@ def _trust_named_tokenizer(name: Any, input_uri: str) -> None:
     )
 
 
+def _earlier_report(report_dir: str) -> bool:
+    """A report folder an earlier version wrote, unmarked: its report.json is a validation's."""
+    try:
+        return json.loads(storage.read_text(storage.join(report_dir, "report.json"))).get("stage") == "validate"
+    except (FileNotFoundError, NotADirectoryError, ValueError, AttributeError):
+        return False
+
+
 def run_validate(
     input_uri: str, cfg: RunConfig, *, report_dir: str | None = None, tokenizer_name: str | None = None
 ) -> dict[str, Any]:
-    """Compute the report, write it (when `report_dir`), and return it; the caller enforces the gate."""
+    """Compute the report, write it (when `report_dir`: a folder of its own, held while the dataset
+    is read and the report written), and return it; the caller enforces the gate."""
+    if report_dir is None:
+        return _validate(input_uri, cfg, None, tokenizer_name)
+    if storage.overlaps(input_uri, report_dir):
+        raise DFlashError(
+            f"the report folder and the input {input_uri} overlap (one is, or is inside, the other): the report "
+            "would be written among the dataset's files; give a report folder of its own",
+            file=report_dir,
+            field="--report",
+        )
+    with writer.output(report_dir, "validation-report", ours_if=lambda: _earlier_report(report_dir)):
+        return _validate(input_uri, cfg, report_dir, tokenizer_name)
+
+
+def _validate(input_uri: str, cfg: RunConfig, report_dir: str | None, tokenizer_name: str | None) -> dict[str, Any]:
     from dflash_ray.registry import load_tokenizer
 
     vcfg = cfg.validate
