@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from dflash_ray.config import RayConfig
 from dflash_ray.errors import DFlashError, keep_catching_sigterm, signals_held
@@ -35,8 +36,10 @@ def _connect(cfg: RayConfig, existing: bool, holds: Callable[[], bool] | None) -
 
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        check_reachable(address, "ray.address" if cfg.address else "the environment's RAY_ADDRESS")
-        ray.init(address=address, log_to_driver=True)
+        setting = "ray.address" if cfg.address else "the environment's RAY_ADDRESS"
+        check_reachable(address, setting)
+        with _refusals(address, setting):
+            ray.init(address=address, log_to_driver=True)
         keep_catching_sigterm()  # ray.init installs its own SIGTERM handler, which exits at once
         return
     if existing:
@@ -56,10 +59,12 @@ def join_running(holds: Callable[[], bool] | None = None, within_s: float = 5.0)
     newest first), then the one Ray itself finds (`ray start`'s). With `holds`, each is joined in
     turn until `holds()` says yes; without, the first that answers. Returns the addresses looked at,
     connected to the last of them when it holds (or no `holds` was given), to none otherwise. Every
-    wait is bounded: an address that takes no connection within `within_s` is passed over."""
+    wait is bounded: an address that takes no connection within `within_s` is passed over. A
+    cluster that refuses the join is passed over too, and its refusal raised when none holds."""
     import ray
 
     looked: list[str] = []
+    refused: DFlashError | None = None
     candidates = [(r["address"], r.get("auth")) for r in local_clusters()]
     found = _ray_found()
     if found is not None and found not in [a for a, _ in candidates]:
@@ -67,15 +72,47 @@ def join_running(holds: Callable[[], bool] | None = None, within_s: float = 5.0)
     for address, auth in candidates:
         if not _answers(address, within_s):
             continue
+        try:
+            with _refusals(address, "the clusters running on this machine"):
+                if _is_loopback(address):
+                    _join_loopback(address, auth)
+                else:
+                    ray.init(address=address, log_to_driver=False)
+        except DFlashError as e:
+            refused = refused or e
+            continue
         looked.append(address)
-        if _is_loopback(address):
-            _join_loopback(address, auth)
-        else:
-            ray.init(address=address, log_to_driver=False)
         if holds is None or holds():
             return looked
         ray.shutdown()
+    if refused is not None:
+        raise refused
     return looked
+
+
+@contextlib.contextmanager
+def _refusals(address: str, setting: str) -> Iterator[None]:
+    """A join that Ray refuses, said in one line naming the address and where it came from: a
+    service at it that is no Ray head (ConnectionError), or a cluster that wants a token this
+    process does not hold (AuthenticationError)."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except AuthenticationError as e:
+        reason = (getattr(e, "message", "") or "authentication failed").strip().splitlines()[0]
+        raise DFlashError(
+            f"the Ray cluster at {address} (from {setting}) refused the join: {reason}; a cluster started "
+            "with token authentication takes RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or "
+            "~/.ray/auth_token), or set ray.address (or RAY_ADDRESS) to another cluster"
+        ) from None
+    except ConnectionError as e:
+        reason = (str(e).strip().splitlines() or ["no answer"])[0]
+        raise DFlashError(
+            f"no Ray cluster joined at {address} (from {setting}): {reason}; what answers there is not a "
+            "Ray head, or not yet: set ray.address (or RAY_ADDRESS) to a head's address (HOST:6379, or "
+            "ray://HOST:10001), or unset it to start a local cluster"
+        ) from None
 
 
 def _ray_found() -> str | None:
@@ -141,10 +178,10 @@ def check_reachable(address: str, setting: str, within_s: float = 20.0) -> None:
 
     if address in ("auto", "local"):
         return
-    parts = urlsplit(address if "://" in address else f"gcs://{address}")
     try:
+        parts = urlsplit(address if "://" in address else f"gcs://{address}")
         host, port = parts.hostname, parts.port
-    except ValueError:
+    except ValueError:  # "http://[::1": no closing bracket; a port past 65535
         host, port = None, None
     if not host or not port:
         raise DFlashError(

@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from dflash_ray import storage
+from dflash_ray.cluster_file import count_gpus
 from dflash_ray.config import RunConfig
 from dflash_ray.errors import DFlashError
+from dflash_ray.settings.loading import read_yaml
 
 # Calibrated on the one H200 run of the GPU check (bench/RESULTS.md, 2026-11-30): the colocated step's
 # FLOPs counted at its shapes (138.6 TFLOP, the target's attention included) over its measured target
@@ -39,37 +39,7 @@ DEFAULT_TARGET = "qwen3.6-27b"  # the seed workload's target
 
 def cluster_gpus(uri: str) -> tuple[int, int]:
     """(generation GPUs, training GPUs) at the node types' max_workers in a cluster launcher YAML."""
-    try:
-        cfg = yaml.safe_load(storage.read_bytes(uri))
-        types = cfg["available_node_types"]
-    except (yaml.YAMLError, KeyError, TypeError) as e:
-        raise DFlashError(f"not a cluster launcher config: {e}", file=uri) from None
-    if not isinstance(types, dict):
-        raise DFlashError(
-            "not a cluster launcher config: `available_node_types` must map names to node types",
-            file=uri,
-            field="available_node_types",
-        )
-    gen = train = 0
-    for name, node in types.items():
-        where = f"available_node_types.{name}"
-        resources = node.get("resources") if isinstance(node, dict) else None
-        if not isinstance(resources, dict):
-            raise DFlashError("a node type needs a `resources` mapping", file=uri, field=where)
-        try:
-            gpus, workers = int(resources.get("GPU", 0)), int(node.get("max_workers", 0))
-        except (TypeError, ValueError):
-            raise DFlashError("GPU and max_workers must be whole numbers", file=uri, field=where) from None
-        if gpus < 0 or workers < 0:
-            raise DFlashError("GPU and max_workers cannot be negative", file=uri, field=where)
-        gpus *= workers
-        if resources.get("gen_node"):
-            gen += gpus
-        if resources.get("train_node"):
-            train += gpus
-    if not gen or not train:
-        raise DFlashError("needs node types with `gen_node` and `train_node` resources and GPUs", file=uri)
-    return gen, train
+    return count_gpus(read_yaml(uri), uri)
 
 
 @functools.cache

@@ -31,8 +31,10 @@ DEFAULT_READ_TIMEOUT_S = environment.VARIABLES["DFLASH_RAY_S3_READ_TIMEOUT_S"].d
 
 
 def split(uri: str) -> tuple[str, str]:
-    """(bucket, key) of `s3://bucket/key`."""
+    """(bucket, key) of `s3://bucket/key`; a URI with no bucket (`s3://`, `s3:///key`) is refused."""
     bucket, _, key = str(uri)[len(PREFIX) :].partition("/")
+    if not bucket:
+        raise DFlashError("no bucket in the URI: allowed: s3://BUCKET or s3://BUCKET/KEY", file=str(uri))
     return bucket, key
 
 

@@ -439,6 +439,47 @@ def test_an_unreachable_ray_address_fails_fast_naming_where_it_came_from():
         check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}", "ray.address")  # answers: fine
 
 
+def test_a_ray_address_that_is_no_url_or_whose_cluster_refuses_the_join_is_named(monkeypatch, capsys):
+    """An address urlsplit cannot read, a service that is no Ray head, and a cluster that refuses the
+    join (its token) are each one line naming ray.address (and RAY_AUTH_MODE for the token)."""
+    import socket
+
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    from dflash_ray import cluster
+    from dflash_ray.cli import main
+    from dflash_ray.config import RayConfig
+
+    with pytest.raises(DFlashError, match="not an address") as e:
+        cluster.check_reachable("http://[::1", "ray.address")
+    assert "ray.address" in str(e.value)
+    assert main(["status", "--set", "ray.address=http://[::1"]) == 2
+    err = capsys.readouterr().err
+    assert "ray.address" in err and "internal error" not in err
+    with socket.socket() as server:  # something answers at the address; what ray.init then says is faked
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        for raised, says in (
+            (ConnectionError(f"Failed to connect to Ray cluster at {address}"), "no Ray cluster"),
+            (AuthenticationError("Authentication failed: invalid token"), "RAY_AUTH_MODE"),
+        ):
+
+            def refuse(*args, raised=raised, **kwargs):
+                raise raised
+
+            monkeypatch.setattr(ray, "init", refuse)
+            with pytest.raises(DFlashError, match=says) as e:
+                cluster._connect(RayConfig(address=address), False, None)
+            assert "ray.address" in str(e.value) and address in str(e.value)
+            monkeypatch.setattr(cluster, "local_clusters", lambda: [{"address": address, "auth": None}])
+            monkeypatch.setattr(cluster, "_ray_found", lambda: None)
+            with pytest.raises(DFlashError, match=says) as e:
+                cluster.join_running()
+            assert address in str(e.value)
+
+
 def test_a_file_where_a_folder_is_expected_is_one_line_naming_it(tmp_path, capsys):
     """Any OSError about a path (here a file given as the output folder: FileExistsError) reaches the
     user as one line naming the path, exit 2, not a traceback; the file is left as it was."""
@@ -503,3 +544,79 @@ def test_what_may_change_on_resume_is_marked_beside_each_field():
     assert "range" in ranged["num_streams"] and ranged["num_streams"]["operational"]
     with pytest.raises(DFlashError, match="train.num_streams"):
         load_config(None, ["train.num_streams=0"])
+
+
+def _bomb(levels: int = 9) -> str:
+    """Anchors each holding nine aliases of the one before: 9**levels values once expanded."""
+    names = [f"l{i}" for i in range(levels)]
+    lines = [f"{names[0]}: &{names[0]} [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in zip(names, names[1:])]
+    return "{" + ", ".join(lines) + "}"
+
+
+def test_a_config_key_that_is_a_list_or_mapping_is_refused_naming_the_file(tmp_path, capsys):
+    from dflash_ray.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {? [a, b] : 1}\n")
+    assert main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "c.yaml" in err and "key" in err and "internal error" not in err
+    with pytest.raises(DFlashError, match="key") as e:
+        load_config(None, ["generate.engine_args={? {a: 1} : 1}"])
+    assert e.value.field == "--set generate.engine_args"
+
+
+def test_a_config_nested_too_deep_is_refused_naming_the_file_or_the_set(tmp_path, capsys):
+    from dflash_ray.cli import main
+
+    path = tmp_path / "deep.yaml"
+    path.write_text("train: " + "[" * 20000 + "]" * 20000 + "\n")
+    assert main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "deep.yaml" in err and "nested" in err and "internal error" not in err
+    path.write_text("generate:\n  engine_args: " + "{a: " * 150 + "1" + "}" * 150 + "\n")  # YAML reads it
+    with pytest.raises(DFlashError, match="nested") as e:
+        load_config(str(path))
+    assert e.value.file == str(path)
+    for assignment in ("train.lr=" + "[" * 5000 + "]" * 5000, "generate.engine_args" + ".a" * 200 + "=1"):
+        with pytest.raises(DFlashError, match="nested") as e:
+            load_config(None, [assignment])
+        assert e.value.field is not None and e.value.field.startswith("--set ")
+
+
+def test_a_config_that_is_no_regular_file_or_too_large_is_refused_naming_it(tmp_path):
+    with pytest.raises(DFlashError, match="not a regular file") as e:
+        load_config("/dev/zero")
+    assert e.value.file == "/dev/zero"
+    with pytest.raises(DFlashError, match="not a regular file"):
+        load_config(str(tmp_path))
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate((16 << 20) + 1)
+    with pytest.raises(DFlashError, match="16 MiB") as e:
+        load_config(str(big))
+    assert e.value.file == str(big)
+
+
+def test_an_alias_bomb_is_refused_and_ordinary_anchors_are_not(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"generate:\n  engine_args: {_bomb()}\n")
+    with pytest.raises(DFlashError, match="1,000,000 values") as e:
+        load_config(str(path))
+    assert e.value.file == str(path)
+    with pytest.raises(DFlashError, match="1,000,000 values") as e:
+        load_config(None, [f"generate.engine_args={_bomb()}"])
+    assert e.value.field == "--set generate.engine_args"
+    path.write_text(f"generate:\n  engine_args: {_bomb(4)}\n")  # 9**4 values: a config may repeat itself
+    assert len(load_config(str(path)).generate.engine_args["l3"]) == 9
+    path.write_text(
+        "tokenize: {max_seq_len: &n 2048}\n"
+        "generate:\n"
+        "  max_model_len: *n\n"
+        "  engine_args: &e {enforce_eager: true}\n"
+        "  chat_template_kwargs: {<<: *e, reasoning: low}\n"
+    )
+    cfg = load_config(str(path))
+    assert cfg.generate.max_model_len == 2048
+    assert cfg.generate.chat_template_kwargs == {"enforce_eager": True, "reasoning": "low"}

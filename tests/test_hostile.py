@@ -100,6 +100,13 @@ def world(tmp_path_factory) -> World:
     run_prompts(
         [str(root / "answered.jsonl")], str(root / "completions"), load_config(), progress=False, responses=True
     )
+    import ray
+
+    from dflash_ray.stages.tokenize import run_tokenize
+
+    tokenizing = load_config(None, ["tokenize.tokenizer=qwen3", "ray.num_cpus=2"])
+    run_tokenize(str(root / "completions"), str(root / "tokenized-here"), tokenizing)
+    ray.shutdown()  # every case starts with no Ray: a refusal must come before one starts
     return World(root, target, str(root / "drafter"), {k: v.clone() for k, v in drafter.state_dict().items()})
 
 
@@ -437,6 +444,109 @@ def doors(world: World) -> dict[str, dict[str, Case]]:
     }
 
 
+def _yaml(world: World, name: str, text: str) -> Path:
+    path = world.root / name
+    path.write_text(text)
+    return path
+
+
+def _cluster(gpus: str, workers: int) -> str:
+    return (
+        "available_node_types:\n"
+        f"  gen: {{max_workers: {workers}, resources: {{GPU: {gpus}, gen_node: 1}}}}\n"
+        f"  train: {{max_workers: {workers}, resources: {{GPU: {gpus}, train_node: 1}}}}\n"
+    )
+
+
+_NO_S3 = {
+    "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
+    "AWS_ACCESS_KEY_ID": "x",
+    "AWS_SECRET_ACCESS_KEY": "x",
+    "DFLASH_RAY_S3_CONNECT_TIMEOUT_S": "1",
+    "AWS_MAX_ATTEMPTS": "1",
+}
+
+
+def more_doors(world: World) -> dict[str, dict[str, Case]]:
+    """Folders written beside the input or the user's files, tokenizers and targets that are not
+    what they claim, configs and cluster files that are not sane YAML, a Ray address that is none."""
+    w, t = world, world.target
+    tok, comp, prompts = str(w.root / "tokenized-here"), str(w.root / "completions"), str(w.root / "prompts")
+    deep = "train: " + "[" * 20000 + "]" * 20000 + "\n"
+    evaluate = ["evaluate", "--target", t, "--prompts", prompts, "--tokenizer", "qwen3", "--drafter", w.drafter]
+    bare = str(w.root / "bare-target")
+    return {
+        "validate": {
+            "report-users": user_output(
+                w, "users-report", lambda o: ["validate", "--input", tok, "--report", o], "report.md"
+            ),
+            "report-in-input": Case(["validate", "--input", tok, "--report", tok], (tok,), kept=(Path(tok),)),
+        },
+        "evaluate": {
+            "report-users": user_output(w, "users-evaluation", lambda o: [*evaluate, "--report", o], "evaluation.png"),
+            "target-a-drafter": Case([*evaluate[:2], w.drafter, *evaluate[3:]], ("--target",)),
+        },
+        "tokenize": {
+            "tokenizer-none-there": Case(
+                ["tokenize", "--input", comp, "--output", str(w.root / "t3"), "--tokenizer", bare],
+                ("bare-target", "no tokenizer"),
+            ),
+            "output-inside-input": Case(
+                ["tokenize", "--input", comp, "--output", comp + "/tok", "--tokenizer", "qwen3"], ("overlap",)
+            ),
+        },
+        "generate": {
+            "output-inside-input": Case(
+                ["generate", "--prompts", prompts, "--output", prompts + "/gen", "--model", t], ("overlap",)
+            ),
+        },
+        "train": {
+            "data-prompts": Case(
+                ["train", "--data", prompts, "--target", t, "--output", str(w.root / "tr-p")], ("prompts",)
+            ),
+        },
+        "pipeline": {
+            "workdir-users": user_output(
+                w,
+                "users-workdir",
+                lambda o: ["pipeline", "--workdir", o, "--target", t, "--input", str(w.root / "answered.jsonl")],
+                "chat.jsonl",
+                "notes.md",
+            ),
+        },
+        "plan": {
+            "config-list-key": Case(
+                ["plan", "--config", str(_yaml(w, "listkey.yaml", "train: {? [a, b] : 1}\n"))], ("listkey.yaml",)
+            ),
+            "config-deep": Case(["plan", "--config", str(_yaml(w, "deep.yaml", deep))], ("deep.yaml",)),
+            "config-device": Case(["plan", "--config", "/dev/zero"], ("/dev/zero",)),
+            "cluster-inf": Case(
+                ["plan", "--cluster", str(_yaml(w, "inf-cluster.yaml", _cluster(".inf", 1)))], ("inf-cluster.yaml",)
+            ),
+            "cluster-huge": Case(
+                ["plan", "--cluster", str(_yaml(w, "huge-cluster.yaml", _cluster("1000000", 10**12)))],
+                ("huge-cluster.yaml",),
+            ),
+        },
+        "status": {"address-not-a-url": Case(["status", "--set", "ray.address=http://[::1"], ("ray.address",))},
+        "pause": {"name-empty": Case(["pause", "--name", ""], ("--name",))},
+        "scale": {"count-huge": Case(["scale", "generators", "99999999999"], ("99999999999",))},
+        "prompts": {
+            "input-s3-no-bucket": Case(
+                ["prompts", "--input", "s3://", "--output", str(w.root / "p6")], ("s3://",), env=_NO_S3
+            ),
+        },
+    }
+
+
+def all_doors(world: World) -> dict[str, dict[str, Case]]:
+    """`doors` and `more_doors` in one table."""
+    table = doors(world)
+    for command, cases in more_doors(world).items():
+        table[command].update(cases)
+    return table
+
+
 # the arguments each command cannot run without, for the cases every command shares
 REQUIRED = {
     "prompts": ["--input", "x.jsonl", "--output", "out"],
@@ -460,6 +570,7 @@ SHARED = {
     "setting-absurd": (["--set", "train.batch_size=" + "9" * 21], {}, ("train.batch_size",)),
     "setting-nan": (["--set", "train.lr=nan"], {}, ("train.lr",)),
     "setting-unknown": (["--set", "train.no_such_field=1"], {}, ("no_such_field",)),
+    "setting-lr-huge": (["--set", "train.lr=1e12"], {}, ("train.lr",)),
     "env-chunk-tiny": ([], {"DFLASH_RAY_S3_CHUNK_MB": "1e-9"}, ("DFLASH_RAY_S3_CHUNK_MB",)),
     "env-timeout-text": ([], {"DFLASH_RAY_S3_READ_TIMEOUT_S": "soon"}, ("DFLASH_RAY_S3_READ_TIMEOUT_S",)),
 }
@@ -487,7 +598,7 @@ def _stub_table() -> dict[str, dict[str, Case]]:
         (tmp / "completions").mkdir()
         (tmp / "completions" / "_manifest.json").write_text("{}")
         save_file(stub.weights, str(tmp / "drafter" / "model.safetensors"))
-        return doors(stub)
+        return all_doors(stub)
 
 
 STUB = _stub_table()
@@ -538,7 +649,7 @@ def _run(case: Case, capsys, monkeypatch, world_root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def table(world) -> dict[str, dict[str, Case]]:
-    return doors(world)
+    return all_doors(world)
 
 
 @pytest.mark.parametrize("command, name", [(c, k) for c, cases in STUB.items() for k in cases])

@@ -121,7 +121,7 @@ def test_status_and_scale_reach_a_generation_on_the_local_cluster(tmp_path):
         assert seconds < 30
         code, scaled, _ = command("scale", "generators", "2", "--name", name)
         assert code == 0 and scaled["generators_target"] == 2 and scaled["bounded"] is None, scaled
-        code, scaled, _ = command("scale", "generators", "99999999999999999999", "--name", name)
+        code, scaled, _ = command("scale", "generators", "10000", "--name", name)
         assert code == 0 and scaled["generators_target"] == 2 and "2 shards are left" in scaled["bounded"], scaled
         code, missing, seconds = command("status", "--name", f"{name}-not")
         assert code == 2 and "is running on this machine" in missing["error"] and seconds < 30, missing

@@ -509,3 +509,49 @@ def test_a_mean_sample_longer_than_the_targets_context_is_refused(capsys):
     tokens a sample, for hours."""
     error = _refused(capsys, "--set", "plan.prompts=1")
     assert "field 'plan.train_tokens'" in error and "max_position_embeddings=262144" in error
+
+
+@pytest.mark.parametrize(
+    "node, field, says",
+    [
+        ("{max_workers: 2, resources: {GPU: .inf, gen_node: 1}}", "resources.GPU", "whole number"),
+        ("{max_workers: 2, resources: {GPU: .nan, gen_node: 1}}", "resources.GPU", "whole number"),
+        ("{max_workers: 2, resources: {GPU: 0.5, gen_node: 1}}", "resources.GPU", "whole number"),
+        ("{max_workers: 2, resources: {GPU: true, gen_node: 1}}", "resources.GPU", "whole number"),
+        ("{max_workers: 2, resources: {GPU: 1000000, gen_node: 1}}", "resources.GPU", "<= 64"),
+        ("{max_workers: 1000000000000, resources: {GPU: 8, gen_node: 1}}", "max_workers", "<= 100000"),
+        ("{max_workers: 2.5, resources: {GPU: 8, gen_node: 1}}", "max_workers", "whole number"),
+    ],
+)
+def test_a_cluster_file_takes_whole_gpus_and_workers_in_range_naming_the_key(node, field, says, tmp_path):
+    from dflash_ray.planning import cluster_gpus
+
+    path = tmp_path / "cl.yaml"
+    path.write_text(
+        f"available_node_types:\n  gen: {node}\n  tr: {{max_workers: 2, resources: {{GPU: 8, train_node: 1}}}}\n"
+    )
+    with pytest.raises(DFlashError, match=says) as e:
+        cluster_gpus(str(path))
+    assert e.value.file == str(path) and e.value.field == f"available_node_types.gen.{field}"
+
+
+def test_a_cluster_file_too_deep_too_large_or_no_file_is_refused_naming_it(tmp_path, capsys):
+    from dflash_ray.planning import cluster_gpus
+
+    path = tmp_path / "cl.yaml"
+    path.write_text("available_node_types: " + "[" * 20000 + "]" * 20000 + "\n")
+    assert main(["plan", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cl.yaml" in err and "nested" in err and "internal error" not in err
+    many = "{max_workers: 100000, resources: {GPU: 64, %s: 1}}"
+    path.write_text(f"available_node_types:\n  gen: {many % 'gen_node'}\n  tr: {many % 'train_node'}\n")
+    with pytest.raises(DFlashError, match="1000000") as e:  # 6.4 million GPUs: more than a plan counts
+        cluster_gpus(str(path))
+    assert e.value.file == str(path)
+    with pytest.raises(DFlashError, match="not a regular file"):
+        cluster_gpus("/dev/zero")
+    path.write_text(
+        "available_node_types:\n  gen: {max_workers: 4, resources: {GPU: 8.0, gen_node: 1}}\n"
+        "  tr: {max_workers: 2, resources: {GPU: 8, train_node: 1}}\n"
+    )
+    assert cluster_gpus(str(path)) == (32, 16)  # 8.0 is a whole number

@@ -308,9 +308,12 @@ def test_netcheck_refuses_a_size_it_cannot_measure(megabytes, capsys):
         ("available_node_types: [1, 2]\n", "available_node_types"),
         (
             "available_node_types:\n  g: {max_workers: 2, resources: {GPU: eight, gen_node: 1}}\n",
-            "available_node_types.g",
+            "available_node_types.g.resources.GPU",
         ),
-        ("available_node_types:\n  g: {max_workers: -2, resources: {GPU: 8, gen_node: 1}}\n", "available_node_types.g"),
+        (
+            "available_node_types:\n  g: {max_workers: -2, resources: {GPU: 8, gen_node: 1}}\n",
+            "available_node_types.g.max_workers",
+        ),
     ],
 )
 def test_plan_names_the_bad_entry_of_a_cluster_file(text, field, tmp_path, capsys):
@@ -918,3 +921,28 @@ def test_the_pipeline_refuses_a_workdir_of_the_users_files(tmp_path, no_ray, mon
     (earlier / "notes.md").write_text("beside an earlier run's stages")
     assert main([*pipeline, str(earlier)]) == 2
     assert "the stages were reached" in _error(capsys)
+
+
+def test_an_empty_generation_name_and_a_generator_count_past_the_bound_are_refused_before_ray(capsys):
+    assert main(["pause", "--name", ""]) == 2
+    assert "'--name'" in _error(capsys)
+    assert main(["resume", "--name", "  "]) == 2
+    assert "'--name'" in _error(capsys)
+    assert main(["scale", "generators", "99999999999"]) == 2
+    err = _error(capsys)
+    assert "99999999999" in err and "10000" in err and "generators" in err
+
+
+def test_an_s3_uri_without_a_bucket_is_refused_naming_it(tmp_path, monkeypatch, capsys):
+    from dflash_ray import s3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fake")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake")
+    assert main(["prompts", "--input", "s3://", "--output", str(tmp_path / "out")]) == 2
+    err = _error(capsys)
+    assert "s3://: " in err and "no bucket" in err and "Parameter validation" not in err
+    with pytest.raises(DFlashError, match="no bucket") as e:
+        s3.split("s3:///key")
+    assert e.value.file == "s3:///key"
+    assert s3.split("s3://bucket") == ("bucket", "") and s3.split("s3://b/k/x") == ("b", "k/x")

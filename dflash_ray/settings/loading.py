@@ -5,6 +5,7 @@ dotted field (and the --set or file that gave it)."""
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Callable
 
 import yaml
@@ -14,12 +15,29 @@ from dflash_ray.settings.coerce import build
 from dflash_ray.settings.run import RunConfig
 
 
+# A config is a page of settings: a file past this size, a value that expands (anchors repeated in
+# aliases) past this many values, or one nested deeper than this, is a mistake or an attack, never a
+# run's settings. Each is refused as it is read: whatever walks the settings later (the checks, the
+# JSON saved with every output) would run out of memory, time or Python's recursion on it.
+MAX_CONFIG_BYTES = 16 << 20
+MAX_VALUES = 1_000_000
+MAX_DEPTH = 100
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeys(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (the last would win unseen)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (the last would win unseen) and
+    a key that is a list or a mapping (no setting is named by one)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # `<<: *defaults`: keys this mapping's own may override
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key must be a name or a number, not a list or a mapping", key_node.start_mark
+                )
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -33,6 +51,63 @@ def _load_yaml(text: str | bytes) -> Any:
     return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 (a safe loader)
 
 
+def _too_large(value: Any, depth: int = 0) -> str | None:
+    """Why `value` (at `depth` levels down already) is too large to be settings, or None: each
+    alias counted as often as it appears, so that what a later reader expands is what is counted;
+    the walk stops at the bound, never expanding it."""
+    count, stack = 1, [(value, depth + 1)]
+    while stack:
+        node, level = stack.pop()
+        if level > MAX_DEPTH:
+            return f"nested more than {MAX_DEPTH} levels deep"
+        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
+        count += len(children) * (2 if isinstance(node, dict) else 1)  # a mapping's keys are values too
+        if count > MAX_VALUES:
+            return (
+                f"expands to more than {MAX_VALUES:,} values (anchors repeated through aliases, or one that "
+                "holds itself)"
+            )
+        stack.extend((child, level + 1) for child in children)
+    return None
+
+
+def _config_bytes(uri: str) -> bytes:
+    """A config file's bytes: a regular file (not a device, pipe or folder, which could be read
+    without end or block) of at most MAX_CONFIG_BYTES."""
+    from dflash_ray import storage
+
+    too_big = f"is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config file"
+    if storage.is_s3(uri):
+        if storage.size(uri) > MAX_CONFIG_BYTES:
+            raise DFlashError(too_big, file=uri)
+        return storage.read_bytes(uri)
+    fd = os.open(storage.local_path(uri), os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the open
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DFlashError("not a regular file (a device, pipe or folder): give a YAML file", file=uri)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise DFlashError(too_big, file=uri)
+    return data
+
+
+def read_yaml(uri: str) -> Any:
+    """A YAML file's value, read with every guard of a config file: a regular file of bounded size,
+    unique plain keys, bounded nesting and expansion; each fault refused naming the file."""
+    data = _config_bytes(uri)
+    try:
+        loaded = _load_yaml(data)
+    except yaml.YAMLError as e:
+        raise DFlashError(f"invalid YAML: {e}", file=uri) from None
+    except RecursionError:
+        raise DFlashError(f"nested more than {MAX_DEPTH} levels deep: not a config file", file=uri) from None
+    reason = _too_large(loaded)
+    if reason is not None:
+        raise DFlashError(f"{reason}: not a config file", file=uri)
+    return loaded
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one `a.b.c=value` override in place; the value is parsed as YAML (`1`, `true`, `[1]`)."""
     if "=" not in assignment:
@@ -44,13 +119,20 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise DFlashError(f"{key} is not a section", field=path)
+    where = f"--set {'.'.join(keys)}"
     try:
-        node[keys[-1]] = _load_yaml(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise DFlashError(
             f"{raw!r} is not a YAML value ({str(e).splitlines()[0]}); quote a string, write a list as [a, b]",
-            field=f"--set {'.'.join(keys)}",
+            field=where,
         ) from None
+    except RecursionError:
+        raise DFlashError(f"nested more than {MAX_DEPTH} levels deep", field=where) from None
+    reason = _too_large(value, depth=len(keys))
+    if reason is not None:
+        raise DFlashError(reason, field=where)
+    node[keys[-1]] = value
 
 
 def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -69,10 +151,7 @@ def read_settings(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
     if path in seen:
         raise DFlashError(f"`base` files form a loop: {' -> '.join(seen + (path,))}", file=path, field="base")
-    try:
-        loaded = _load_yaml(storage.read_bytes(path)) or {}
-    except yaml.YAMLError as e:
-        raise DFlashError(f"invalid YAML: {e}", file=path) from None
+    loaded = read_yaml(path) or {}
     if not isinstance(loaded, dict):
         raise DFlashError("a config file must hold a mapping", file=path)
     base = loaded.pop("base", None)

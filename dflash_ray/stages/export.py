@@ -22,7 +22,9 @@ def run_export(checkpoint: str, out_dir: str, *, dtype: str = "bfloat16", replac
     with `replace`)."""
     from dflash_ray.drafter.export_folder import exporting
 
-    with exporting(out_dir, (checkpoint,), made_from={"made_by": "export", "source": checkpoint}, replace=replace) as held:
+    with exporting(
+        out_dir, (checkpoint,), made_from={"made_by": "export", "source": checkpoint}, replace=replace
+    ) as held:
         summary = _export(checkpoint, out_dir, dtype)
         held.check()
     return summary

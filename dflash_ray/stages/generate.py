@@ -31,7 +31,7 @@ from typing import Any
 
 from dflash_ray import manifest, storage, writer
 from dflash_ray.cluster import connect
-from dflash_ray.config import GenerateConfig, RunConfig, check_lengths
+from dflash_ray.config import AutoscaleConfig, GenerateConfig, RunConfig, check_lengths
 from dflash_ray.errors import DFlashError
 from dflash_ray.generation import shards
 from dflash_ray.generation.fleet import POOL_TIMEOUT_S, check_room, follow_pool, refuse_same_name
@@ -170,11 +170,19 @@ def _pool(cfg: RunConfig):
 
 
 def scale(n: int, cfg: RunConfig) -> dict[str, Any]:
-    """Set the number of generator actors of a running generation (`dflash-ray scale generators N`)."""
+    """Set the number of generator actors of a running generation (`dflash-ray scale generators N`):
+    0, or a count the autoscaler's bound (generate.autoscale.max_generators' range) takes."""
+    import dataclasses
+
     import ray
 
     if n < 0:
         raise DFlashError(f"must be >= 0, got {n}", field="generators")
+    ok, allowed = {f.name: f for f in dataclasses.fields(AutoscaleConfig)}["max_generators"].metadata["range"]
+    if n > 0 and not ok(n):
+        raise DFlashError(
+            f"{n}: allowed: 0, or {allowed} (generate.autoscale.max_generators' range)", field="generators"
+        )
     status = ray.get(_pool(cfg).set_target.remote(n), timeout=POOL_TIMEOUT_S)
     if status.get("bounded"):
         log.warning("%s", status["bounded"])
@@ -226,6 +234,8 @@ def _manifest_of(output: str) -> dict[str, Any] | None:
 def _named(cfg: RunConfig, name: str | None) -> RunConfig:
     import dataclasses
 
+    if name is not None and not name.strip():
+        raise DFlashError("is empty: give the generation's name (generate.name), or leave --name out", field="--name")
     return cfg if name is None else dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate, name=name))
 
 
