@@ -104,9 +104,11 @@ def world(tmp_path_factory) -> World:
 
     from dflash_ray.stages.tokenize import run_tokenize
 
+    joined = ray.is_initialized()  # a session cluster an earlier test of this worker started stays up
     tokenizing = load_config(None, ["tokenize.tokenizer=qwen3", "ray.num_cpus=2"])
     run_tokenize(str(root / "completions"), str(root / "tokenized-here"), tokenizing)
-    ray.shutdown()  # every case starts with no Ray: a refusal must come before one starts
+    if not joined:
+        ray.shutdown()  # every case starts with no Ray: a refusal must come before one starts
     return World(root, target, str(root / "drafter"), {k: v.clone() for k, v in drafter.state_dict().items()})
 
 
@@ -611,13 +613,15 @@ def test_every_command_is_listed():
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    """Ray must not start: a refusal comes before it."""
+    """Ray must not start: a refusal comes before it. A cluster an earlier test of this worker left up
+    is hidden, so that a command reaches for Ray here exactly as it would in a fresh process."""
     import ray
 
     def refuse(*args, **kwargs):
         raise AssertionError("Ray started before the input was refused")
 
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
 
 
 def _run(case: Case, capsys, monkeypatch, world_root: Path) -> None:
