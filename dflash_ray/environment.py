@@ -34,9 +34,8 @@ VARIABLES: dict[str, Variable] = {
     "DFLASH_RAY_S3_CONNECT_TIMEOUT_S": Variable(10.0, 0.1, 3600, False, "seconds", "connecting to S3, per try"),
     "DFLASH_RAY_S3_READ_TIMEOUT_S": Variable(10.0, 0.1, 3600, False, "seconds", "each read of an S3 answer"),
     "DFLASH_RAY_S3_CONCURRENCY": Variable(16, 1, 1024, True, "requests", "ranged GETs at once in a model fetch"),
-    "DFLASH_RAY_S3_CHUNK_MB": Variable(
-        64.0, 1, 5120, False, "MiB", "the bytes one ranged GET of a model fetch asks for"
-    ),
+    # from 16 KiB (a file in many thousand ranges) to S3's largest part
+    "DFLASH_RAY_S3_CHUNK_MB": Variable(64.0, 1 / 64, 5120, False, "MiB", "what one ranged GET of a fetch asks for"),
 }
 
 
