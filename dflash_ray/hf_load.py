@@ -46,7 +46,7 @@ def check_no_code(folder: str | Path) -> None:
         try:
             data = json.loads(path.read_bytes())
         except (ValueError, UnicodeDecodeError) as e:
-            raise DFlashError(f"not JSON ({e}): a model folder's {name} must be", file=str(path)) from None
+            raise DFlashError(f"not valid JSON ({e}): a model folder's {name} must be", file=str(path)) from None
         except OSError as e:
             raise DFlashError(f"cannot be read: {e.strerror or e}", file=str(path)) from None
         if not isinstance(data, dict):

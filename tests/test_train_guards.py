@@ -74,8 +74,9 @@ def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_
 def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
     ray_cluster, target, data, tmp_path, capsys
 ):
-    """A rate that sends the weights to infinity: the first non-finite loss stops the run at that
-    step (no restart: it would diverge the same way), named, exit 2, with a summary that is JSON."""
+    """A rate and decay that send the weights to infinity (each update scales them by -1e13, within
+    every bound): the first non-finite loss stops the run at that step (no restart: it would
+    diverge the same way), named, exit 2, with a summary that is JSON."""
     import json
 
     from dflash_ray.cli import main
@@ -93,7 +94,7 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
         "--output",
         out,
         "--json",
-        *[x for s in SETTINGS + ["train.lr=1e30", "train.warmup_ratio=0"] for x in ("--set", s)],
+        *[x for s in SETTINGS + ["train.lr=10", "train.weight_decay=1e12", "train.warmup_ratio=0"] for x in ("--set", s)],
     ]
     assert main(args) == 2
     summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)

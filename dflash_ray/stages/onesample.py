@@ -224,7 +224,9 @@ def run_onesample(target: str, cfg: RunConfig, *, engine: str = "hf") -> dict[st
     family = families.get(drafter.cfg.family)
     drafts = drafter.cfg.block_size - family.first_prediction
     answer = _target_answer(model, prompt, drafts, ocfg, eos)
-    embed, head = load_embed_and_head(target_dir)
+    # in the float32 the target runs in here, as training casts them to its compute dtype (a bf16
+    # product on a CPU without bf16 units takes seconds a step)
+    embed, head = (t.float() for t in load_embed_and_head(target_dir))
     ids = torch.tensor([prompt + answer])
     mask = torch.zeros_like(ids)
     mask[0, len(prompt) :] = 1
