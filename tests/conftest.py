@@ -59,6 +59,48 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
+# What makes a test an integration test at run time, where no fixture says so: `make test-fast`
+# (which leaves integration out) fails such a test unmarked, naming the mark it lacks.
+_SLOW_PROGRAMS = ("python", "dflash-ray", "ray", "vllm")
+
+
+def _unmarked(what: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"this test {what} but is not marked integration: add @pytest.mark.integration")
+
+    return refuse
+
+
+def fast_loop_guards(monkeypatch) -> None:
+    """A Ray cluster, a vLLM engine or a Python (or CLI) subprocess refused, each naming the mark."""
+    import subprocess
+
+    import ray
+
+    from dflash_ray import hf_load
+
+    monkeypatch.setattr(ray, "init", _unmarked("starts Ray"))
+    monkeypatch.setattr(hf_load, "vllm_engine", _unmarked("starts a vLLM engine"))
+    popen_init = subprocess.Popen.__init__
+
+    def checked(self, args, *rest, **kwargs):
+        program = os.path.basename(str(args if isinstance(args, (str, os.PathLike)) else args[0]).split()[0])
+        if program.startswith(_SLOW_PROGRAMS):
+            _unmarked(f"runs {program} in a subprocess")()
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+
+
+@pytest.fixture(autouse=True)
+def _fast_loop_guard(request, monkeypatch):
+    """Guards each test not marked integration, where integration is left out (`make test-fast`)."""
+    if request.node.get_closest_marker("integration") is None and "not integration" in (
+        request.config.getoption("markexpr") or ""
+    ):
+        fast_loop_guards(monkeypatch)
+
+
 def free_port() -> int:
     """A port that binds now, drawn below the kernel's ephemeral range (32768 and up) and above Ray's
     worker ports (10002-19999): between this check and the server's own bind, no outgoing connection

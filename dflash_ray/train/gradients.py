@@ -45,7 +45,8 @@ def averaged(worker: Any, batch: dict[str, Any]):
 
 def accumulated(worker: Any, batches: Iterator[dict[str, Any]], passes: int):
     """`averaged` over several batches of this rank, one forward and backward at a time so the peak
-    is one batch's. Every rank makes `passes` of them (FSDP2 gathers and reduces in each, together):
+    is one batch's. Every rank makes `passes` of them (FSDP2 gathers and reduce-scatters in each,
+    together; the rows' all-reduce waits for the last: `across_rows`):
     a rank with fewer batches runs its last again at zero weight. Each backward is weighted by its
     own weight sum, and the gradients are divided by the union's once all are in (the reductions
     sum). Returns each real batch's `figures` and the union's (loss, weight sum)."""
@@ -55,7 +56,8 @@ def accumulated(worker: Any, batches: Iterator[dict[str, Any]], passes: int):
     found: list[dict[str, Any]] = []
     sums = torch.zeros(2, device=worker.place.device)
     batch: dict[str, Any] | None = None
-    for _ in range(passes):
+    for i in range(passes):
+        across_rows(worker.drafter, i == passes - 1)
         fresh = next(batches, None)
         batch = fresh if fresh is not None else batch  # past this rank's own: its last again
         assert batch is not None, "a rank has at least one batch a step"
@@ -72,6 +74,15 @@ def accumulated(worker: Any, batches: Iterator[dict[str, Any]], passes: int):
         if p.grad is not None:
             p.grad.div_(total)
     return found, float(sums[0] / total), float(total)
+
+
+def across_rows(drafter: torch.nn.Module, last: bool) -> None:
+    """An accumulation's passes reduce-scatter inside a row (a node's fast bus, the shards' memory
+    unchanged) and all-reduce across the rows only on the last: a run standing in for lost streams
+    sends its cross-node gradients once a step, as a calm one does."""
+    allow = getattr(drafter, "set_requires_all_reduce", None)  # an FSDP2 module; a lone rank has none
+    if allow is not None:
+        allow(last)
 
 
 def figures(worker: Any, out, batch: dict[str, Any]) -> dict[str, Any]:
