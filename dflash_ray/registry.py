@@ -160,7 +160,9 @@ def _download_folder(uri: str) -> str:
     bucket, key = s3.split(uri)
     out = cache_dir() / "s3" / bucket / key.strip("/")
     with _node_lock(f"s3--{bucket}--{key}"):  # actors of one node share one copy
-        model_fetch.fetch_folder(uri, out)  # ranged reads in parallel; resumed where a killed one stopped
+        # ranged reads in parallel, resumed where a killed one stopped; every file checked against its
+        # record or its store's checksum, here and at each later use (`model_fetch`)
+        model_fetch.fetch_folder(uri, out)
     return str(out)
 
 

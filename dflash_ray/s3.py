@@ -222,12 +222,14 @@ def errors_for(uri: str, action: str):
         raise clear from None
 
 
-def head(uri: str) -> dict:
-    """The object's metadata; a 404 says nothing of which is missing, the object or its bucket."""
+def head(uri: str, checksums: bool = False) -> dict:
+    """The object's metadata, with the checksums S3 keeps of it where `checksums` (`ChecksumMode`);
+    a 404 says nothing of which is missing, the object or its bucket."""
     bucket, key = split(uri)
+    mode = {"ChecksumMode": "ENABLED"} if checksums else {}
     try:
         with errors_for(uri, "GetObject"):
-            return client().head_object(Bucket=bucket, Key=key)
+            return client().head_object(Bucket=bucket, Key=key, **mode)
     except MissingObject:
         with errors_for(uri, "ListBucket"):
             if not _bucket_exists(bucket):

@@ -327,6 +327,42 @@ def size(uri: str) -> int:
     return local_path(uri).stat().st_size
 
 
+# the checksums S3 keeps of a whole object, by the names `fingerprint` gives them
+_S3_CHECKSUMS = {
+    "ChecksumCRC64NVME": "crc64nvme",
+    "ChecksumCRC32C": "crc32c",
+    "ChecksumCRC32": "crc32",
+    "ChecksumSHA256": "sha256",
+    "ChecksumSHA1": "sha1",
+}
+
+
+def fingerprint(uri: str) -> dict:
+    """A file's `size`, its `version` (S3: the ETag; local: the modification time), which changes
+    whenever its bytes do, and the `checksums` its store keeps of the whole file ({algorithm: hex}):
+    S3's full-object checksums, and the ETag as "md5" where it is the MD5 of the bytes (an upload in
+    one part, not encrypted by KMS or a customer's key). A multipart object's composite checksum
+    (`VALUE-N`) is of its parts, not of its bytes, and is left out."""
+    if not is_s3(uri):
+        stat = local_path(uri).stat()
+        return {"size": stat.st_size, "version": str(stat.st_mtime_ns), "checksums": {}}
+    import base64
+    import re
+
+    head = s3.head(uri, checksums=True)
+    checksums: dict[str, str] = {}
+    if head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
+        for field, algorithm in _S3_CHECKSUMS.items():
+            value = head.get(field)
+            if value and "-" not in value:
+                checksums[algorithm] = base64.b64decode(value).hex()
+    etag = str(head.get("ETag", ""))
+    plain = head.get("ServerSideEncryption") in (None, "AES256") and not head.get("SSECustomerAlgorithm")
+    if plain and re.fullmatch(r'"?[0-9a-f]{32}"?', etag):
+        checksums["md5"] = etag.strip('"')
+    return {"size": int(head["ContentLength"]), "version": etag, "checksums": checksums}
+
+
 def delete(uri: str) -> None:
     if is_s3(uri):
         bucket, key = s3.split(uri)
