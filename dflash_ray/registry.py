@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from dflash_ray import disk, model_fetch, s3, storage
+from dflash_ray import disk, model_fetch, progress, s3, storage
 from dflash_ray.errors import DFlashError
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -159,7 +159,8 @@ def _node_lock(name: str):
 def _download_folder(uri: str) -> str:
     bucket, key = s3.split(uri)
     out = cache_dir() / "s3" / bucket / key.strip("/")
-    with _node_lock(f"s3--{bucket}--{key}"):  # actors of one node share one copy
+    # actors of one node share one copy: those waiting for it move with the one fetching it
+    with progress.node_shared(_node_lock(f"s3--{bucket}--{key}"), f"fetching {uri} to the node's disk"):
         # ranged reads in parallel, resumed where a killed one stopped; every file checked against its
         # record or its store's checksum, here and at each later use (`model_fetch`)
         model_fetch.fetch_folder(uri, out)
@@ -172,7 +173,7 @@ def _hub_snapshot(repo_id: str, revision: str | None, need: str) -> str:
     from huggingface_hub import snapshot_download
 
     where = f"{repo_id}@{revision}" if revision else repo_id
-    with _node_lock(f"hub--{repo_id}"):
+    with progress.node_shared(_node_lock(f"hub--{repo_id}"), f"fetching {where} from the Hugging Face Hub"):
         try:
             return snapshot_download(
                 repo_id, revision=revision, allow_patterns=TOKENIZER_FILES if need == "tokenizer" else None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterator, cast
 import torch
 from torch import nn
 
+from dflash_ray import progress
 from dflash_ray.errors import DFlashError
 
 if TYPE_CHECKING:
@@ -166,17 +167,20 @@ def read_tensors(target_dir: str | Path, want) -> dict[str, torch.Tensor]:
 
     from dflash_ray import storage
 
-    if storage.is_s3(str(target_dir)):
-        from dflash_ray import tensor_ranges
+    with progress.doing(f"reading the tensors it needs of {target_dir}"):  # a start-up's wait names it
+        if storage.is_s3(str(target_dir)):
+            from dflash_ray import tensor_ranges
 
-        return tensor_ranges.read_tensors(str(target_dir), want)
-    target_dir = Path(target_dir)
-    weight_map = _weight_map(target_dir)
-    out = {}
-    for file in sorted({weight_map[k] for k in weight_map if want(k)}):
-        with safe_open(target_dir / file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys() if want(k)})
-    return out
+            return tensor_ranges.read_tensors(str(target_dir), want)  # its ranges counted as they arrive
+        target_dir = Path(target_dir)
+        weight_map = _weight_map(target_dir)
+        out = {}
+        for file in sorted({weight_map[k] for k in weight_map if want(k)}):
+            with safe_open(target_dir / file, "pt") as f:
+                for k in filter(want, f.keys()):
+                    out[k] = f.get_tensor(k)
+                    progress.add(out[k].nbytes)  # and the bytes read from the node's disk
+        return out
 
 
 def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

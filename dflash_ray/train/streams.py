@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from dflash_ray import progress
 from dflash_ray.cluster import on_node
 from dflash_ray.config import RunConfig
 from dflash_ray.drafter.families import mask_and_layer_ids
@@ -44,6 +45,17 @@ def node_of(_worker) -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def group_node(pg) -> str:
+    """The address of the node a stream's placement group was given (its bundles share one node):
+    known before any of its actors tells where it runs."""
+    import ray
+    from ray.util import placement_group_table
+
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    given = [address.get(i, "?") for i in placement_group_table(pg)["bundles_to_node_id"].values()]
+    return given[0] if given else "?"
 
 
 def rendezvous_of(_worker) -> tuple[str, int]:
@@ -123,6 +135,9 @@ class Streams:
         # how the drafters hold their weights (`train/mesh.py`): the kind, and its rows of streams
         self.sharding = mesh.kind_of(cfg.train.layout)
         self.rows: list[list[int]] = []
+        # each stream actor's Ray name (what its progress is published under) and its node's address
+        self.keys: dict[Any, str] = {}
+        self.placed_on: dict[Any, str] = {}
 
     @property
     def direct(self) -> bool:
@@ -153,11 +168,14 @@ class Streams:
         """The results of calls on `actors` (one each, in order) under a deadline (`deadlines`): an
         error as soon as it is known, and an actor past the deadline named (a log line, the
         `dflash_train_stalls` counter). `progressing`: work that tells its progress (a start-up, a
-        warm-up), given `limit_s` to begin and then waited for while it moves (`Deadlines.wait_progressing`)."""
+        warm-up), each actor given `limit_s` to begin and then waited for while its own progress
+        moves (`Deadlines.wait_progressing`): one that stops is named while the others still move."""
         try:
-            if progressing:
+            if progressing:  # each actor's progress is published under its Ray name (`progress`)
                 first_s = self.deadlines.floor_s if limit_s is None else limit_s
-                return self.deadlines.wait_progressing(refs, self.names(actors), what, first_s)
+                keys = [self.keys[a] for a in actors]
+                nodes = [self.placed_on[a] for a in actors]
+                return self.deadlines.wait_progressing(refs, self.names(actors), what, first_s, keys, nodes)
             return self.deadlines.wait(refs, self.names(actors), what, limit_s, watch)
         except Stalled as e:
             self._count(e)
@@ -183,7 +201,7 @@ class Streams:
         import ray
 
         tcfg = self.cfg.train
-        self.targets = []
+        self.targets, self.keys, self.placed_on = [], {}, {}
         for team in self.teams:
             team.drafters = []
         # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
@@ -195,7 +213,8 @@ class Streams:
         self.note_lost(step)  # Ray may take seconds to call a node dead: named here if not at the failure
         for s, pg in enumerate(self.groups):
             self._start_stream(s, pg, n)
-        # actors load their weights in their constructors: the start-up waits while bytes arrive
+        # actors load their weights in their constructors: the start-up waits on each while its bytes
+        # arrive (fetched, or read from the node's disk)
         actors = self.targets + self.drafters
         starting = self.deadlines.floor_s + tcfg.placement_timeout_s  # processes start, torch imports
         placed = self.wait(
@@ -243,13 +262,18 @@ class Streams:
 
         tcfg = dataclasses.replace(self.cfg.train, num_streams=n)
         bundles = stream_bundles(tcfg)
+        node = group_node(pg)
+        named: list[str] = []
 
         def at(index: int, role: str) -> dict:
+            named.append(f"{self.run_name}-{role}-{s}")
+            # what an actor of an earlier attempt under this name told is not the new one's
+            progress.forget(named[-1:])
             return {
                 "num_cpus": tcfg.actor_cpus,
                 "num_gpus": bundles[index].get("GPU", 0),
                 "resources": on_node(tcfg.node_resource),
-                "name": f"{self.run_name}-{role}-{s}",
+                "name": named[-1],
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
             }
 
@@ -261,18 +285,22 @@ class Streams:
                 .options(**at(0, "stream"))
                 .remote(self.target, self.layer_ids, team.drafter_cfg_json, team.init, settings, s, n)
             )
-            return
-        self.targets.append(
-            ray.remote(TargetWorker).options(**at(0, "target")).remote(self.target, self.layer_ids, tcfg)
-        )
-        for i, team in enumerate(self.teams):
-            role = f"drafter-{team.name}" if team.name else "drafter"
-            settings = dataclasses.replace(team.cfg.train, num_streams=n)
-            team.drafters.append(
-                drafter_actor(DrafterWorker)
-                .options(**at(1 + i, role))
-                .remote(self.target, team.drafter_cfg_json, team.init, settings, s, n, team.pick)
+            started = [team.drafters[-1]]
+        else:
+            self.targets.append(
+                ray.remote(TargetWorker).options(**at(0, "target")).remote(self.target, self.layer_ids, tcfg)
             )
+            for i, team in enumerate(self.teams):
+                role = f"drafter-{team.name}" if team.name else "drafter"
+                settings = dataclasses.replace(team.cfg.train, num_streams=n)
+                team.drafters.append(
+                    drafter_actor(DrafterWorker)
+                    .options(**at(1 + i, role))
+                    .remote(self.target, team.drafter_cfg_json, team.init, settings, s, n, team.pick)
+                )
+            started = [self.targets[-1]] + [team.drafters[-1] for team in self.teams]
+        for actor, name in zip(started, named):
+            self.keys[actor], self.placed_on[actor] = name, node
 
     def warm_up(self, shapes: list[tuple[int, int, bool]]) -> dict[str, Any]:
         """Every graph shape of the run met before step 0, on every drafter rank together

@@ -7,7 +7,7 @@ most every `SAVE_EVERY_S` and once at the end: a warm-up killed half way (a dead
 keeps the compiles it did, and the restart compiles only the rest. Under the GPU's clocks
 (`train.clocks`) the shapes the clock charged a compile for are kept beside them, as the GPU's
 kernels travel in the artifacts. Each shape met is counted as progress (`dflash_ray.progress`): the
-coordinator waits while shapes are met. No Ray here.
+coordinator waits on each rank while it meets shapes. No Ray here.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ def warm_up(worker: Any, shapes: list[tuple[int, int, bool]], cache: str | None)
     compiles = worker.place.attention == "flex" or worker.clock.on
     keeper = _Keeper(worker, cache if cache and worker.rank == 0 and compiles else None)
     met = 0
-    for shape in shapes if compiles else []:
-        _meet(worker, shape)
-        met += 1
-        progress.add(1)  # the coordinator waits while shapes are met (`Deadlines.wait_progressing`)
-        keeper.maybe_save()
+    with progress.doing(f"compiling graph shapes ({len(shapes)} to meet)"):
+        for shape in shapes if compiles else []:
+            _meet(worker, shape)
+            met += 1
+            progress.add(1)  # the coordinator waits while this rank meets shapes (`Deadlines.wait_progressing`)
+            keeper.maybe_save()
     worker.drafter.zero_grad(set_to_none=True)
     saved = keeper.save() if met else {}
     return {
