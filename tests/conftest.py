@@ -23,7 +23,7 @@ _PORTS = range(20000 + _worker * 12000 // _workers, 20000 + (_worker + 1) * 1200
 
 # A test that asks for one of these is an integration test; so is one marked by hand (a vLLM engine,
 # a CLI in a subprocess). `make test-fast` runs the others: no Ray, S3 server or engine.
-INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "three_nodes"}
+INTEGRATION_FIXTURES = {"ray_cluster", "s3_endpoint", "s3_bucket", "three_nodes", "autoscaling_head"}
 INTEGRATION_FILES = {"test_job_submit.py", "test_local_cluster.py", "test_vllm_export.py", "test_gpu_check.py"}
 
 

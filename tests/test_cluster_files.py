@@ -102,6 +102,7 @@ def test_rayjob_manifest_references_real_entrypoints_and_matching_versions():
         assert int(limits["nvidia.com/gpu"]) in (4, 8)
 
 
+@pytest.mark.integration
 def test_one_job_entrypoint_runs_every_command_from_any_working_directory(tmp_path):
     """`ray job submit ... -- python jobs/run.py STAGE ARGS`: the script's folder heads `sys.path`
     under a job, so it must import the package from the tree it sits in, whatever the directory."""
@@ -171,6 +172,7 @@ def test_no_package_pin_outside_pyproject():
     assert {"torch", "vllm"} <= gpu  # the image's torch is the one vLLM's CUDA build wants
 
 
+@pytest.mark.integration
 def test_pins_reads_the_pins_the_makefile_installs():
     done = subprocess.run(
         [sys.executable, "tools/pins.py", "extra", "cpu", "torch"], cwd=ROOT, capture_output=True, text=True, check=True

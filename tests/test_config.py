@@ -199,6 +199,7 @@ def test_fields_replaced_by_command_line_flags_are_checked_too(tmp_path, capsys)
     assert "generate.generators" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_train_command_exits_2_at_once_naming_the_field(tmp_path):
     import subprocess
     import sys
@@ -335,6 +336,7 @@ def test_family_settings_are_one_section_read_by_the_family():
     assert [r.train.family for _, r in runs] == [{"selector_top_k": 8, "selector_rank": 4}, {}]
 
 
+@pytest.mark.integration
 def test_the_run_config_names_a_family_without_importing_torch():
     import json
     import subprocess
@@ -439,6 +441,7 @@ def test_an_unreachable_ray_address_fails_fast_naming_where_it_came_from():
         check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}", "ray.address")  # answers: fine
 
 
+@pytest.mark.integration
 def test_a_ray_address_that_is_no_url_or_whose_cluster_refuses_the_join_is_named(monkeypatch, capsys):
     """An address urlsplit cannot read, a service that is no Ray head, and a cluster that refuses the
     join (its token) are each one line naming ray.address (and RAY_AUTH_MODE for the token)."""

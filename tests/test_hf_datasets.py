@@ -263,6 +263,7 @@ MIX = {
 }
 
 
+@pytest.mark.integration
 def test_a_two_source_mix_of_hub_datasets_takes_each_count_reproducibly(tmp_path, hub_env):
     recipe, short = tmp_path / "recipe.yaml", tmp_path / "short.yaml"
     recipe.write_text(yaml.safe_dump(MIX))
@@ -311,6 +312,7 @@ def test_a_two_source_mix_of_hub_datasets_takes_each_count_reproducibly(tmp_path
     assert summary["warnings"] and "gave 6 of the 10" in summary["warnings"][0] and "warning" in stderr
 
 
+@pytest.mark.integration
 def test_a_dataset_missing_offline_or_a_bad_split_is_one_clear_error(tmp_path, hub_env):
     out = str(tmp_path / "out")
     runs, stderr = _cli_runs(
@@ -328,6 +330,7 @@ def test_a_dataset_missing_offline_or_a_bad_split_is_one_clear_error(tmp_path, h
     assert "prompts.sources" in nothing
 
 
+@pytest.mark.integration
 def test_a_truncated_file_of_a_dataset_is_one_quarantine_entry(tmp_path, hub_env):
     out = tmp_path / "out"
     code, summary, stderr = _cli(

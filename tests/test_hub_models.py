@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SHA = "3f1c2a9b7d5e4f6a8b0c1d2e3f4a5b6c7d8e9f0a"
 CODE = """
 import json, sys
@@ -49,6 +51,7 @@ def _resolve(tmp_path, cache: Path, *names: str, cwd: Path | None = None) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 def test_a_hub_id_resolves_offline_to_its_pinned_snapshot(tmp_path, tiny_qwen3_dir):
     cache = _hub_cache(tmp_path / "hub", tiny_qwen3_dir)
     got = _resolve(
@@ -75,6 +78,7 @@ def test_a_hub_id_resolves_offline_to_its_pinned_snapshot(tmp_path, tiny_qwen3_d
     )
 
 
+@pytest.mark.integration
 def test_a_local_folder_shaped_like_a_hub_id_wins(tmp_path, tiny_qwen3_dir):
     cache = _hub_cache(tmp_path / "hub", tiny_qwen3_dir)
     work = tmp_path / "work"

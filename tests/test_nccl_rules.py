@@ -182,6 +182,7 @@ def test_a_send_unmatched_past_the_timeout_is_ended_by_the_watchdog_thread_and_a
     assert "the features' 'a' to rank 1 (send #2 to it)" in message and "collective_timeout_s=2" in message, message
 
 
+@pytest.mark.integration
 def test_the_watchdog_ends_a_rank_that_posts_a_send_and_goes_idle(capfd):
     from dflash_ray.train.p2p import WATCHDOG_EXIT_CODE
 

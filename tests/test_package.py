@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import torch
 
 
@@ -19,6 +21,7 @@ def _loaded(code):
 RAY_SHELLS = {"dflash_ray.generation.actors"}
 
 
+@pytest.mark.integration
 def test_no_core_module_loads_ray_vllm_or_boto3_on_import():
     """Every module of the package (transforms, model code, kernels, workers, stage drivers),
     imported all together, loads no Ray, vLLM or boto3: they come in where a function needs them."""
@@ -41,11 +44,13 @@ def test_no_core_module_loads_ray_vllm_or_boto3_on_import():
     assert not {"ray", "vllm", "boto3", "botocore"} & mods
 
 
+@pytest.mark.integration
 def test_cli_import_is_light():
     mods = _loaded("import dflash_ray.cli")
     assert not {"torch", "transformers", "ray"} & mods
 
 
+@pytest.mark.integration
 def test_kernels_live_in_the_package_namespace():
     mods = _loaded("import dflash_ray.kernels")
     assert "dflash_ray.kernels" in mods and "kernels" not in mods

@@ -63,6 +63,7 @@ def test_training_over_many_lengths_meets_one_attention_shape_per_bucket(tmp_pat
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+@pytest.mark.slow
 def test_compiled_flex_attention_compiles_one_graph_per_bucket_for_every_layer_type():
     """Forward only: compiled flex attention has no backward on the CPU (torch 2.13)."""
     torch._dynamo.reset()
@@ -115,6 +116,7 @@ def test_the_block_mask_traces_to_one_graph_per_bucket_for_every_layer_type():
     assert counters["stats"]["unique_graphs"] - graphs_before == 2  # buckets 64 and 96
 
 
+@pytest.mark.slow
 def test_a_compiled_function_past_its_shape_limit_raises_instead_of_running_eagerly(monkeypatch):
     monkeypatch.setattr(drafter_model, "MAX_SHAPES", 1)
     double = compile_static(lambda x: x * 2)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import torch
 from dflash_ray.drafter.loss import naive_loss
@@ -43,6 +45,7 @@ print("TRITON_OK")
 """
 
 
+@pytest.mark.slow
 def test_triton_kernel_matches_reference_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)

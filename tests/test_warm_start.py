@@ -104,6 +104,7 @@ print(json.dumps({"start": start, "fc": drafter.fc.weight.flatten()[:8].tolist()
 """
 
 
+@pytest.mark.integration
 def test_a_released_drafter_is_taken_by_its_hub_id_from_the_hub_cache(target, released, tmp_path):
     """Offline, as each node reads it: the Hub cache's snapshot of ORG/NAME, at main or a revision."""
     import os

@@ -72,6 +72,7 @@ def test_a_claim_on_s3_works_the_same(s3_bucket):
     _claims(f"{s3_bucket}/out")
 
 
+@pytest.mark.integration
 def test_the_claim_of_a_process_that_died_on_this_host_is_taken_over_at_once(tmp_path):
     folder = str(tmp_path / "out")
     code = f"from dflash_ray import writer; writer.claim({folder!r}, 'prompts'); import os; os._exit(0)"
