@@ -94,7 +94,11 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
         "--output",
         out,
         "--json",
-        *[x for s in SETTINGS + ["train.lr=10", "train.weight_decay=1e12", "train.warmup_ratio=0"] for x in ("--set", s)],
+        *[
+            x
+            for s in SETTINGS + ["train.lr=10", "train.weight_decay=1e12", "train.warmup_ratio=0"]
+            for x in ("--set", s)
+        ],
     ]
     assert main(args) == 2
     summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)
