@@ -414,3 +414,31 @@ def checkpoint_weights(output: str) -> tuple[int, bytes]:
     step = checkpoint.complete_steps(output)[-1]
     drafter, _ = checkpoint_files.assemble(checkpoint.step_dir(output, step))
     return step, save({k: v.contiguous() for k, v in drafter.state_dict().items()})
+
+
+@contextlib.contextmanager
+def joined_stream(target: str, cfg, init: str):
+    """A target actor and its drafter actor of one stream (`train.num_streams=1`), joined over a
+    free port: (target, drafter, layout). Both are killed on the way out: actors left alive would
+    hold the test cluster's CPUs from every later test."""
+    import json
+
+    import ray
+
+    from dflash_ray.train.handoff import Layout
+    from dflash_ray.train.shape import drafter_config
+    from dflash_ray.train.streams import free_port
+    from dflash_ray.train.target_worker import TargetWorker
+    from dflash_ray.train.workers import DrafterWorker
+
+    layout = Layout(streams=1, teams=1)
+    sender = ray.remote(TargetWorker).options(num_cpus=0.5).remote(target, [0, 1, 2], cfg.train)
+    config = json.dumps(drafter_config(target, cfg))
+    receiver = ray.remote(DrafterWorker).options(num_cpus=0.5).remote(target, config, init, cfg.train, 0, 1)
+    try:
+        port = free_port()
+        ray.get([r.join_run.remote("127.0.0.1", port, 0, layout) for r in (sender, receiver)])
+        yield sender, receiver, layout
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)

@@ -97,14 +97,16 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
 
     # every motif sample has one length, so length balancing would only draw another order of the same
     # samples; 24 steps on this seed learn the motif in the windowed order, less in some others (the
-    # test is of the Ray path, not of one order's luck: the order itself is tested in test_file_cache.py)
+    # test is of the Ray path, not of one order's luck: the order itself is tested in test_file_cache.py).
+    # Every valid anchor (35 a sample), so no draw's luck either: at lr 2e-2 the run is chaotic enough
+    # that one draw of 32 of them ended at tau 1.35, another at 1.72
     cfg = load_config(
         None,
         SETTINGS
         + [
             "train.lr=2e-2",
             "train.epochs=4",
-            "train.num_anchors=32",
+            "train.num_anchors=35",
             "train.heldout=4",
             "train.eval_every=4",
             "train.checkpoint_every=100",
@@ -248,37 +250,19 @@ def test_features_go_from_target_to_drafter_by_send_and_recv_with_only_their_sha
     the target computed, twice in a row (messages in order), and trains on it."""
     import pickle
 
+    from conftest import joined_stream
     from dflash_ray.train import handoff
-    from dflash_ray.train.handoff import Layout
-    from dflash_ray.train.streams import free_port
 
     cfg = load_config(None, SETTINGS + ["train.num_streams=1"])
-    layout = Layout(streams=1, teams=1)
     samples = [[(f"{data}/part-0.parquet", 0), (f"{data}/part-0.parquet", 3)], [(f"{data}/part-0.parquet", 7)]]
     expected = [TargetWorker(target, [0, 1, 2], cfg.train).features(b) for b in samples]
-    sender = ray.remote(TargetWorker).options(num_cpus=0.5).remote(target, [0, 1, 2], cfg.train)
-    receiver = (
-        ray.remote(DrafterWorker)
-        .options(num_cpus=0.5)
-        .remote(target, json.dumps(drafter_config(target, cfg)), "target", cfg.train, 0, 1)
-    )
-    try:  # actors left alive would hold the test cluster's CPUs from every later test
-        port = free_port()
-        ray.get(
-            [
-                sender.join_run.remote("127.0.0.1", port, 0, layout),
-                receiver.join_run.remote("127.0.0.1", port, 0, layout),
-            ]
-        )
+    with joined_stream(target, cfg, "target") as (sender, receiver, layout):
         refs = [sender.send_features.remote(b, [layout.drafter(0, 0)]) for b in samples]  # both posted at once
         metas = ray.get(refs)
         received = ray.get(
             [receiver.__ray_call__.remote(lambda w, m: handoff.taken(m, w.source, w.place.device), m) for m in metas]
         )
         stats = ray.get(receiver.train_step.remote(0, ray.get(sender.send_features.remote(samples[0], [1]))))
-    finally:
-        ray.kill(sender)
-        ray.kill(receiver)
     for meta, got, want in zip(metas, received, expected):
         assert len(pickle.dumps(meta)) < 2048 < want["features"].numel() * 4
         assert meta["bytes"] == sum(

@@ -43,9 +43,15 @@ class Blocks:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    seeds: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `num_anchors` anchors per sequence, uniform without replacement, sorted."""
+    """Up to `num_anchors` anchors per sequence, uniform without replacement, sorted. `seeds`: one
+    per row (`schedule.anchor_seed`), each row drawn from a generator of its own seed, so a row's
+    anchors depend on its sample alone, not on its batch-mates or on the draws made before it (a
+    run that lost streams draws what a calm one does); None: every row from `generator`, in turn."""
     mask = loss_mask.bool()
     valid = torch.zeros_like(mask)
     valid[:, :-1] = mask[:, :-1] & mask[:, 1:]
@@ -56,7 +62,8 @@ def sample_anchors(
         candidates = valid[b].nonzero().flatten().cpu()
         if candidates.numel() == 0:
             continue
-        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+        drawing = generator if seeds is None else torch.Generator().manual_seed(seeds[b])
+        pick = torch.randperm(candidates.numel(), generator=drawing)[:num_anchors]
         chosen = candidates[pick].sort().values
         anchors[b, : chosen.numel()] = chosen
         keep[b, : chosen.numel()] = True

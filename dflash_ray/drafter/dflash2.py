@@ -250,6 +250,7 @@ def forward_loss(
     length_bucket: int = 1,
     rule: str = MISSING_TRUE_TOKEN,
     detach_selector: bool = DETACH_SELECTOR_INPUTS,
+    anchor_seeds: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """DFlash's training forward (its blocks, weights, distillation and padding) plus the selector's
     CE; hits and the simulated tau are the selector walk's with true predecessors, which is the
@@ -268,6 +269,7 @@ def forward_loss(
         teacher=teacher,
         distill=distill,
         length_bucket=length_bucket,
+        anchor_seeds=anchor_seeds,
     )
     hidden, blocks, input_ids_BS = drafted.hidden_BQH, drafted.blocks, drafted.input_ids_BS
     B, S = input_ids_BS.shape

@@ -224,6 +224,7 @@ def forward_loss(
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
     length_bucket: int = 1,
+    anchor_seeds: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """`teacher`: the target's final-normed last hidden states [B, S, H] (position p: the distribution
     of token p + 1 through the frozen head), which the TV term needs; None falls back to CE + BCE on
@@ -243,6 +244,7 @@ def forward_loss(
         teacher=teacher,
         distill=0.0,
         length_bucket=length_bucket,
+        anchor_seeds=anchor_seeds,
         first_prediction=0,
     )
     blocks, input_ids_BS = drafted.blocks, drafted.input_ids_BS

@@ -95,12 +95,14 @@ class Family(Protocol):
         teacher: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
         distill: float = 0.0,
         length_bucket: int = 1,
+        anchor_seeds: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """One training forward: anchors, blocks, the drafter, the loss and the simulated tau.
         `gamma`: `train.loss_decay` (None: the family's default; `blocks.position_weights`);
         `teacher`: the target's last hidden states [B, S, H] where the settings `wants_target_distribution`,
         else distillation's top-k next-token ids and probabilities [B, S, k] (position p holds
-        the distribution of token p + 1); `length_bucket`: the context is padded to a multiple of it."""
+        the distribution of token p + 1); `length_bucket`: the context is padded to a multiple of it;
+        `anchor_seeds` [B]: each row's anchors from its own seed (None: `generator` draws them)."""
 
     def propose(
         self,

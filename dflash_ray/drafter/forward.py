@@ -78,14 +78,17 @@ def draft_blocks(
     distill: float,
     length_bucket: int,
     first_prediction: int = 1,
+    anchor_seeds: torch.Tensor | None = None,
 ) -> Drafted:
     """Padding to the length bucket, anchors, blocks (labels and weights for `first_prediction`;
-    distillation's soft targets when `distill` > 0), and the drafter's pass over them."""
+    distillation's soft targets when `distill` > 0), and the drafter's pass over them. `anchor_seeds`
+    [B]: each row's anchors drawn from its own seed (`blocks.sample_anchors`); None: from `generator`."""
     cfg = drafter.cfg
     features_BSF, input_ids_BS, loss_mask_BS, teacher = pad_to_bucket(
         length_bucket, features_BSF, input_ids_BS, loss_mask_BS, teacher
     )
-    anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator)
+    seeds = None if anchor_seeds is None else [int(x) for x in anchor_seeds.tolist()]
+    anchors, keep = sample_anchors(loss_mask_BS, num_anchors, generator, seeds)
     blocks = make_blocks(
         input_ids_BS,
         loss_mask_BS,
@@ -120,11 +123,13 @@ def forward_loss(
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
     distill: float = 0.0,
     length_bucket: int = 1,
+    anchor_seeds: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """`teacher`: the target's top-k next-token ids and probabilities [B, S, k] (`target_outputs`);
     `distill`: the share of each position's target they carry (the label carries the rest);
     `length_bucket`: the context is padded to a multiple of it (loss_mask 0 there, so the loss and
-    the anchors drawn are those of the unpadded batch) to bound the shapes attention sees."""
+    the anchors drawn are those of the unpadded batch) to bound the shapes attention sees;
+    `anchor_seeds` [B]: each row's own anchor seed (`draft_blocks`; None: `generator` draws them)."""
     drafted = draft_blocks(
         drafter,
         embed_VH,
@@ -138,6 +143,7 @@ def forward_loss(
         teacher=teacher,
         distill=distill,
         length_bucket=length_bucket,
+        anchor_seeds=anchor_seeds,
     )
     blocks = drafted.blocks
     out = dflash_loss(

@@ -6,7 +6,9 @@ instead of running the target's forward again. Each entry is one whole batch, ex
 gave it, so a hit is bitwise what a recompute would give. Training batches recur when `batch_size` is
 1 (a sample is its own batch every epoch); held-out batches recur at every evaluation whatever the
 size. Entries are kept first come, first kept, until the byte budget is spent: nothing is evicted, so
-a cache too small for the run still serves the samples it holds every epoch.
+a cache too small for the run still serves the samples it holds every epoch. The anchor seeds are no
+part of an entry: they name the epoch, and the target adds the present one's to every batch it serves
+(`target_worker.anchor_seeds`).
 """
 
 from __future__ import annotations

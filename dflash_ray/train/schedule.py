@@ -1,6 +1,7 @@
 """Which samples a run trains on and in what order: the dataset's samples, the held-out split (whole
 prompts), and a seeded order per epoch split over the streams. A step's batch follows from the step
-and the seed alone, so a resume replays exactly what an uninterrupted run does.
+and the seed alone, so a resume replays exactly what an uninterrupted run does; so do the anchors
+drawn on each of its samples (`anchor_seed`), whichever rank takes it and whatever it drew before.
 
 The order shuffles within windows of files (`train.shard_window`): the files in a seeded order, taken
 `window` at a time, each window's samples permuted together. A target actor keeps the files of the
@@ -16,6 +17,7 @@ about 6x the mean)."""
 from __future__ import annotations
 
 import collections
+import hashlib
 
 from dflash_ray import storage
 from dflash_ray.errors import DFlashError
@@ -23,6 +25,31 @@ from dflash_ray.errors import DFlashError
 RUNS_PER_CHUNK = 32  # runs of about one length shuffled together
 
 Sample = tuple[str, int]  # (tokenized file URI, row in it)
+
+
+def anchor_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of the anchors drawn on training sample `index` (its place in the run's training
+    samples) in `epoch` of a run of `train.seed`: a function of those three alone, never of a rank's
+    generator, so a run that lost streams, stood in for them and grew back draws the anchors an
+    undisturbed run draws. 63 bits: an int64 tensor carries it from the target to the drafter."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Drawn(tuple[str, int]):
+    """A training sample as a step takes it: the (uri, row) pair it equals and hashes as (so caches
+    and ledgers keyed by samples see no difference), carrying its `anchor_seed` for the epoch, which
+    travels with it to the target (`TargetWorker`) wherever Ray sends the batch."""
+
+    anchor_seed: int
+
+    def __new__(cls, sample: tuple[str, int], anchor_seed: int) -> Drawn:
+        drawn = super().__new__(cls, sample)
+        drawn.anchor_seed = anchor_seed
+        return drawn
+
+    def __reduce__(self):  # pickled with its seed (a tuple's own pickling would drop it)
+        return Drawn, (tuple(self), self.anchor_seed)
 
 
 class Schedule:
@@ -85,14 +112,17 @@ class Schedule:
             return o_step
         return o_step + self._first + (epochs - o_epoch - 1) * self.steps_per_epoch
 
-    def batch_for(self, step: int, stream: int) -> list[tuple[str, int]]:
+    def batch_for(self, step: int, stream: int) -> list[Drawn]:
+        """Stream `stream`'s samples at `step`, each with the seed of its anchors in the step's epoch."""
         epoch, offset = self.position(step)
         if epoch != self._epoch:
             self._order = self.order(epoch)
             self._epoch = epoch
         assert self._order is not None  # made above for the first epoch asked for
         start = offset + stream * self.batch
-        return [self.samples[j] for j in self._order[start : start + self.batch]]
+        return [
+            Drawn(self.samples[j], anchor_seed(self.seed, epoch, j)) for j in self._order[start : start + self.batch]
+        ]
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of the samples (indices into `samples`)."""

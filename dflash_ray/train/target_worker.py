@@ -34,6 +34,16 @@ def pad_batch(rows: list[dict[str, list[int]]]) -> tuple[torch.Tensor, torch.Ten
     return ids, mask, attn
 
 
+def anchor_seeds(samples: list[Sample], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """`anchor_seed` [B] int64: the seed of each row's anchors, from the schedule's samples
+    (`schedule.Drawn`); nothing for samples without one (held-out ones: an evaluation draws its
+    anchors from a fixed seed). On the batch's device, since send/recv moves device tensors alone."""
+    seeds = [getattr(s, "anchor_seed", None) for s in samples]
+    if not seeds or any(seed is None for seed in seeds):
+        return {}
+    return {"anchor_seed": torch.tensor(seeds, dtype=torch.long, device=device)}
+
+
 class TargetWorker:
     def __init__(self, target: str, layer_ids: list[int], cfg: TrainConfig):
         from dflash_ray import hf_load
@@ -120,6 +130,7 @@ class TargetWorker:
         # computed before: the frozen target would give the same tensors again (kept on the host)
         kept = self.cache.get(samples, "cpu" if to_host else device)
         if kept is not None:
+            kept.update(anchor_seeds(samples, "cpu" if to_host else device))
             return {**kept, "seconds": time.perf_counter() - start, "read_bytes": 0}
         rows = [self.reader.row(uri, row) for uri, row in samples]
         for (uri, row), sample in zip(samples, rows):  # one len() each: padding would hide the mismatch
@@ -154,9 +165,10 @@ class TargetWorker:
             batch.update(teacher_ids=teacher_ids.int(), teacher_probs=teacher_probs.half())
         if self.last_hidden:
             batch["target_hidden"] = hidden.to(feats.dtype)
-        self.cache.keep(samples, batch)
+        self.cache.keep(samples, batch)  # without the anchor seeds: a later epoch's are others
         for key, value in batch.items():
             batch[key] = self._staged(key, value) if to_host else value.to(device)
+        batch.update(anchor_seeds(samples, "cpu" if to_host else device))
         # the compute stream alone: a device-wide synchronization would wait for this target's own
         # sends still unmatched (NCCL's stream), which its drafter takes only at its next step
         wait_compute(device)

@@ -1,8 +1,9 @@
 """The drafter's side of a training stream, as plain classes (Ray makes them actors at launch).
 
-`DrafterWorker` owns the drafter, the frozen embedding and LM head, the optimizer and schedule and
-the anchor RNG; it computes the loss and gradients on the features it is given (by the stream's
-`target_worker.TargetWorker`) and steps. With several streams the drafters shard the weights,
+`DrafterWorker` owns the drafter, the frozen embedding and LM head, the optimizer and schedule; it
+computes the loss and gradients on the features it is given (by the stream's
+`target_worker.TargetWorker`) and steps. A training batch's anchors come from seeds it carries, one
+per sample (`schedule.anchor_seed`), never from a rank's generator. With several streams the drafters shard the weights,
 gradients and optimizer state among themselves (`fsdp`, FSDP2 over torch.distributed: NCCL between
 GPUs, gloo on the CPU). `ColocatedWorker` is both in one process, on one device: the features never
 leave it. Each places itself with `devices.actor_placement` (the GPU Ray gave it, or the CPU). None
@@ -81,7 +82,8 @@ class DrafterWorker:
 
         self.flops_per_position = flops_per_position(self.drafter, self.head)
         self.peak_flops = peak_flops(device)  # None: a device without a known peak (no MFU)
-        # anchors are drawn on the CPU on every device, so a run's anchors do not depend on where it runs
+        # the anchors of a batch that carries no seeds of its own (one built by hand): drawn on the
+        # CPU on every device, so they do not depend on where the run runs
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
         self.total_steps = 1  # the rate's schedule in steps, for a worker driven by hand (`set_total_steps`)
         self.upload: Upload | None = None  # rank 0's checkpoint upload in flight (`checkpoint.Upload`)
@@ -180,9 +182,11 @@ class DrafterWorker:
         return self._forward(batch, torch.Generator().manual_seed(self.cfg.seed), False).tau.tolist()
 
     def _forward(self, batch: dict[str, Any], generator: torch.Generator, grad: bool, **extra: Any):
-        """The family's forward and loss on a batch. Compiled attention (GPU) builds one graph per
-        (batch, padded length, grad mode) on its first use in this process: `warm_up` meets them
-        all before step 0; under `train.clocks` the first use costs the GPU's compile time."""
+        """The family's forward and loss on a batch: each row's anchors from its seed where the batch
+        carries them (`anchor_seed`: the same whichever rank or pass takes the batch), else from
+        `generator`. Compiled attention (GPU) builds one graph per (batch, padded length, grad mode)
+        on its first use in this process: `warm_up` meets them all before step 0; under
+        `train.clocks` the first use costs the GPU's compile time."""
         from dflash_ray.drafter.forward import bucket_length
 
         device = self.place.device
@@ -202,6 +206,7 @@ class DrafterWorker:
                 generator=generator,
                 attention=self.place.attention,
                 length_bucket=self.cfg.length_bucket,
+                anchor_seeds=batch.get("anchor_seed"),
                 **extra,
             )
 
@@ -320,11 +325,12 @@ class DrafterWorker:
     def load_checkpoint(self, output: str, step: int) -> None:
         """This rank's shards of the weights and optimizer state, whatever the number of ranks that
         wrote them (`checkpoint_files.load` reads only the files its pieces lie in, each checked against the
-        manifest), and this rank's anchor RNG: `checkpoint.CorruptCheckpoint` when a file differs."""
+        manifest), and this rank's generator (`rng`, where the checkpoint has it; training's anchors
+        come from their samples' seeds, not from it): `checkpoint.CorruptCheckpoint` when a file differs."""
         from dflash_ray.train import checkpoint, checkpoint_files
 
         manifest = checkpoint.read_manifest(output, step)
-        rngs = json.loads(checkpoint.read_file(output, step, "state.json", manifest))["rng"]
+        rngs = json.loads(checkpoint.read_file(output, step, "state.json", manifest)).get("rng", [])
         checkpoint_files.load(self.drafter, self.opt, checkpoint.step_dir(output, step), manifest, self.ckpt_group)
         if self.rank < len(rngs):  # a rank a resharded resume adds keeps its seeded generator
             self.set_rng_state(bytes.fromhex(rngs[self.rank]))
