@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, group in (("unbalanced", 0), ("balanced", args.streams)):
         schedule = Schedule(samples, args.streams, 1, seed=0, window=4, lengths=lengths, group=group)
         figures[name] = round(schedule.straggler_ratio(range(schedule.steps_per_epoch)), 3)
+    figures["unbalanced_over_balanced"] = round(figures["unbalanced"] / figures["balanced"], 2)
     print(f"straggler_ratio_unbalanced: {figures['unbalanced']}")
     print(f"straggler_ratio_balanced: {figures['balanced']}")
-    print(f"step_wait_unbalanced_over_balanced: {figures['unbalanced'] / figures['balanced']:.2f}")
+    print(f"step_wait_unbalanced_over_balanced: {figures['unbalanced_over_balanced']:.2f}")
     if args.json:
         print(json.dumps({"mean_length": sum(lengths) / len(lengths), "streams": args.streams, **figures}))
     return 0

@@ -98,13 +98,13 @@ def _rank(rank: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dflash_ray.train.streams import free_port
 

@@ -58,13 +58,13 @@ def copy_prompts(texts: list[str], count: int, seed: int = 0) -> list[dict]:
     return records
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=320)
     parser.add_argument("--output", required=True, help="a chat JSONL `dflash-ray prompts` reads")
     parser.add_argument("--input", nargs="+", help="datasets to quote (default: the demo's bundled prompts)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dflash_ray.stages.demo import bundled_inputs
 

@@ -15,9 +15,10 @@ side by side in one process on SmolLM2-135M-Instruct's shapes (hidden 576, vocab
 
 The training cases on one thread, as a training actor has (`train.torch_threads`); the decoding one
 on every core, as evaluation runs. Each line: `name ratio` (old / new
-seconds, the median of `--repeats`).
+seconds, the median of `--repeats`). `--tokens` and `--set` (settings over the demo's in every
+training case) make a smaller run.
 
-    .venv/bin/python -m bench.demo_step [--repeats 5] [--json]
+    .venv/bin/python -m bench.demo_step [--repeats 5] [--tokens 166] [--set KEY=VALUE] [--json]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _loss_case(repeats: int) -> tuple[float, float]:
+def _loss_case(args) -> tuple[float, float]:
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -56,30 +57,33 @@ def _loss_case(repeats: int) -> tuple[float, float]:
     w2 = (torch.randn(vocab, rank, generator=g) * 0.02).requires_grad_()
     labels = torch.randint(0, vocab, (n,), generator=g)
     teacher = torch.randn(n, hidden, generator=g)
-    args = (h, markov, conf, head, w2, labels, teacher, Settings())
+    inputs = (h, markov, conf, head, w2, labels, teacher, Settings())
 
     def recomputed():
-        per, _ = checkpoint(_position_losses, *args, use_reentrant=False)
+        per, _ = checkpoint(_position_losses, *inputs, use_reentrant=False)
         per.sum().backward()
 
     def kept():
-        per, _ = _position_losses(*args)
+        per, _ = _position_losses(*inputs)
         per.sum().backward()
 
-    return _median_seconds(recomputed, repeats), _median_seconds(kept, repeats)
+    return _median_seconds(recomputed, args.repeats), _median_seconds(kept, args.repeats)
 
 
-def _sample() -> str:
-    """One tokenized file of one demo-length sample: 166 tokens, the last 130 the answer."""
+def _sample(tokens: int) -> str:
+    """One tokenized file of one sample of `tokens` tokens (a demo-length one: 166), the last 78% the
+    answer."""
     import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
-    ids = torch.randint(0, 49152, (166,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, 49152, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = tokens * 36 // 166
+    mask = [0] * prompt + [1] * (tokens - prompt)
     buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist([{"input_ids": ids, "loss_mask": [0] * 36 + [1] * 130, "seq_len": 166}]), buf)
+    pq.write_table(pa.Table.from_pylist([{"input_ids": ids, "loss_mask": mask, "seq_len": tokens}]), buf)
     part = f"{tempfile.mkdtemp(prefix='bench-demo-step-')}/part-0.parquet"
     with open(part, "wb") as f:
         f.write(buf.getvalue())
@@ -89,31 +93,31 @@ def _sample() -> str:
 LAYERS = [1, 8, 15, 22, 28]  # five captured layers of SmolLM2's 30
 
 
-def _cache_case(repeats: int) -> tuple[float, float]:
+def _cache_case(args) -> tuple[float, float]:
     from dflash_ray.config import load_config
     from dflash_ray.registry import SMOLLM2
     from dflash_ray.train.target_worker import TargetWorker
 
-    part = _sample()
-    settings = ["train.drafter=dspark", "train.torch_threads=1"]
-    plain = TargetWorker(SMOLLM2, LAYERS, load_config(None, settings).train)
+    part = _sample(args.tokens)
+    settings = ["train.drafter=dspark", "train.torch_threads=1", *args.set]
+    plain = TargetWorker(SMOLLM2, LAYERS, load_config(None, settings + ["train.feature_cache_gb=0"]).train)
     cached = TargetWorker(SMOLLM2, LAYERS, load_config(None, settings + ["train.feature_cache_gb=1"]).train)
     cached.features([(part, 0)])  # the first epoch's forward
-    return _median_seconds(lambda: plain.features([(part, 0)]), repeats), _median_seconds(
-        lambda: cached.features([(part, 0)]), repeats
+    return _median_seconds(lambda: plain.features([(part, 0)]), args.repeats), _median_seconds(
+        lambda: cached.features([(part, 0)]), args.repeats
     )
 
 
-def _dtype_case(repeats: int) -> tuple[float, float]:
-    return _step_case(repeats, ["train.dtype=float32"], ["train.dtype=bfloat16"])
+def _dtype_case(args) -> tuple[float, float]:
+    return _step_case(args, ["train.dtype=float32"], ["train.dtype=bfloat16"])
 
 
-def _hard_label_case(repeats: int) -> tuple[float, float]:
+def _hard_label_case(args) -> tuple[float, float]:
     # tv_weight 1e-9: the target's distribution computed, as hard labels alone computed it before
-    return _step_case(repeats, ["train.family.tv_weight=1e-9"], ["train.family.tv_weight=0"])
+    return _step_case(args, ["train.family.tv_weight=1e-9"], ["train.family.tv_weight=0"])
 
 
-def _hard_label_target_case(repeats: int) -> tuple[float, float]:
+def _hard_label_target_case(args) -> tuple[float, float]:
     """The target's batch for the demo's drafter, as it was with hard labels alone (tv_weight 1e-9
     reads the last hidden states) against now."""
     from dflash_ray.config import load_config
@@ -122,18 +126,18 @@ def _hard_label_target_case(repeats: int) -> tuple[float, float]:
     from dflash_ray.stages.demo import DEMO_SETTINGS
     from dflash_ray.train.target_worker import TargetWorker
 
-    part = _sample()
+    part = _sample(args.tokens)
     seconds = []
     for tv in ("1e-9", "0"):  # each batch a forward: the feature cache off
-        overrides = ["train.torch_threads=1", "train.feature_cache_gb=0", f"train.family.tv_weight={tv}"]
+        overrides = ["train.torch_threads=1", *args.set, "train.feature_cache_gb=0", f"train.family.tv_weight={tv}"]
         cfg = load_config(None, DEMO_SETTINGS + overrides)
         layers = drafter_config(SMOLLM2, cfg)["target_layer_ids"]
         target = TargetWorker(SMOLLM2, layers, cfg.train)
-        seconds.append(_median_seconds(lambda: target.features([(part, 0)]), repeats))
+        seconds.append(_median_seconds(lambda: target.features([(part, 0)]), args.repeats))
     return seconds[0], seconds[1]
 
 
-def _step_case(repeats: int, old: list[str], new: list[str]) -> tuple[float, float]:
+def _step_case(args, old: list[str], new: list[str]) -> tuple[float, float]:
     """A training step of the demo's drafter on one demo-length sample, under two sets of settings."""
     import json as json_
 
@@ -144,20 +148,20 @@ def _step_case(repeats: int, old: list[str], new: list[str]) -> tuple[float, flo
     from dflash_ray.train.target_worker import TargetWorker
     from dflash_ray.train.workers import DrafterWorker
 
-    part = _sample()
+    part = _sample(args.tokens)
     seconds = []
     for settings in (old, new):
-        cfg = load_config(None, DEMO_SETTINGS + ["train.num_streams=1", "train.torch_threads=1", *settings])
+        cfg = load_config(None, DEMO_SETTINGS + ["train.num_streams=1", "train.torch_threads=1", *args.set, *settings])
         drafter_json = json_.dumps(drafter_config(SMOLLM2, cfg))
         layers = json_.loads(drafter_json)["target_layer_ids"]
         batch = TargetWorker(SMOLLM2, layers, cfg.train).features([(part, 0)])
         worker = DrafterWorker(SMOLLM2, drafter_json, "auto", cfg.train, 0, 1)
         step = iter(range(10**6))
-        seconds.append(_median_seconds(lambda: worker.train_step(next(step), batch), repeats))
+        seconds.append(_median_seconds(lambda: worker.train_step(next(step), batch), args.repeats))
     return seconds[0], seconds[1]
 
 
-def _head_case(repeats: int) -> tuple[float, float]:
+def _head_case(args) -> tuple[float, float]:
     import torch
 
     from dflash_ray.drafter.model import head_logits
@@ -169,20 +173,24 @@ def _head_case(repeats: int) -> tuple[float, float]:
     torch.set_num_threads(os.cpu_count() or 1)
     try:
         return (
-            _median_seconds(lambda: [block @ head.t() for _ in range(many)], repeats) / many,
-            _median_seconds(lambda: [head_logits(block, head) for _ in range(many)], repeats) / many,
+            _median_seconds(lambda: [block @ head.t() for _ in range(many)], args.repeats) / many,
+            _median_seconds(lambda: [head_logits(block, head) for _ in range(many)], args.repeats) / many,
         )
     finally:
         torch.set_num_threads(threads)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=166, help="the training cases' sample (a demo-length one)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="over the demo's, every training case"
+    )
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     cases = {
         "dspark_loss_recomputed_over_kept": _loss_case,
@@ -194,7 +202,7 @@ def main() -> None:
     }
     result = {}
     for name, case in cases.items():
-        old, new = case(args.repeats)
+        old, new = case(args)
         result[name] = {"old_s": round(old, 4), "new_s": round(new, 4), "ratio": round(old / new, 2)}
         if not args.json:
             print(f"{name} {old / new:.2f}")

@@ -112,13 +112,13 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[], help="variants to leave out (e.g. dflash)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = run(args.steps, args.seed, tuple(args.skip))
     if args.json:
         print(json.dumps(results))

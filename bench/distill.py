@@ -9,7 +9,9 @@ a pipeline's kept-aside prompts. Needs a demo or pipeline workdir (its `tokenize
 
     .venv/bin/python -m bench.distill --workdir demo-run [--steps 400] [--json]
 
-Prints one line per drafter, then one ratio per line (distillation or mix over hard labels).
+Prints one line per drafter, then one ratio per line (distillation or mix over hard labels). The demo
+evaluates greedily (`evaluate.temperature=0`): the sampled figures and their ratios are then None, not
+measured; `--set evaluate.temperature=0.6` measures them.
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ import tempfile
 VARIANTS = {"hard": 0.0, "distill": 1.0, "mix": 0.5}
 
 
-def main() -> None:
+def ratio(value: float | None, base: float | None) -> float | None:
+    """`value / base`, or None (not measured) when either is: the sampled figures exist only when the
+    evaluation samples (`evaluate.temperature` above 0; the demo's settings are greedy only)."""
+    return round(value / base, 4) if value is not None and base else None
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True, help="a demo or pipeline workdir (file:// or s3://)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=2, help="sequences per step")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more settings")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
     from bench.side_by_side import train_side_by_side
@@ -80,9 +88,7 @@ def main() -> None:
         print(json.dumps(rows[name]), flush=True)
     for name in ("distill", "mix"):
         for key in ("tau", "tau_sampled"):
-            print(
-                json.dumps({"ratio": f"{name}_over_hard_{key}", "value": round(rows[name][key] / rows["hard"][key], 4)})
-            )
+            print(json.dumps({"ratio": f"{name}_over_hard_{key}", "value": ratio(rows[name][key], rows["hard"][key])}))
 
 
 if __name__ == "__main__":

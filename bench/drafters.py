@@ -5,7 +5,7 @@ one stream, sequences of `--seq-len` tokens, each actor on one torch thread.
 Printed, one ratio per line: the wall time of the whole job (actor starts, target passes,
 checkpoints), and the median step time after two warm-up steps (one run's step trains both).
 
-    .venv/bin/python -m bench.drafters [--steps 12] [--seq-len 512] [--json]
+    .venv/bin/python -m bench.drafters [--steps 12] [--seq-len 512] [--anchors 64] [--json]
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ def _step_s(folder: str) -> float:
     return statistics.median(m["step_seconds"] for m in metrics)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--anchors", type=int, default=64, help="blocks a sample a step (train.num_anchors)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    import ray
-
+    from bench.local_ray import local_ray
     from dflash_ray.registry import SMOLLM2, resolve
 
     target = resolve(SMOLLM2)
@@ -54,19 +54,18 @@ def main() -> None:
         "train.actor_cpus=0.5",
         "train.torch_threads=1",
         "train.num_layers=1",
-        "train.num_anchors=64",
+        f"train.num_anchors={args.anchors}",
         f"train.checkpoint_every={args.steps}",
         "train.epochs=1",
         "train.distill_top_k=16",
     ]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     both = json.dumps([{"name": "dflash"}, {"name": "dspark", **DSPARK}]).replace('"', "")
-    together, summary = _run(target, f"{work}/data", f"{work}/together", base + [f"train.drafters={both}"])
-    alone_dflash, _ = _run(target, f"{work}/data", f"{work}/dflash", base)
-    alone_dspark, _ = _run(
-        target, f"{work}/data", f"{work}/dspark", base + [f"train.{k}={v}" for k, v in DSPARK.items()]
-    )
-    ray.shutdown()
+    with local_ray(num_cpus=2):
+        together, summary = _run(target, f"{work}/data", f"{work}/together", base + [f"train.drafters={both}"])
+        alone_dflash, _ = _run(target, f"{work}/data", f"{work}/dflash", base)
+        alone_dspark, _ = _run(
+            target, f"{work}/data", f"{work}/dspark", base + [f"train.{k}={v}" for k, v in DSPARK.items()]
+        )
     step_together = _step_s(f"{work}/together/dflash")
     step_separate = _step_s(f"{work}/dflash") + _step_s(f"{work}/dspark")
     row = {

@@ -62,13 +62,13 @@ def plot(results: dict[str, dict], path: str) -> None:
     storage.write_bytes(path, buf.getvalue())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="demo-run", help="the demo's work folder (its generation is reused)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=1, help="every family's drafter layers")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dflash_ray.drafter.export import load_drafter
     from dflash_ray.stages.demo import demo_config, run_demo

@@ -30,7 +30,9 @@ from typing import Any
 MAX_NEW_TOKENS = 256
 
 
-def greedy_answers(prompts: str, path: Path, target_dir: str, tokenizer) -> list[dict[str, Any]]:
+def greedy_answers(
+    prompts: str, path: Path, target_dir: str, tokenizer, max_new_tokens: int = MAX_NEW_TOKENS
+) -> list[dict[str, Any]]:
     """The target's greedy answer to each prompt (kept in `path`: decoding them is minutes)."""
     if path.exists():
         return json.loads(path.read_text())
@@ -49,7 +51,7 @@ def greedy_answers(prompts: str, path: Path, target_dir: str, tokenizer) -> list
     for row in rows:
         text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        gen = target_decode(target, ids, MAX_NEW_TOKENS, eos)
+        gen = target_decode(target, ids, max_new_tokens, eos)
         out.append({"id": row["id"], "source": row["source"], "prompt": ids, "answer": gen.token_ids})
     path.write_text(json.dumps(out))
     return out
@@ -109,16 +111,17 @@ def variant(spec: str) -> tuple[str, list[str], str]:
     return name, [s for s in overrides if not s.startswith("init=")], init
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="tokenized training samples (a demo's tokenized/)")
     parser.add_argument("--eval", required=True, help="kept-aside prompts (a demo's prompts-eval/)")
     parser.add_argument("--unseen", required=True, help="prompts of unseen kinds (a demo's prompts-unseen/)")
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="of each greedy answer scored")
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,... (see the docstring)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
 
@@ -137,7 +140,10 @@ def main() -> None:
     target_dir = str(resolve(SMOLLM2))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     sets = {
-        name: answers_file(greedy_answers(uri, work / f"{name}.json", target_dir, tokenizer), work / f"{name}.parquet")
+        name: answers_file(
+            greedy_answers(uri, work / f"{name}.json", target_dir, tokenizer, args.max_new_tokens),
+            work / f"{name}.parquet",
+        )
         for name, uri in (("kept_aside", args.eval), ("unseen", args.unseen))
     }
     specs = [variant(s) for s in (args.variant or ["base:"])]

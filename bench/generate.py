@@ -26,16 +26,15 @@ def _case(prompts: str, work: str, name: str, overrides: list[str]) -> dict:
     return {k: summary[k] for k in ("tokens_per_s", "output_tokens", "prompts", "seconds", "generators_started")}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=27, help="the first N bundled demo prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--shard-size", type=int, default=8, help="prompts per shard = sequences per vLLM call")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    import ray
-
+    from bench.local_ray import local_ray
     from dflash_ray.config import load_config
     from dflash_ray.stages.prompts import run_prompts
     from dflash_ray.stages.demo import bundled_inputs
@@ -49,7 +48,6 @@ def main() -> None:
 
     storage.write_bytes(f"{work}/prompts.parquet", shard_bytes(manifest.read_rows(f"{work}/all", None, args.prompts)))
     prompts = f"{work}/prompts.parquet"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     common = [
         f"generate.max_tokens={args.max_tokens}",
         "generate.max_model_len=2048",
@@ -57,17 +55,17 @@ def main() -> None:
         f"generate.shard_size={args.shard_size}",
         "generate.temperature=0.6",
     ]
-    cases = {
-        "vllm_1": _case(prompts, work, "vllm1", common + ["generate.generators=1"]),
-        "vllm_2": _case(prompts, work, "vllm2", common + ["generate.generators=2"]),
-        "vllm_1_bf16": _case(
-            prompts, work, "vllm1-bf16", common + ["generate.generators=1", "generate.dtype=bfloat16"]
-        ),
-        "transformers_1": _case(
-            prompts, work, "hf1", common + ["generate.generators=1", "generate.backend=transformers"]
-        ),
-    }
-    ray.shutdown()
+    with local_ray(num_cpus=2):
+        cases = {
+            "vllm_1": _case(prompts, work, "vllm1", common + ["generate.generators=1"]),
+            "vllm_2": _case(prompts, work, "vllm2", common + ["generate.generators=2"]),
+            "vllm_1_bf16": _case(
+                prompts, work, "vllm1-bf16", common + ["generate.generators=1", "generate.dtype=bfloat16"]
+            ),
+            "transformers_1": _case(
+                prompts, work, "hf1", common + ["generate.generators=1", "generate.backend=transformers"]
+            ),
+        }
     result = {
         "vllm_over_transformers": round(cases["vllm_1"]["tokens_per_s"] / cases["transformers_1"]["tokens_per_s"], 2),
         "two_generators_over_one": round(cases["vllm_2"]["tokens_per_s"] / cases["vllm_1"]["tokens_per_s"], 2),

@@ -108,12 +108,12 @@ def _parameters(model_dir: str) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=16, help="prompts, all at once (the batch)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     load_before = os.getloadavg()
 
     import dataclasses

@@ -73,19 +73,13 @@ class Drafter:
         return time.time() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=5 * 5120, help="captured layers × hidden size")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-
+def _handoffs(args) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each path's handoff seconds (the warm-up round left out) and its bytes through Ray, between a
+    target and a drafter actor of one CPU each."""
     import ray
 
     from dflash_ray.train.streams import free_port
 
-    ray.init(num_cpus=2, object_store_memory=2 * 1024**3, include_dashboard=False, log_to_driver=False)
     target = ray.remote(Target).options(num_cpus=1).remote(args.tokens, args.hidden)
     drafter = ray.remote(Drafter).options(num_cpus=1).remote()
     port = free_port()
@@ -99,7 +93,23 @@ def main() -> None:
             if i:
                 seconds[path].append(taken)
             through_ray[path] = len(pickle.dumps(ray.get(handed)))
-    ray.shutdown()
+    for actor in (target, drafter):  # their process group with them, before another run's
+        ray.kill(actor)
+    return seconds, through_ray
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=5 * 5120, help="captured layers × hidden size")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from bench.local_ray import local_ray
+
+    with local_ray(num_cpus=2, object_store_memory=2 * 1024**3):
+        seconds, through_ray = _handoffs(args)
     median = {k: statistics.median(v) for k, v in seconds.items()}
     mb = 2 * args.tokens * args.hidden / 1e6
     row = {

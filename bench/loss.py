@@ -4,7 +4,7 @@ Each implementation runs forward + backward in a fresh subprocess; its peak memo
 resident set a sampling thread sees above the resident set once the inputs exist. Errors (loss and gradient, relative to the
 reference) are measured in one process on the same inputs, at `--error-positions` rows.
 
-    .venv/bin/python -m bench.loss [--positions 8192] [--json]
+    .venv/bin/python -m bench.loss [--positions 8192] [--cases 576x49152,...] [--json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-CASES = [(576, 49152), (1024, 49152), (576, 151936), (1024, 151936)]
+CASES = "576x49152,1024x49152,576x151936,1024x151936"  # hidden x vocabulary: SmolLM2's and Qwen3's heads
 
 
 def _inputs(n: int, hidden: int, vocab: int):
@@ -85,18 +85,19 @@ def errors(n: int, hidden: int, vocab: int) -> tuple[float, float]:
     return (abs(l - l_ref) / abs(l_ref)).item(), ((g - g_ref).abs().max() / g_ref.abs().max()).item()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--positions", type=int, default=8192)
     parser.add_argument("--error-positions", type=int, default=2048)
+    parser.add_argument("--cases", default=CASES, help="HIDDENxVOCAB, comma-separated")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", nargs=4, metavar=("IMPL", "N", "H", "V"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one:
         impl, n, h, v = args.one
         print(json.dumps(run_one(impl, int(n), int(h), int(v))))
         return
-    for hidden, vocab in CASES:
+    for hidden, vocab in (map(int, case.split("x")) for case in args.cases.split(",")):
         res = {}
         for impl in ("fused", "naive"):
             done = subprocess.run(

@@ -3,7 +3,7 @@ on the training side, side by side on the packaged SmolLM2 (a one-layer DFlash d
 blocks). Each line is the broken chain's acceptance over the intact one's (1.0: acceptance alone
 cannot see the break) and the served features' largest difference from the trained ones.
 
-    .venv/bin/python -m bench.onesample [--json]
+    .venv/bin/python -m bench.onesample [--set KEY=VALUE] [--json]
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_ray.stages.onesample import run_onesample
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="more settings (onesample.steps=2: a smoke run)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    cfg = load_config(None, ["train.num_layers=1", "train.block_size=4"])
+    cfg = load_config(None, ["train.num_layers=1", "train.block_size=4", *args.set])
     accepted = {}
     for kind in ("intact", "layers_reversed", "other_mask_token", "layers_shifted_by_one"):
         with broken(kind):
@@ -72,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         }
     for kind, figures in accepted.items():
         if kind != "intact":
-            ratio = figures["accepted_per_block"] / accepted["intact"]["accepted_per_block"]
+            intact = accepted["intact"]["accepted_per_block"]
+            # an intact chain that accepts nothing (too few steps to memorize) gives no ratio
+            ratio = f"{figures['accepted_per_block'] / intact:.3f}" if intact else "none"
             verdict = "passes" if figures["passed"] else "fails"
-            print(f"{kind}_over_intact: {ratio:.3f} (feature drift {figures['feature_drift']:.3g}, gate {verdict})")
+            print(f"{kind}_over_intact: {ratio} (feature drift {figures['feature_drift']:.3g}, gate {verdict})")
     if args.json:
         print(json.dumps(accepted))
     return 0

@@ -250,7 +250,7 @@ def score(drafter: str, prompts: dict[str, str], cfg, references: dict[str, dict
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="peers-run", help="a demo run's folder (its data reused), or a new one")
     parser.add_argument("--out", help="where the trainers write (default: WORKDIR/peers)")
@@ -273,7 +273,7 @@ def main() -> None:
         "--trainers", default=",".join(TRAINERS), help=f"which of {', '.join(TRAINERS)} to run, in that order"
     )
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
 

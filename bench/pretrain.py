@@ -13,7 +13,7 @@ Printed, a row per arm: the pretraining's steps, tokens and seconds, then tau on
 and the unseen prompts, lookup's on them, the first draft position and the training loss.
 
     .venv/bin/python -m bench.pretrain [--workdir DIR] [--steps 300] [--pretrain-steps 300] [--arms none,prompts,text]
-        [--sets kept,unseen] [--json]
+        [--sets kept,unseen] [--reuse-data] [--json]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def one_arm(run, arm: str, pretrain_steps: int, references: dict, sets: list[str
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="pretrain-run", help="work folder (a finished demo's outputs are reused)")
     parser.add_argument("--steps", type=int, default=300, help="distillation steps of every arm")
@@ -95,12 +95,17 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--sets", default="kept,unseen", help="prompt sets scored: kept (aside), unseen")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--reuse-data",
+        action="store_true",
+        help="read the workdir's prompts/, tokenized/ and prompt sets as they are (a finished demo's): no stage runs",
+    )
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from pathlib import Path
 
-    from bench.scaling import prepare, steps_config
+    from bench.scaling import finished, prepare, steps_config
     from dflash_ray.cli import summary_stdout
     from dflash_ray.stages.demo import bundled_inputs
 
@@ -131,7 +136,11 @@ def main() -> None:
     storage.require_folder(work)
     rows = []
     with summary_stdout(args.json) as out:
-        run, _ = prepare(cfg, progress=not args.json)
+        if args.reuse_data:
+            needed = {folder for arm in arms for folder in ARMS[arm]} | {SETS[name] for name in sets} | {"tokenized"}
+            run, _ = finished(cfg, not args.json, tuple(sorted(needed)))
+        else:
+            run, _ = prepare(cfg, progress=not args.json)
         references: dict = {}  # the target's own outputs, decoded once per prompt set
         for arm in arms:
             rows.append(one_arm(run, arm, args.pretrain_steps, references, sets, progress=not args.json))

@@ -14,7 +14,8 @@ Printed, a row per size: samples, their tokens, tau on the unseen prompts (and p
 first draft position's acceptance, seconds of training; then the fit and the crossing. `scaling.png`
 (in the work folder) draws it; `--copy-png` also writes it where given (bench/scaling.png).
 
-    .venv/bin/python -m bench.scaling [--workdir DIR] [--sizes 125,250,500,1000] [--steps 500 | --epochs 1] [--json]
+    .venv/bin/python -m bench.scaling [--workdir DIR] [--sizes 125,250,500,1000] [--steps 500 | --epochs 1]
+        [--reuse-data] [--json]
 
 Run it on a target of your own: `--set` takes any setting (`pipeline.target=...`,
 `pipeline.inputs=[...]`, `pipeline.unseen_prompts=[...]`), as `dflash-ray pipeline` does.
@@ -76,6 +77,19 @@ def prepare(cfg, progress: bool) -> tuple[Any, dict[str, Any]]:
         assert stage.step is not None
         run.summary.update(stage.step(run) or {})
     return run, run.summary
+
+
+def finished(cfg, progress: bool, folders: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+    """The run over a workdir whose `folders` are finished datasets (a demo's `tokenized/`,
+    `prompts-eval/`, ...), read as they are whatever settings made them: no stage runs."""
+    from dflash_ray.stages import PipelineRun
+    from dflash_ray.stages.pipeline import with_target_tokenizer
+
+    run = PipelineRun(with_target_tokenizer(cfg), progress)
+    missing = [f for f in folders if manifest.read_manifest(run.at(f)) is None]
+    if missing:
+        raise SystemExit(f"--reuse-data: {cfg.pipeline.workdir} has no finished {', '.join(missing)}")
+    return run, {}
 
 
 def one_size(run, size: int, references: dict, progress: bool, epochs: float | None = None) -> dict[str, Any]:
@@ -220,7 +234,7 @@ def plot(rows: list[dict[str, Any]], line: dict[str, Any], path: str) -> None:
     storage.write_bytes(path, buf.getvalue())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="scaling-run", help="work folder (its generation is reused)")
     parser.add_argument("--sizes", default="125,250,500,1000", help="samples per run, comma-separated")
@@ -233,8 +247,14 @@ def main() -> None:
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--copy-png", metavar="PATH", help="also write the plot here")
+    parser.add_argument(
+        "--reuse-data",
+        action="store_true",
+        help="read the workdir's tokenized/ and prompts-unseen/ as they are (a finished demo's): no self-prompting or "
+        "generation",
+    )
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from importlib import resources
 
@@ -258,7 +278,10 @@ def main() -> None:
     started = time.time()
     storage.require_folder(work)
     with summary_stdout(args.json) as out:  # Ray's worker logs to stderr: stdout holds the rows alone
-        run, data = prepare(cfg, progress=not args.json)
+        if args.reuse_data:
+            run, data = finished(cfg, not args.json, ("tokenized", "prompts-unseen"))
+        else:
+            run, data = prepare(cfg, progress=not args.json)
         references: dict = {}  # the target's own outputs on the unseen prompts, decoded once
         rows = []
         for size in sizes:

@@ -6,7 +6,7 @@ worker each, the production `train_step`), on the features of one SmolLM2 target
 score the same held-out samples (whole prompts kept out) with the same anchors. Needs a tokenized
 dataset of SmolLM2's own completions, e.g. a demo's `tokenized/` folder.
 
-    .venv/bin/python -m bench.start --data demo-run/tokenized [--steps 500] [--heldout 48] [--json]
+    .venv/bin/python -m bench.start --data demo-run/tokenized [--steps 500] [--heldout 48] [--set KEY=VALUE] [--json]
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import json
 import statistics
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="tokenized dataset (file:// or s3://)")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--heldout", type=int, default=48)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more settings")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from bench.side_by_side import train_side_by_side
     from dflash_ray.config import load_config
@@ -33,7 +34,9 @@ def main() -> None:
     from dflash_ray.train.workers import DrafterWorker
 
     # the demo's training settings, with both streams' samples in one batch
-    cfg = load_config(None, ["train.num_anchors=32", "train.lr=3e-3", "train.loss_decay=2", "train.torch_threads=2"])
+    cfg = load_config(
+        None, ["train.num_anchors=32", "train.lr=3e-3", "train.loss_decay=2", "train.torch_threads=2", *args.set]
+    )
     samples = dataset_samples(args.data)
     heldout, train = split_heldout(samples, args.heldout, cfg.train.seed, sample_prompts(samples))
     schedule = Schedule(train, 1, 2, cfg.train.seed)

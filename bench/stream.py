@@ -88,7 +88,7 @@ def _timed(fn, *args) -> tuple[list, float]:
     return lengths, time.perf_counter() - began
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=96)
     parser.add_argument("--shard-size", type=int, default=32)
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--long-every", type=int, default=8, help="one prompt in this many asks for a long text")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dflash_ray.config import GenerateConfig
     from dflash_ray.generation.engines import VLLMEngine

@@ -66,14 +66,15 @@ def single_process(src: str, out: str, cfg) -> int:
     return tokens
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=20000)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import ray
 
+    from bench.local_ray import local_ray
     from dflash_ray import manifest
     from dflash_ray.config import load_config
     from dflash_ray.stages.tokenize import run_tokenize
@@ -99,12 +100,11 @@ def main() -> None:
         base_tokens = single_process(single_src, f"{work}/single", cfg)
         base_s = time.perf_counter() - t0
 
-        num_cpus = os.cpu_count() or 2
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        t0 = time.perf_counter()
-        summary = run_tokenize(src_dir, f"{work}/ray", cfg)
-        ray_s = time.perf_counter() - t0
-        ray.shutdown()
+        with local_ray(num_cpus=os.cpu_count() or 2):
+            num_cpus = int(ray.cluster_resources()["CPU"])  # a caller's cluster may have other than this machine's
+            t0 = time.perf_counter()
+            summary = run_tokenize(src_dir, f"{work}/ray", cfg)
+            ray_s = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

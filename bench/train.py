@@ -5,7 +5,7 @@ step t) against the ideal 1 / max(t_target, t_drafter), the same two actors one 
 and the in-process baseline (target and drafter in one process, one after the other), with the
 SmolLM2-135M-Instruct target on sequences of `--seq-len` tokens.
 
-    .venv/bin/python -m bench.train [--steps 16] [--seq-len 512] [--json]
+    .venv/bin/python -m bench.train [--steps 16] [--seq-len 512] [--anchors 64] [--json]
 """
 
 from __future__ import annotations
@@ -83,15 +83,15 @@ def _fused(target: str, data: str, settings: list[str], steps: int) -> float:
     return 1 / statistics.median(times[2:])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--anchors", type=int, default=64, help="blocks a sample a step (train.num_anchors)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    import ray
-
+    from bench.local_ray import local_ray
     from dflash_ray.registry import SMOLLM2, resolve
 
     target = resolve(SMOLLM2)
@@ -102,18 +102,17 @@ def main() -> None:
         "train.actor_cpus=1",
         "train.torch_threads=1",
         "train.num_layers=1",
-        "train.num_anchors=64",
+        f"train.num_anchors={args.anchors}",
         f"train.checkpoint_every={args.steps}",
         "train.epochs=1",
     ]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    pipelined = _stream(target, f"{work}/data", f"{work}/pipe", base + ["train.max_in_flight=1"])
-    sequential = _stream(target, f"{work}/data", f"{work}/seq", base + ["train.max_in_flight=0"])
-    ray.shutdown()
+    with local_ray(num_cpus=2):
+        pipelined = _stream(target, f"{work}/data", f"{work}/pipe", base + ["train.max_in_flight=1"])
+        sequential = _stream(target, f"{work}/data", f"{work}/seq", base + ["train.max_in_flight=0"])
     fused = _fused(target, f"{work}/data", base, args.steps)
     ideal = 1 / max(pipelined["t_target"], pipelined["t_drafter"])
     row = {
-        "case": f"smollm2_seq{args.seq_len}_1layer_64anchors",
+        "case": f"smollm2_seq{args.seq_len}_1layer_{args.anchors}anchors",
         "t_target_s": round(pipelined["t_target"], 3),
         "t_drafter_s": round(pipelined["t_drafter"], 3),
         "ideal_steps_per_s": round(ideal, 3),
