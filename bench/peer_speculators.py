@@ -47,7 +47,7 @@ def command(args, draft: dict, data: Path, files: dict[str, Any], folder: Path) 
         "--data-path", str(data), "--hidden-states-backend", "file", "--on-missing", "raise",
         "--total-seq-len", str(files["longest"]), "--max-anchors", str(args.batch * args.anchors),
         "--train-data-ratio", "0.99", "--hidden-states-dtype", "bfloat16", "--num-workers", "0",
-        "--max-steps", str(args.steps), "--log-freq", "1", "--seed", "0", "--no-resume-from-checkpoint",
+        "--max-steps", str(args.steps), "--log-freq", "1", "--seed", str(getattr(args, "seed", 0)), "--no-resume-from-checkpoint",
         "--save-path", str(folder / "out"), "--log-dir", str(folder / "logs"),
     ]  # fmt: skip
 
