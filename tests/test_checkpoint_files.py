@@ -4,6 +4,7 @@ the same weights and AdamW moments bit for bit, assembles offline for export, an
 differs from the manifest is refused."""
 
 import datetime
+import pytest
 import os
 
 import torch
@@ -97,6 +98,7 @@ def _checkpoint(tmp_path) -> tuple[str, dict]:
     return folder, dict(results[0])
 
 
+@pytest.mark.slow
 def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp_path):
     from dflash_ray.train import checkpoint, checkpoint_files
 
@@ -123,6 +125,7 @@ def test_two_ranks_write_a_shard_each_and_one_process_loads_them_bit_for_bit(tmp
         assert torch.equal(p.detach(), held["weights"][name]), name
 
 
+@pytest.mark.slow
 def test_a_shard_that_differs_from_the_manifest_is_refused_naming_it(tmp_path):
     import pytest
 

@@ -333,6 +333,7 @@ def _trained_dflash2(tmp_path, steps=150):
     return target, drafter.eval(), embed, head, prompts, refs, untrained
 
 
+@pytest.mark.slow
 def test_speculative_output_equals_target_decode(tmp_path):
     target, drafter, embed, head, prompts, refs, untrained = _trained_dflash2(tmp_path)
     assert [u.token_ids for u in untrained] == [r.token_ids for r in refs]

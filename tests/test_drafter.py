@@ -180,6 +180,7 @@ def test_hooks_equal_hidden_states_and_padding(tiny_qwen3_dir, tiny_qwen35_dir):
         torch.testing.assert_close(batch[1, :7], alone[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_drafter_can_learn_and_untrained_stays_near_one(tmp_path):
     """The 'it can learn at all' gate: overfit a few sequences of a tiny target to tau >= 8."""
     path = tiny_qwen3(tmp_path / "t", num_layers=4, hidden_size=64, vocab_size=512)

@@ -5,6 +5,7 @@ stream; the order stays a seeded function of the step (an exact resume), every s
 from __future__ import annotations
 
 import collections
+import pytest
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,6 +87,7 @@ def test_balanced_steps_give_the_streams_samples_of_one_length(tmp_path):
     assert sorted(taken) == sorted(samples)
 
 
+@pytest.mark.slow
 def test_plan_reports_the_straggler_ratio_of_a_dataset(tmp_path, capsys):
     import json
 

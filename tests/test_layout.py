@@ -153,6 +153,7 @@ def _planned(world: int, replicas: int, keep: bool) -> dict[str, float]:
     return step["traffic_gb"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_traffic_the_plan_counts_is_what_real_gloo_ranks_send_and_every_layout_trains_alike(tmp_path):
     """Four gloo ranks on two 'nodes': one step of the tiny drafter sharded over all four (fsdp),
@@ -177,6 +178,7 @@ def test_traffic_the_plan_counts_is_what_real_gloo_ranks_send_and_every_layout_t
     assert results[1]["bytes"]["replicate"] < 0.25 * results[0]["bytes"]["shard"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_layout_bf16_reduce_trains_within_a_percent_of_fp32(tmp_path):
     """100 steps on two ranks, gradients reduce-scattered in bf16 against fp32 from the same start:
@@ -189,6 +191,7 @@ def test_layout_bf16_reduce_trains_within_a_percent_of_fp32(tmp_path):
     print(json.dumps({"fp32_mean_loss": mean32, "bf16_mean_loss": mean16, "ratio": mean16 / mean32}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_step_of_two_accumulated_passes_all_reduces_across_the_rows_once(tmp_path):
     """Four gloo ranks on two 'nodes' (hsdp: a row each), each rank standing in for a lost stream

@@ -160,12 +160,14 @@ def _run(scenario: str, timeout_s: float = 2.0) -> dict:
     return dict(results)
 
 
+@pytest.mark.slow
 def test_a_send_is_done_only_once_its_receive_is_posted():
     r = _run("matched")
     assert r[0]["done_before"] is False and r[0]["done_after"] is True, r
     assert r[1]["got"] == [[0.0, 1.0, 2.0, 3.0], [[1.0] * 3] * 2]
 
 
+@pytest.mark.slow
 def test_a_device_sync_waits_for_the_ranks_own_unmatched_send_and_raises_past_the_timeout():
     r = _run("sync_waits_for_own_send")
     assert "unmatched send" in r[0]["error"] and "to rank 1" in r[0]["error"], r[0]
@@ -174,6 +176,7 @@ def test_a_device_sync_waits_for_the_ranks_own_unmatched_send_and_raises_past_th
     assert "waits in a device synchronization" in message, message
 
 
+@pytest.mark.slow
 def test_a_send_unmatched_past_the_timeout_is_ended_by_the_watchdog_thread_and_at_the_next_call():
     r = _run("watchdog")
     assert "watchdog" in r[0]["error"] and "collective_timeout_s" in r[0]["error"], r[0]
@@ -198,11 +201,13 @@ def test_the_watchdog_ends_a_rank_that_posts_a_send_and_goes_idle(capfd):
     assert "collective_timeout_s=1" in err and f"exit code {WATCHDOG_EXIT_CODE}" in err, err
 
 
+@pytest.mark.slow
 def test_the_watchdog_leaves_a_send_matched_within_the_timeout_alone():
     r = _run("watchdog_matched", timeout_s=1.0)  # with the watchdog's own action: ends the process
     assert r[0]["ledger_sent"] == {1: 2} and r[0]["fired"] == [], r[0]
 
 
+@pytest.mark.slow
 def test_a_pairs_first_message_waits_for_both_sides():
     r = _run("no_greeting")
     assert "first message to rank 1" in r[0]["error"], r[0]

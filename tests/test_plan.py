@@ -50,6 +50,7 @@ def small_target(tmp_path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_plan_counts_the_cluster_gpus_and_projects_the_seed_workload(capsys, small_target):
     out = _plan(capsys, "--cluster", str(ROOT / "cluster.yaml"), "--set", "train.num_streams=8", *small_target)
     # gen_b200 + gen_h200: 4 nodes x 8 GPUs each; train_h200: 2 nodes x 8 GPUs, which 8 paired streams fill
@@ -107,6 +108,7 @@ def test_measured_rates_replace_the_simulated_ones(capsys, small_target):
     assert busy_s == pytest.approx(generation["output_tokens"] / 400, rel=0.01)
 
 
+@pytest.mark.slow
 def test_generation_is_simulated_from_the_engines_settings_and_the_lengths(capsys, small_target, tmp_path):
     """Its time grows with generate.max_tokens (fewer responses cut), follows plan.dataset's lengths
     (a completions dataset; one the dataset shows cut continues past its cut under a larger cap), and
@@ -230,6 +232,7 @@ PAIRED = [
 ]
 
 
+@pytest.mark.slow
 def test_plan_simulates_each_gpu_role_of_the_preset_at_its_real_shape(capsys):
     """Per role: memory by category with a total, FLOPs counted, a step time and whether it fits an
     H200; the target's bf16 27B weights, the drafter's FSDP2 shard beside the frozen head and its
@@ -256,6 +259,7 @@ def test_plan_simulates_each_gpu_role_of_the_preset_at_its_real_shape(capsys):
     assert roles["generator"]["sequences_at_max_model_len"] >= 1 and "estimator" in out
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_role_above_the_gpus_memory(capsys):
     """One stream at 4,096 anchors: its first step fits (130 GB), its warm steps (AdamW's moments
     alive through the forward) do not."""
@@ -266,6 +270,7 @@ def test_plan_refuses_a_role_above_the_gpus_memory(capsys):
     assert 135.6 < peak < 150
 
 
+@pytest.mark.slow
 def test_the_drafter_step_is_simulated_warm_with_zero_grad_where_the_worker_puts_it():
     """AdamW's moments are alive at the simulated peak; the worker frees last step's gradients
     before the forward, the code as measured on the H200 kept them (zeroed) through it."""
@@ -316,6 +321,7 @@ def test_a_targets_attention_is_counted_where_the_flop_counter_sees_none():
     assert target_forward(cfg, [1], Sample(256, 64), top_k=0)["flops_per_step"] == 2 * (linear + attention)
 
 
+@pytest.mark.slow
 def test_dspark_and_dflash2_presets_count_what_their_losses_add():
     """DSpark's target also runs its head for the top-k it sends; DFlash2's drafter walks the head's
     full-vocabulary top-K: the simulation counts them from their code. Each preset's roles at its
@@ -340,6 +346,7 @@ def test_dspark_and_dflash2_presets_count_what_their_losses_add():
             assert found["stream"]["parameters"] > dflash["stream"]["parameters"]  # its convolutions and selector
 
 
+@pytest.mark.slow
 def test_the_simulated_gpu_check_is_within_a_tenth_of_the_h200_measurement():
     """bench.simulate: the GPU check's colocated step (54.5 GB of max_memory_allocated measured on an
     H200 over six steps) simulated warm at its exact shapes by the plan's own code, zero_grad where the
@@ -351,6 +358,7 @@ def test_the_simulated_gpu_check_is_within_a_tenth_of_the_h200_measurement():
     assert 0.95 <= sim["step_seconds"] / MEASURED["step_seconds"] <= 1.05
 
 
+@pytest.mark.slow
 def test_train_refuses_a_gpu_run_whose_drafter_would_not_fit_before_any_actor(tmp_path):
     import shutil
 
@@ -381,6 +389,7 @@ def _refused(capsys, *args: str) -> str:
     return json.loads(capsys.readouterr().out)["error"]
 
 
+@pytest.mark.slow
 def test_plan_runs_every_preflight_a_run_makes(capsys):
     """The preset itself passes; a bucket that gives its compiled attention more graphs than it may
     hold is refused naming both fields, and so is generation's length rule (which `pipeline` runs)."""

@@ -38,6 +38,7 @@ def pretrained(tmp_path_factory):
     return run_pretrain(SMOLLM2, [data], str(root / "out"), cfg, progress=False), str(root / "out"), data
 
 
+@pytest.mark.slow
 def test_the_drafter_learns_the_text_and_is_exported_for_a_warm_start(pretrained):
     from dflash_ray.data.pretrain_text import data_files, documents
     from dflash_ray.registry import load_tokenizer
@@ -53,6 +54,7 @@ def test_the_drafter_learns_the_text_and_is_exported_for_a_warm_start(pretrained
     assert json.load(open(f"{out}/config.json"))["architectures"] == ["DFlashDraftModel"]
 
 
+@pytest.mark.slow
 def test_train_starts_from_the_pretrained_drafter(pretrained):
     from dflash_ray.drafter.export import load_drafter
     from dflash_ray.train.shape import drafter_config, drafter_init

@@ -379,6 +379,7 @@ def test_an_unexpected_failure_says_it_is_a_bug(monkeypatch, capsys):
     }
 
 
+@pytest.mark.slow
 def test_unseen_prompts_that_the_run_trains_on_are_refused(tmp_path):
     from dflash_ray.stages.prompts import unseen_prompts
     from dflash_ray.stages.prompts import run_prompts
@@ -453,6 +454,7 @@ def test_onesample_refuses_more_blocks_than_the_target_has_positions(capsys):
     assert "field 'onesample.blocks'" in _error(capsys)
 
 
+@pytest.mark.slow
 def test_a_rerun_never_replaces_a_finished_dataset_made_from_other_inputs_or_settings(tmp_path, capsys):
     """prompts, responses and tokenize into a folder holding their finished dataset from other inputs
     or settings: refused naming what differs, the dataset intact; `--replace` makes it anew; the same
@@ -531,6 +533,7 @@ def test_an_answer_whose_thinking_never_closes_is_quarantined(tmp_path):
     assert summary["quarantine_kinds"] == {"unclosed_thinking": 1} and summary["prompts"] == 1
 
 
+@pytest.mark.slow
 def test_evaluate_names_a_drafter_of_another_target_or_a_damaged_one(tmp_path, tiny_qwen3_dir, capsys):
     from transformers import AutoConfig
 
@@ -606,6 +609,7 @@ def test_reasoning_content_is_the_answers_thinking_and_odd_turns_are_quarantined
     assert (row["reasoning"], row["text"]) == ("because", "final")
 
 
+@pytest.mark.slow
 def test_tokenize_names_a_misspelled_tokenizer_before_any_worker(tmp_path, capsys):
     answers = tmp_path / "c"
     assert main(["responses", "--input", _asset("demo_chats.jsonl"), "--output", str(answers)]) == 0
@@ -778,6 +782,7 @@ def _prompts(tmp_path, name="prompts") -> str:
     return str(tmp_path / name)
 
 
+@pytest.mark.slow
 def test_validate_and_evaluate_never_write_over_a_users_files_in_their_report_folder(tmp_path, capsys):
     """A report folder of the user's own files is refused with every file kept, and so is one that
     is or lies inside the input; a report folder a validation made is written again by a rerun."""
@@ -819,6 +824,7 @@ def test_validate_and_evaluate_never_write_over_a_users_files_in_their_report_fo
     assert sorted(p.name for p in mine.iterdir()) == ["evaluation.png", "report.md"]
 
 
+@pytest.mark.slow
 def test_tokenize_loads_its_tokenizer_on_the_driver_before_ray_starts(tmp_path, tiny_qwen3_dir, no_ray, capsys):
     """A model folder without tokenizer files, a file that is no tokenizer and a tokenizer without a
     chat template are each refused naming the setting, before any worker starts and before the

@@ -154,6 +154,7 @@ def test_a_released_drafter_saved_in_shards_starts_the_run(target, released, tmp
 @pytest.mark.parametrize(
     "family, extra", [("dflash", []), ("dflash2", []), ("dspark", ["train.family={markov_rank: 8}"])]
 )
+@pytest.mark.slow
 def test_each_familys_export_starts_a_run_whose_first_loss_is_the_exports(target, family, extra, tmp_path):
     """Export, warm start: the first step's loss is the exported drafter's own on the same batch and
     anchors, not a fresh start's."""
