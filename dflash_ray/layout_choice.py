@@ -142,3 +142,47 @@ def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
             f"against this config's {chosen['samples_per_s_per_gpu']}"
         )
     return out
+
+
+def degraded(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale, calm: dict) -> dict[str, Any]:
+    """The step of a run of `cfg` that lost one GPU, and one that lost one node, priced as the calm
+    step `calm` is: the streams still placed take the lost ones' batches (`schedule.slots`: the global
+    batch kept, `schedule.passes` forward and backward passes a step), on the mesh the run builds
+    from the placed ranks (`mesh.rows_of`: hsdp's rows are the largest size that divides every
+    node's count, down to one, which is plain replication), each pass gathering and
+    reduce-scattering in its row, the all-reduce across the rows once a step (`gradients.accumulated`).
+    A loss below `train.min_streams` (unset: all of them) stops the run until the GPUs return."""
+    from dflash_ray.train.schedule import passes
+
+    tr = cfg.train
+    per_node = max(1, cfg.plan.gpus_per_node // stream_gpus(cfg))
+    out: dict[str, Any] = {}
+    for name, lost in (("one_gpu_lost", 1), ("one_node_lost", per_node)):
+        placed = tr.num_streams - lost
+        if placed < 1:
+            out[name] = {"streams_placed": 0, "goes_on": False, "why": "no stream is left"}
+            continue
+        fewer = dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=placed, min_streams=None))
+        priced = price(fewer, hf, sharding, longest, mean, stragglers, scale)
+        step = priced["_step"]
+        n = passes(placed, tr.num_streams)
+        # the cross-row all-reduce is made once a step; the compute and the in-row traffic every pass
+        across = step["traffic_s"].get("replicate", 0.0)
+        in_row = sum(step["traffic_s"].values()) - across
+        exposed_across = step["traffic_exposed_s"] * across / (across + in_row) if across + in_row else 0.0
+        step_s = n * (step["step_s"] - exposed_across) + exposed_across
+        floor = tr.min_streams or tr.num_streams
+        out[name] = {
+            "streams_placed": placed,
+            "goes_on": placed >= floor,
+            "why": f"{placed} placed of {tr.num_streams}, train.min_streams={floor}"
+            + ("" if placed >= floor else ": the run waits for the GPUs (or set train.min_streams lower)"),
+            "mesh": priced["mesh"],
+            "passes": n,
+            "fits": priced["fits"],
+            "peak_gb": priced["peak_gb"],
+            "step_s": simulate_job.significant(step_s),
+            "over_calm": round(step_s / calm["step_s"], 3),
+            "samples_per_s": simulate_job.significant(tr.num_streams * tr.batch_size / step_s),
+        }
+    return out

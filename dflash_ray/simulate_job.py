@@ -44,7 +44,7 @@ PUBLISHED = [
 ]
 
 
-def _sig(x: float) -> float:
+def significant(x: float) -> float:
     """Four significant digits: a tiny model's step is not zero."""
     return float(f"{x:.4g}")
 
@@ -112,13 +112,13 @@ def training_step(cfg, at_mean: dict[str, dict], stragglers: dict | None, gpu, s
     scale = np.ones(1) if scale is None else np.asarray(scale, dtype=float)
     straggle = stragglers["balanced"] if stragglers else 1.0
     out: dict[str, Any] = {
-        "drafter_compute_s": _sig(compute),
-        "drafter_layer_compute_s": _sig(role.get("layer_seconds", 0.0)),
+        "drafter_compute_s": significant(compute),
+        "drafter_layer_compute_s": significant(role.get("layer_seconds", 0.0)),
         "traffic_gb": {d: t["gb"] for d, t in role.get("traffic", {}).items()},
-        "traffic_s": {d: _sig(v) for d, v in by_dim.items()},
-        "traffic_exposed_s": _sig(exposed),
+        "traffic_s": {d: significant(v) for d, v in by_dim.items()},
+        "traffic_exposed_s": significant(exposed),
         "fsdp2_gb": role.get("collective_gb_per_step", 0.0),
-        "fsdp2_s": _sig(traffic_s),
+        "fsdp2_s": significant(traffic_s),
         "bus_gb_per_s": bus_bandwidth(cfg) or None,
         "node_bus_gb_per_s": node_bandwidth(cfg, gpu),
     }
@@ -127,7 +127,7 @@ def training_step(cfg, at_mean: dict[str, dict], stragglers: dict | None, gpu, s
         steps = drafter + target_s
         paths = {"drafter compute": compute, "traffic not hidden": exposed, "target forward": float(target_s.mean())}
         at_mean_s = drafter + target_alone * straggle
-        out["target_s"] = _sig(target_alone)
+        out["target_s"] = significant(target_alone)
     else:
         target = at_mean["target"]["step_seconds"] * straggle
         sent = max(r["memory_gb"].get("inputs", 0.0) for r in drafters.values())  # what a batch carries
@@ -136,10 +136,10 @@ def training_step(cfg, at_mean: dict[str, dict], stragglers: dict | None, gpu, s
         steps = np.maximum(drafter, feed) if tr.max_in_flight else drafter + feed
         paths = {"drafter compute": compute, "traffic not hidden": exposed, "target and transfer": float(feed.mean())}
         at_mean_s = max(drafter, target + transfer) if tr.max_in_flight else drafter + target + transfer
-        out |= {"target_s": _sig(target), "features_gb": sent, "transfer_s": _sig(transfer)}
+        out |= {"target_s": significant(target), "features_gb": sent, "transfer_s": significant(transfer)}
     step = float(steps.mean())
-    out["step_s_at_mean_length"] = _sig(at_mean_s)
-    out["step_s"] = _sig(step)
+    out["step_s_at_mean_length"] = significant(at_mean_s)
+    out["step_s"] = significant(step)
     out["traffic_exposed_share"] = round(exposed / step, 3) if step else 0.0
     out["bound"] = max(paths, key=lambda k: paths[k])
     return out

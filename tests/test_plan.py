@@ -88,6 +88,7 @@ def test_every_preset_plans_its_own_target_and_a_fallback_says_so():
     assert "falls back to Qwen/Qwen3.6-27B" in fallback_warning(bare)[0]
 
 
+@pytest.mark.slow
 def test_measured_rates_replace_the_simulated_ones(capsys, small_target):
     out = _plan(
         capsys,
@@ -221,6 +222,31 @@ def test_the_job_prices_the_bus_restarts_and_dollars_and_the_traffic_a_layout_se
     assert fast["stages"]["generation"]["dollars"] > 0 and "dollars" not in slow["job"]
     assert fast["throughput"]["samples_per_s"] > slow["throughput"]["samples_per_s"]
     assert fast["throughput"]["published"][0]["samples_per_s"] == 10.65
+
+
+@pytest.mark.slow
+def test_plan_prices_the_step_with_one_gpu_and_one_node_lost(capsys, small_target):
+    """4 streams on two nodes of 2, hsdp (2 x 2). One GPU lost: 3 placed, 2 and 1 a node, so the
+    rows are one rank (plain replication) and each placed stream makes two passes for the lost
+    one's batch; one node lost: 2 placed, one row of 2, two passes. Each step is dearer than the
+    calm one, the global batch kept; a loss below train.min_streams says the run waits."""
+    common = [*small_target, "--set", "train.num_streams=4", "--set", "plan.gpus_per_node=2"]
+    common += ["--set", "train.layout=hsdp", "--set", "train.colocate=true"]
+    out = _plan(capsys, *common, "--set", "train.min_streams=3")
+    training = out["training"]
+    calm, lost = training["step"]["step_s"], training["degraded"]
+    assert training["layout"]["mesh"] == {"replicas": 2, "shard": 2}
+    gpu, node = lost["one_gpu_lost"], lost["one_node_lost"]
+    assert gpu["streams_placed"] == 3 and gpu["mesh"] == {"replicas": 3, "shard": 1} and gpu["passes"] == 2
+    assert node["streams_placed"] == 2 and node["mesh"] == {"replicas": 1, "shard": 2} and node["passes"] == 2
+    assert gpu["goes_on"] and not node["goes_on"] and "train.min_streams=3" in node["why"]
+    for case in (gpu, node):
+        assert (
+            case["fits"]
+            and case["step_s"] > calm
+            and case["over_calm"] == pytest.approx(case["step_s"] / calm, rel=0.01)
+        )
+        assert case["samples_per_s"] == pytest.approx(4 / case["step_s"], rel=0.01)
 
 
 PRESET = ["--config", str(ROOT / "configs" / "qwen3.6-27b.yaml")]

@@ -39,7 +39,7 @@ from dflash_ray.planning import (
     target_summary,
     team_drafters,
 )
-from dflash_ray.layout_choice import choose
+from dflash_ray.layout_choice import choose, degraded
 from dflash_ray.stages import Stage
 
 
@@ -135,9 +135,19 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     eval_step_s = step.get("target_s", 0.0) + max(step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4)
     training = simulate_job.plan_training(cfg, step, mean, per_stream, weights, drafter_parameters, eval_step_s)
     warnings += _training_warnings(cfg, training, per_stream, train_gpus)
+    # a GPU or a node lost mid-run: priced as the calm step, then at the calm step's rate where it is measured
+    lost = degraded(cfg, hf, chosen["_sharding"], longest, mean, stragglers, scale, chosen["_step"])
+    rate = step["step_s"] / chosen["_step"]["step_s"]
+    for case in lost.values():
+        if "step_s" in case:
+            case |= {
+                "step_s": simulate_job.significant(case["step_s"] * rate),
+                "samples_per_s": simulate_job.significant(case["samples_per_s"] / rate),
+            }
     training |= {
         "gpus_per_stream": per_stream,
         "layout": layout,
+        "degraded": lost,
         "straggler_ratio": stragglers or "no tokenized plan.dataset: the step assumes streams of equal lengths",
         "rate_source": step["bound"]
         if step["bound"].startswith("measured")
