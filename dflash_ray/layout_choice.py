@@ -144,14 +144,18 @@ def choose(cfg, hf, longest, mean, stragglers, scale) -> dict[str, Any]:
     return out
 
 
-def degraded(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale, calm: dict) -> dict[str, Any]:
+def degraded(
+    cfg, hf, sharding: Sharding, longest, mean, stragglers, scale, calm: dict, calm_s: float
+) -> dict[str, Any]:
     """The step of a run of `cfg` that lost one GPU, and one that lost one node, priced as the calm
     step `calm` is: the streams still placed take the lost ones' batches (`schedule.slots`: the global
     batch kept, `schedule.passes` forward and backward passes a step), on the mesh the run builds
     from the placed ranks (`mesh.rows_of`: hsdp's rows are the largest size that divides every
     node's count, down to one, which is plain replication), each pass gathering and
     reduce-scattering in its row, the all-reduce across the rows once a step (`gradients.accumulated`).
-    A loss below `train.min_streams` (unset: all of them) stops the run until the GPUs return."""
+    A loss below `train.min_streams` (unset: all of them) stops the run until the GPUs return.
+    `calm_s`: the calm step the plan goes by (measured where `plan.training_tokens_per_s_per_gpu`
+    is set), which the degraded ones are scaled to."""
     from dflash_ray.train.schedule import passes
 
     tr = cfg.train
@@ -170,7 +174,7 @@ def degraded(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale, calm
         across = step["traffic_s"].get("replicate", 0.0)
         in_row = sum(step["traffic_s"].values()) - across
         exposed_across = step["traffic_exposed_s"] * across / (across + in_row) if across + in_row else 0.0
-        step_s = n * (step["step_s"] - exposed_across) + exposed_across
+        step_s = (n * (step["step_s"] - exposed_across) + exposed_across) * calm_s / calm["step_s"]
         floor = tr.min_streams or tr.num_streams
         out[name] = {
             "streams_placed": placed,
@@ -182,7 +186,7 @@ def degraded(cfg, hf, sharding: Sharding, longest, mean, stragglers, scale, calm
             "fits": priced["fits"],
             "peak_gb": priced["peak_gb"],
             "step_s": simulate_job.significant(step_s),
-            "over_calm": round(step_s / calm["step_s"], 3),
+            "over_calm": round(step_s / calm_s, 3),
             "samples_per_s": simulate_job.significant(tr.num_streams * tr.batch_size / step_s),
         }
     return out

@@ -97,6 +97,18 @@ def _training_warnings(cfg: RunConfig, training: dict, per_stream: int, train_gp
     return out
 
 
+def _roles_at_both(peak: dict[str, dict], at_mean: dict[str, dict]) -> dict[str, dict]:
+    """Each role at the longest sample (memory), with its step and FLOPs at the mean one beside."""
+    return {
+        name: {
+            **role,
+            "step_seconds_at_mean": at_mean.get(name, {}).get("step_seconds"),
+            "flops_per_step_at_mean": at_mean.get(name, {}).get("flops_per_step"),
+        }
+        for name, role in peak.items()
+    }
+
+
 def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     from dflash_ray import simulate_generation, simulate_job
     from dflash_ray.preflight import preflight
@@ -135,15 +147,8 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     eval_step_s = step.get("target_s", 0.0) + max(step["drafter_compute_s"] / 3, step["fsdp2_s"] / 4)
     training = simulate_job.plan_training(cfg, step, mean, per_stream, weights, drafter_parameters, eval_step_s)
     warnings += _training_warnings(cfg, training, per_stream, train_gpus)
-    # a GPU or a node lost mid-run: priced as the calm step, then at the calm step's rate where it is measured
-    lost = degraded(cfg, hf, chosen["_sharding"], longest, mean, stragglers, scale, chosen["_step"])
-    rate = step["step_s"] / chosen["_step"]["step_s"]
-    for case in lost.values():
-        if "step_s" in case:
-            case |= {
-                "step_s": simulate_job.significant(case["step_s"] * rate),
-                "samples_per_s": simulate_job.significant(case["samples_per_s"] / rate),
-            }
+    # a GPU or a node lost mid-run: priced as the calm step, at the calm step's rate where that is measured
+    lost = degraded(cfg, hf, chosen["_sharding"], longest, mean, stragglers, scale, chosen["_step"], step["step_s"])
     training |= {
         "gpus_per_stream": per_stream,
         "layout": layout,
@@ -160,14 +165,7 @@ def run_plan(cfg: RunConfig, target: str = "") -> dict[str, Any]:
     features = len(union_layers([list(d.target_layer_ids) for _, _, d in team_drafters(cfg, hf)])[0])
     hidden = (getattr(hf, "text_config", None) or hf).hidden_size
     offline = p.train_tokens * features * hidden * 2  # bf16 features of every token
-    roles = {
-        name: {
-            **role,
-            "step_seconds_at_mean": at_mean.get(name, {}).get("step_seconds"),
-            "flops_per_step_at_mean": at_mean.get(name, {}).get("flops_per_step"),
-        }
-        for name, role in peak.items()
-    }
+    roles = _roles_at_both(peak, at_mean)
     summary = {
         "stage": "plan",
         "cluster": p.cluster or None,
