@@ -14,7 +14,7 @@ from typing import Any
 
 from dflash_ray import simulate_job
 from dflash_ray.planning import Sharding, gpu_of, room_gb, sharding_of, simulate_roles, stream_gpus
-from dflash_ray.train.mesh import KINDS
+from dflash_ray.train.mesh import KINDS, balanced_count
 
 
 def _fits(cfg, roles: dict[str, dict]) -> bool:
@@ -150,9 +150,9 @@ def degraded(
     """The step of a run of `cfg` that lost one GPU, and one that lost one node, priced as the calm
     step `calm` is: the streams still placed take the lost ones' batches (`schedule.slots`: the global
     batch kept, `schedule.passes` forward and backward passes a step), on the mesh the run builds
-    from the placed ranks (`mesh.rows_of`: hsdp's rows are the largest size that divides every
-    node's count, down to one, which is plain replication), each pass gathering and
-    reduce-scattering in its row, the all-reduce across the rows once a step (`gradients.accumulated`).
+    from the placed ranks (`mesh.balanced`: hsdp's rows one size, the fewest passes, then the
+    largest rows; the placed ranks left over idle), each pass gathering and reduce-scattering in its
+    row, the all-reduce across the rows once a step (`gradients.accumulated`).
     A loss below `train.min_streams` (unset: all of them) stops the run until the GPUs return.
     `calm_s`: the calm step the plan goes by (measured where `plan.training_tokens_per_s_per_gpu`
     is set), which the degraded ones are scaled to."""
@@ -166,20 +166,24 @@ def degraded(
         if placed < 1:
             out[name] = {"streams_placed": 0, "goes_on": False, "why": "no stream is left"}
             continue
-        fewer = dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=placed, min_streams=None))
+        floor = tr.min_streams or tr.num_streams
+        training = balanced_count(sharding.kind, placed, per_node, tr.num_streams)
+        training = placed if training < min(floor, placed) else training  # `elastic.balanced_groups`
+        fewer = dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=training, min_streams=None))
         priced = price(fewer, hf, sharding, longest, mean, stragglers, scale)
         step = priced["_step"]
-        n = passes(placed, tr.num_streams)
+        n = passes(training, tr.num_streams)
         # the cross-row all-reduce is made once a step; the compute and the in-row traffic every pass
         across = step["traffic_s"].get("replicate", 0.0)
         in_row = sum(step["traffic_s"].values()) - across
         exposed_across = step["traffic_exposed_s"] * across / (across + in_row) if across + in_row else 0.0
         step_s = (n * (step["step_s"] - exposed_across) + exposed_across) * calm_s / calm["step_s"]
-        floor = tr.min_streams or tr.num_streams
         out[name] = {
             "streams_placed": placed,
+            "streams_training": training,  # the others placed and idle: the mesh's rows are one size
             "goes_on": placed >= floor,
-            "why": f"{placed} placed of {tr.num_streams}, train.min_streams={floor}"
+            "why": f"{placed} placed of {tr.num_streams} ({training} train, in rows of one size), "
+            f"train.min_streams={floor}"
             + ("" if placed >= floor else ": the run waits for the GPUs (or set train.min_streams lower)"),
             "mesh": priced["mesh"],
             "passes": n,

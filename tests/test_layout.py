@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dflash_ray.train.mesh import dims_cross_nodes, rows_of, shape_of
+from dflash_ray.train.mesh import balanced, dims_cross_nodes, rows_of, shape_of
 
 WIDTH = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4)
 
@@ -25,6 +25,21 @@ def _drafter_cfg():
 
     target = Qwen3Config(num_key_value_heads=2, head_dim=32, **WIDTH)
     return from_target(target, mask_token_id=511, num_layers=2, target_layer_ids=[1, 2])
+
+
+def test_a_mesh_over_unequal_nodes_keeps_rows_of_one_size_and_the_fewest_passes():
+    """`mesh.balanced`: 8 and 7 ranks of 16 wanted make one row of 8 (two passes, as 15 rows of one
+    would), the 7 idle; every rank stays where all fit one pass or the nodes are equal; 2 and 1 of 4
+    make one row of 2; fsdp and replicate keep every rank."""
+    uneven = ["a"] * 8 + ["b"] * 7
+    kept = balanced("hsdp", uneven, 16)
+    assert kept == list(range(8)) and rows_of("hsdp", [uneven[i] for i in kept]) == [list(range(8))]
+    assert balanced("hsdp", uneven, 15) == list(range(15))  # a run 15 wide: one pass, every rank
+    assert balanced("hsdp", ["a"] * 8 + ["b"] * 8, 16) == list(range(16))
+    assert balanced("hsdp", ["a"] * 8 + ["b"] * 4, 12) == list(range(12))  # rows of 4 in one pass
+    assert balanced("hsdp", ["a"] * 8 + ["b"] * 4, 16) == list(range(8))  # two passes either way: rows of 8
+    assert balanced("hsdp", ["a", "a", "b"], 4) == [0, 1]
+    assert balanced("fsdp", ["a", "a", "b"], 4) == balanced("replicate", ["a", "a", "b"], 4) == [0, 1, 2]
 
 
 def test_layout_rows_shard_inside_a_node_and_replicate_across():
@@ -189,6 +204,28 @@ def test_layout_bf16_reduce_trains_within_a_percent_of_fp32(tmp_path):
     assert abs(mean16 - mean32) <= 0.01 * mean32, (mean32, mean16)
     assert sum(fp32[-10:]) < sum(fp32[:10])  # it learned: the figure compares two runs that train
     print(json.dumps({"fp32_mean_loss": mean32, "bf16_mean_loss": mean16, "ratio": mean16 / mean32}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_placed_of_four_train_on_a_balanced_mesh_with_no_byte_across_the_nodes(tmp_path):
+    """Four streams wanted, three placed on two 'nodes' (two and one): `mesh.balanced` keeps the
+    first node's two, one row (two passes a step for the four streams' batches, as three ranks
+    would make), so no byte of the drafter's collectives crosses the nodes; the three ranks' own
+    mesh, rows of one rank (plain replication), all-reduces the whole gradient across them."""
+    from dflash_ray.train.schedule import passes
+
+    placed = ["a", "a", "b"]
+    kept = balanced("hsdp", placed, 4)
+    assert kept == [0, 1] and passes(len(kept), 4) == passes(len(placed), 4) == 2
+    job = dict(layout="hsdp", reduce="float32", keep=True, steps=1, passes=2)
+    for name in ("balanced", "every"):
+        (tmp_path / name).mkdir()
+    row = _run(tmp_path / "balanced", 2, [dict(job, nodes=[placed[i] for i in kept])])[0]
+    every = _run(tmp_path / "every", 3, [dict(job, nodes=placed)])[0]
+    assert rows_of("hsdp", [placed[i] for i in kept]) == [[0, 1]] and set(row["bytes"]) == {"shard"}, row
+    assert every["bytes"].get("replicate", 0) > row["bytes"]["shard"] / 2, (row, every)
+    assert row["losses"][0] > 0 and every["losses"][0] > 0
 
 
 @pytest.mark.slow

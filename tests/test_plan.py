@@ -226,27 +226,27 @@ def test_the_job_prices_the_bus_restarts_and_dollars_and_the_traffic_a_layout_se
 
 @pytest.mark.slow
 def test_plan_prices_the_step_with_one_gpu_and_one_node_lost(capsys, small_target):
-    """4 streams on two nodes of 2, hsdp (2 x 2). One GPU lost: 3 placed, 2 and 1 a node, so the
-    rows are one rank (plain replication) and each placed stream makes two passes for the lost
-    one's batch; one node lost: 2 placed, one row of 2, two passes. Each step is dearer than the
-    calm one, the global batch kept; a loss below train.min_streams says the run waits."""
+    """4 streams on two nodes of 2, hsdp (2 x 2). One GPU lost: 3 placed, 2 and 1 a node; one row of
+    the 2 on one node trains (two passes for the 4 streams' batches, as 3 rows of one rank would
+    make) and the third stays idle; one node lost: 2 placed, one row of 2, two passes. Each step is
+    dearer than the calm one, the global batch kept. Under train.min_streams=3 the 3 placed train
+    (rows of one rank: plain replication) and a lost node stops the run, saying so."""
     common = [*small_target, "--set", "train.num_streams=4", "--set", "plan.gpus_per_node=2"]
     common += ["--set", "train.layout=hsdp", "--set", "train.colocate=true"]
-    out = _plan(capsys, *common, "--set", "train.min_streams=3")
+    out = _plan(capsys, *common, "--set", "train.min_streams=2")
     training = out["training"]
     calm, lost = training["step"]["step_s"], training["degraded"]
     assert training["layout"]["mesh"] == {"replicas": 2, "shard": 2}
     gpu, node = lost["one_gpu_lost"], lost["one_node_lost"]
-    assert gpu["streams_placed"] == 3 and gpu["mesh"] == {"replicas": 3, "shard": 1} and gpu["passes"] == 2
-    assert node["streams_placed"] == 2 and node["mesh"] == {"replicas": 1, "shard": 2} and node["passes"] == 2
-    assert gpu["goes_on"] and not node["goes_on"] and "train.min_streams=3" in node["why"]
+    assert (gpu["streams_placed"], gpu["streams_training"], gpu["mesh"]) == (3, 2, {"replicas": 1, "shard": 2})
+    assert (node["streams_placed"], node["streams_training"], node["mesh"]) == (2, 2, {"replicas": 1, "shard": 2})
     for case in (gpu, node):
-        assert (
-            case["fits"]
-            and case["step_s"] > calm
-            and case["over_calm"] == pytest.approx(case["step_s"] / calm, rel=0.01)
-        )
+        assert case["goes_on"] and case["fits"] and case["passes"] == 2 and case["step_s"] > calm
+        assert case["over_calm"] == pytest.approx(case["step_s"] / calm, rel=0.01)
         assert case["samples_per_s"] == pytest.approx(4 / case["step_s"], rel=0.01)
+    strict = _plan(capsys, *common, "--set", "train.min_streams=3")["training"]["degraded"]
+    assert strict["one_gpu_lost"]["streams_training"] == 3 and strict["one_gpu_lost"]["mesh"]["shard"] == 1
+    assert not strict["one_node_lost"]["goes_on"] and "train.min_streams=3" in strict["one_node_lost"]["why"]
 
 
 PRESET = ["--config", str(ROOT / "configs" / "qwen3.6-27b.yaml")]

@@ -7,7 +7,9 @@ epoch once. So when a restart cannot place all of `train.num_streams` within
 were placed, down to `train.min_streams`, standing in for the others (`schedule.slots`: the same
 steps, samples and learning rates). The streams not placed stay asked for, so Ray's autoscaler
 keeps their demand; once they are placed (the capacity returned by it or a person), the run grows
-back at its next checkpoint, without counting a failure.
+back at its next checkpoint, without counting a failure. Where the placed streams lie unevenly
+on the nodes (8 and 7 a node), the run trains on the largest balanced share of them
+(`mesh.balanced`) and keeps the others placed and idle, until a stream placed again balances more.
 """
 
 from __future__ import annotations
@@ -72,6 +74,32 @@ def group_nodes(groups: list) -> set[str]:
 
     address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     return {address[i] for g in groups for i in placement_group_table(g)["bundles_to_node_id"].values() if i in address}
+
+
+def nodes_of(groups: list) -> list[str]:
+    """The address of the node each placement group's bundles were given (a stream's bundles share
+    one: STRICT_PACK), in order; known at placement, before any actor starts."""
+    import ray
+    from ray.util import placement_group_table
+
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    out = []
+    for g in groups:
+        ids = list(placement_group_table(g)["bundles_to_node_id"].values())
+        out.append(address.get(ids[0], ids[0]) if ids else "")
+    return out
+
+
+def balanced_groups(kind: str, groups: list, wanted: int, floor: int) -> tuple[list, list]:
+    """The placed streams' groups a run trains on, and those it keeps idle: the ranks `mesh.balanced`
+    keeps on their nodes, unless that would leave fewer than `floor` (`train.min_streams`), where
+    every placed stream is taken (the mesh's rows then the size that divides every node's count)."""
+    from dflash_ray.train import mesh
+
+    keep = mesh.balanced(kind, nodes_of(groups), wanted)
+    if len(keep) < min(floor, len(groups)):
+        return groups, []
+    return [groups[i] for i in keep], [g for i, g in enumerate(groups) if i not in keep]
 
 
 def lost_nodes(addresses: set[str]) -> list[str]:

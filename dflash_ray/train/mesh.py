@@ -43,6 +43,39 @@ def rows_of(kind: str, nodes: list[str]) -> list[list[int]]:
     return [ranks[i : i + size] for ranks in by_node.values() for i in range(0, len(ranks), size)]
 
 
+def balanced(kind: str, nodes: list[str], wanted: int) -> list[int]:
+    """The ranks (rank i on `nodes[i]`) a mesh of `kind` is built of, for a run whose schedule is
+    `wanted` streams wide. hsdp's rows are one size, each whole inside a node: where the nodes hold
+    unequal counts (a GPU lost), the row size is the one whose ranks make the fewest passes a step
+    over the `wanted` streams' batches (`schedule.passes`), then the largest (a smaller shard of the
+    weights a rank, and less traffic across the nodes), then the one keeping more ranks; each node
+    gives whole rows, and its ranks left over stay idle. So 8 and 7 ranks of 16 wanted make one row
+    of 8 (two passes), not 15 rows of one rank (two passes too, with the whole drafter on every rank
+    and its whole gradient across the nodes). Where every rank fits one pass, every rank is kept, as
+    `rows_of` arranges them. fsdp and replicate keep every rank."""
+    if kind != "hsdp" or not nodes:
+        return list(range(len(nodes)))
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    counts = [len(ranks) for ranks in by_node.values()]
+
+    def kept(size: int) -> int:
+        return size * sum(c // size for c in counts)
+
+    size = min(range(1, max(counts) + 1), key=lambda s: (-(-wanted // kept(s)), -s, -kept(s)))
+    if kept(size) == len(nodes):
+        return list(range(len(nodes)))
+    return sorted(r for ranks in by_node.values() for r in ranks[: len(ranks) // size * size])
+
+
+def balanced_count(kind: str, ranks: int, per_node: int, wanted: int) -> int:
+    """How many of `ranks` ranks, placed `per_node` to a node, node by node, `balanced` keeps (the
+    plan's view of it)."""
+    per_node = max(1, min(per_node, ranks))
+    return len(balanced(kind, [f"node{i // per_node}" for i in range(ranks)], wanted))
+
+
 def shape_of(kind: str, ranks: int, per_node: int) -> tuple[int, int]:
     """(replicas, shard size) of `kind` for `ranks` drafter ranks placed `per_node` to a node, filled
     node by node (the plan's view of `rows_of`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -30,6 +31,8 @@ from dflash_ray.train.handoff import Layout
 from dflash_ray.train.resolved import ResolvedDrafter
 from dflash_ray.train.target_worker import TargetWorker
 from dflash_ray.train.workers import ColocatedWorker, DrafterWorker
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_THREAD = "checkpoint"  # a drafter actor's concurrency group for its checkpoint files
 
@@ -128,6 +131,7 @@ class Streams:
         self.targets: list[Any] = []  # actor handles
         self.groups: list[Any] = []  # placement groups
         self.pending: list[Any] = []  # those of lost streams, still asked for (`elastic`)
+        self.idle: list[Any] = []  # placed, but beyond the mesh's balanced share (`mesh.balanced`)
         self.nodes: set[str] = set()  # every node a stream ran on, over restarts too
         self.lost: list[dict[str, Any]] = []  # nodes the streams ran on that left the cluster
         self.slow_kernels: list[str] = []  # fast kernels a hybrid target ran without (train.allow_slow_target)
@@ -206,9 +210,19 @@ class Streams:
             team.drafters = []
         # as many streams as the cluster holds now, down to train.min_streams (`elastic`)
         asked = elastic.place_streams(tcfg, stream_bundles(tcfg))
-        self.groups = elastic.placed(asked)
-        self.pending = [g for g in asked if g not in self.groups]  # still asked for: the run grows back
+        placed = elastic.placed(asked)
+        self.pending = [g for g in asked if g not in placed]  # still asked for: the run grows back
+        # hsdp's rows are one size: the streams beyond the largest balanced share stay placed, idle
+        self.groups, self.idle = elastic.balanced_groups(
+            self.sharding, placed, tcfg.num_streams, tcfg.min_streams or tcfg.num_streams
+        )
         self.count = n = len(self.groups)
+        if self.idle:
+            log.warning(
+                "%d placed streams idle: %d train, the largest share of the placed ones in rows of one size",
+                len(self.idle),
+                n,
+            )
         self.nodes |= elastic.group_nodes(self.groups)
         self.note_lost(step)  # Ray may take seconds to call a node dead: named here if not at the failure
         for s, pg in enumerate(self.groups):
@@ -329,9 +343,14 @@ class Streams:
         }
 
     def grown(self) -> int:
-        """Streams the cluster has room for again (their placement groups, asked for since the
-        start, now placed): the run grows back at its next checkpoint."""
-        return len(elastic.placed(self.pending)) if self.pending else 0
+        """Streams the run would gain were it started again now: the lost ones' placement groups,
+        asked for since the start, placed, with the idle ones, on a mesh still balanced
+        (`mesh.balanced`): the run grows back at its next checkpoint."""
+        back = elastic.placed(self.pending) if self.pending else []
+        if not back:
+            return 0
+        every = elastic.nodes_of(self.groups + self.idle + back)
+        return max(0, len(mesh.balanced(self.sharding, every, self.cfg.train.num_streams)) - self.count)
 
     def note_lost(self, step: int) -> None:
         """Name the nodes the streams ran on that have left the cluster (once each)."""
@@ -347,8 +366,8 @@ class Streams:
 
         for actor in self.targets + self.drafters:
             ray.kill(actor)
-        for pg in self.groups + self.pending:
+        for pg in self.groups + self.idle + self.pending:
             remove_placement_group(pg)
-        self.targets, self.groups, self.pending = [], [], []
+        self.targets, self.groups, self.idle, self.pending = [], [], [], []
         for team in self.teams:
             team.drafters = []
