@@ -168,7 +168,9 @@ def degraded(
             continue
         floor = tr.min_streams or tr.num_streams
         training = balanced_count(sharding.kind, placed, per_node, tr.num_streams)
-        training = placed if training < min(floor, placed) else training  # `elastic.balanced_groups`
+        # train.min_streams wins where the run goes on (`elastic.balanced_groups`); where it does not,
+        # the step is priced as with train.min_streams set low enough
+        training = placed if floor <= placed and training < floor else training
         fewer = dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=training, min_streams=None))
         priced = price(fewer, hf, sharding, longest, mean, stragglers, scale)
         step = priced["_step"]
