@@ -167,10 +167,8 @@ def degraded(
             out[name] = {"streams_placed": 0, "goes_on": False, "why": "no stream is left"}
             continue
         floor = tr.min_streams or tr.num_streams
-        training = balanced_count(sharding.kind, placed, per_node, tr.num_streams)
-        # train.min_streams wins where the run goes on (`elastic.balanced_groups`); where it does not,
-        # the step is priced as with train.min_streams set low enough
-        training = placed if floor <= placed and training < floor else training
+        # where train.min_streams stops the run, the step is priced as with it set low enough
+        training = balanced_count(sharding.kind, placed, per_node, tr.num_streams, floor)
         fewer = dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=training, min_streams=None))
         priced = price(fewer, hf, sharding, longest, mean, stragglers, scale)
         step = priced["_step"]

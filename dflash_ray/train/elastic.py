@@ -66,19 +66,10 @@ def placed(groups: list) -> list:
     return [g for g in groups if placement_group_table(g).get("state") == "CREATED"]
 
 
-def group_nodes(groups: list) -> set[str]:
-    """The addresses of the nodes the placement groups' bundles were given: known at placement,
-    before any actor on them answers (a node lost while its actors start is still named)."""
-    import ray
-    from ray.util import placement_group_table
-
-    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    return {address[i] for g in groups for i in placement_group_table(g)["bundles_to_node_id"].values() if i in address}
-
-
 def nodes_of(groups: list) -> list[str]:
     """The address of the node each placement group's bundles were given (a stream's bundles share
-    one: STRICT_PACK), in order; known at placement, before any actor starts."""
+    one: STRICT_PACK), in order, "" for a node no longer listed; known at placement, before any
+    actor on them answers (a node lost while its actors start is still named)."""
     import ray
     from ray.util import placement_group_table
 
@@ -86,20 +77,8 @@ def nodes_of(groups: list) -> list[str]:
     out = []
     for g in groups:
         ids = list(placement_group_table(g)["bundles_to_node_id"].values())
-        out.append(address.get(ids[0], ids[0]) if ids else "")
+        out.append(address.get(ids[0], "") if ids else "")
     return out
-
-
-def balanced_groups(kind: str, groups: list, wanted: int, floor: int) -> tuple[list, list]:
-    """The placed streams' groups a run trains on, and those it keeps idle: the ranks `mesh.balanced`
-    keeps on their nodes, unless that would leave fewer than `floor` (`train.min_streams`), where
-    every placed stream is taken (the mesh's rows then the size that divides every node's count)."""
-    from dflash_ray.train import mesh
-
-    keep = mesh.balanced(kind, nodes_of(groups), wanted)
-    if len(keep) < min(floor, len(groups)):
-        return groups, []
-    return [groups[i] for i in keep], [g for i, g in enumerate(groups) if i not in keep]
 
 
 def lost_nodes(addresses: set[str]) -> list[str]:

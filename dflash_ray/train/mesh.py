@@ -69,11 +69,19 @@ def balanced(kind: str, nodes: list[str], wanted: int) -> list[int]:
     return sorted(r for ranks in by_node.values() for r in ranks[: len(ranks) // size * size])
 
 
-def balanced_count(kind: str, ranks: int, per_node: int, wanted: int) -> int:
-    """How many of `ranks` ranks, placed `per_node` to a node, node by node, `balanced` keeps (the
-    plan's view of it)."""
+def training_ranks(kind: str, nodes: list[str], wanted: int, floor: int) -> list[int]:
+    """The placed ranks a run trains on: `balanced`'s, unless they are fewer than `floor`
+    (`train.min_streams`) while the placed ones are not, where every placed rank trains (the rows
+    then the size that divides every node's count, `rows_of`)."""
+    keep = balanced(kind, nodes, wanted)
+    return list(range(len(nodes))) if len(keep) < floor <= len(nodes) else keep
+
+
+def balanced_count(kind: str, ranks: int, per_node: int, wanted: int, floor: int) -> int:
+    """How many of `ranks` ranks, placed `per_node` to a node, node by node, train (`training_ranks`:
+    the plan's view of it)."""
     per_node = max(1, min(per_node, ranks))
-    return len(balanced(kind, [f"node{i // per_node}" for i in range(ranks)], wanted))
+    return len(training_ranks(kind, [f"node{i // per_node}" for i in range(ranks)], wanted, floor))
 
 
 def shape_of(kind: str, ranks: int, per_node: int) -> tuple[int, int]:

@@ -213,9 +213,10 @@ class Streams:
         placed = elastic.placed(asked)
         self.pending = [g for g in asked if g not in placed]  # still asked for: the run grows back
         # hsdp's rows are one size: the streams beyond the largest balanced share stay placed, idle
-        self.groups, self.idle = elastic.balanced_groups(
-            self.sharding, placed, tcfg.num_streams, tcfg.min_streams or tcfg.num_streams
-        )
+        nodes = elastic.nodes_of(placed)
+        keep = mesh.training_ranks(self.sharding, nodes, tcfg.num_streams, tcfg.min_streams or tcfg.num_streams)
+        self.groups = [placed[i] for i in keep]
+        self.idle = [g for i, g in enumerate(placed) if i not in keep]
         self.count = n = len(self.groups)
         if self.idle:
             log.warning(
@@ -223,7 +224,7 @@ class Streams:
                 len(self.idle),
                 n,
             )
-        self.nodes |= elastic.group_nodes(self.groups)
+        self.nodes |= {nodes[i] for i in keep if nodes[i]}
         self.note_lost(step)  # Ray may take seconds to call a node dead: named here if not at the failure
         for s, pg in enumerate(self.groups):
             self._start_stream(s, pg, n)
@@ -346,7 +347,7 @@ class Streams:
         """Streams the run would gain were it started again now: the lost ones' placement groups,
         asked for since the start, placed, with the idle ones, on a mesh still balanced
         (`mesh.balanced`): the run grows back at its next checkpoint."""
-        back = elastic.placed(self.pending) if self.pending else []
+        back = elastic.placed(self.pending)
         if not back:
             return 0
         every = elastic.nodes_of(self.groups + self.idle + back)
