@@ -148,17 +148,18 @@ def degraded(
     cfg, hf, sharding: Sharding, longest, mean, stragglers, scale, calm: dict, calm_s: float
 ) -> dict[str, Any]:
     """The step of a run of `cfg` that lost one GPU, and one that lost one node, priced as the calm
-    step `calm` is: the streams still placed take the lost ones' batches (`schedule.slots`: the global
-    batch kept, `schedule.passes` forward and backward passes a step), on the mesh the run builds
-    from the placed ranks (`mesh.balanced`: hsdp's rows one size, the fewest passes, then the
-    largest rows; the placed ranks left over idle), each pass gathering and reduce-scattering in its
-    row, the all-reduce across the rows once a step (`gradients.accumulated`).
-    A loss below `train.min_streams` (unset: all of them) stops the run until the GPUs return.
-    `calm_s`: the calm step the plan goes by (measured where `plan.training_tokens_per_s_per_gpu`
-    is set), which the degraded ones are scaled to."""
+    step `calm` is, on the mesh the run builds from the placed ranks (`mesh.balanced`: hsdp's rows
+    one size; the placed ranks left over idle). Under `train.lost_streams=shrink` each training rank
+    takes one batch a step (one pass, a smaller global batch); under `stand_in` the training ranks
+    take the lost streams' batches too (`schedule.slots`: the global batch kept, `schedule.passes`
+    passes a step, each gathering and reduce-scattering in its row, the all-reduce across the rows
+    once a step: `gradients.accumulated`). A loss below `train.min_streams` (unset: all of them)
+    stops the run until the GPUs return. `calm_s`: the calm step the plan goes by (measured where
+    `plan.training_tokens_per_s_per_gpu` is set), which the degraded ones are scaled to."""
     from dflash_ray.train.schedule import passes
 
     tr = cfg.train
+    stand_in = tr.lost_streams == "stand_in"
     per_node = max(1, cfg.plan.gpus_per_node // stream_gpus(cfg))
     out: dict[str, Any] = {}
     for name, lost in (("one_gpu_lost", 1), ("one_node_lost", per_node)):
@@ -168,29 +169,33 @@ def degraded(
             continue
         floor = tr.min_streams or tr.num_streams
         # where train.min_streams stops the run, the step is priced as with it set low enough
-        training = balanced_count(sharding.kind, placed, per_node, tr.num_streams, floor)
+        training, row = balanced_count(sharding.kind, placed, per_node, tr.num_streams, floor, stand_in)
         fewer = dataclasses.replace(cfg, train=dataclasses.replace(tr, num_streams=training, min_streams=None))
-        priced = price(fewer, hf, sharding, longest, mean, stragglers, scale)
+        # hsdp's rows shorter than a node (7 and 7 of 8 and 7 placed) priced as a row to a node
+        rows = dataclasses.replace(sharding, per_node=min(per_node, row)) if sharding.kind == "hsdp" else sharding
+        priced = price(fewer, hf, rows, longest, mean, stragglers, scale)
         step = priced["_step"]
-        n = passes(training, tr.num_streams)
+        n = passes(training, tr.num_streams) if stand_in else 1
         # the cross-row all-reduce is made once a step; the compute and the in-row traffic every pass
         across = step["traffic_s"].get("replicate", 0.0)
         in_row = sum(step["traffic_s"].values()) - across
         exposed_across = step["traffic_exposed_s"] * across / (across + in_row) if across + in_row else 0.0
         step_s = (n * (step["step_s"] - exposed_across) + exposed_across) * calm_s / calm["step_s"]
+        batch = (tr.num_streams if stand_in else training) * tr.batch_size
         out[name] = {
             "streams_placed": placed,
             "streams_training": training,  # the others placed and idle: the mesh's rows are one size
             "goes_on": placed >= floor,
             "why": f"{placed} placed of {tr.num_streams} ({training} train, in rows of one size), "
-            f"train.min_streams={floor}"
+            f"train.min_streams={floor}, train.lost_streams={tr.lost_streams}"
             + ("" if placed >= floor else ": the run waits for the GPUs (or set train.min_streams lower)"),
             "mesh": priced["mesh"],
             "passes": n,
+            "global_batch": batch,
             "fits": priced["fits"],
             "peak_gb": priced["peak_gb"],
             "step_s": simulate_job.significant(step_s),
             "over_calm": round(step_s / calm_s, 3),
-            "samples_per_s": simulate_job.significant(tr.num_streams * tr.batch_size / step_s),
+            "samples_per_s": simulate_job.significant(batch / step_s),
         }
     return out

@@ -191,7 +191,7 @@ def test_elastic_streams_a_lost_node_costs_a_stream_until_it_returns_and_the_run
     """Two streams, one on each training node; one node's raylet is killed while they train. The
     restart cannot place the second stream (no node left has room for it) and, after
     train.placement_timeout_s, goes on with one (train.min_streams=1), which takes the lost
-    stream's batches beside its own: the same steps. Its placement stays asked for; once the run is
+    stream's batches beside its own (train.lost_streams=stand_in): the same steps. Its placement stays asked for; once the run is
     seen on one stream the node is started again, and at the next checkpoint the run grows back to
     two streams, without a failure. Each training sample is taken once an epoch, at the step and
     learning rate of a run that lost nothing; the summary names the lost node and the return."""
@@ -212,6 +212,7 @@ def test_elastic_streams_a_lost_node_costs_a_stream_until_it_returns_and_the_run
         "train.clocks.drafter_step_s=2.4",
         "train.clocks.compile_s=1",
         "train.min_streams=1",
+        "train.lost_streams=stand_in",
         "train.placement_timeout_s=15",
         "train.max_restarts=4",
         "chaos.faults=[node@24]",

@@ -28,18 +28,36 @@ def _drafter_cfg():
 
 
 def test_a_mesh_over_unequal_nodes_keeps_rows_of_one_size_and_the_fewest_passes():
-    """`mesh.balanced`: 8 and 7 ranks of 16 wanted make one row of 8 (two passes, as 15 rows of one
-    would), the 7 idle; every rank stays where all fit one pass or the nodes are equal; 2 and 1 of 4
-    make one row of 2; fsdp and replicate keep every rank."""
+    """`mesh.balanced` under train.lost_streams=stand_in: 8 and 7 ranks of 16 wanted make one row of
+    8 (two passes, as 15 rows of one would), the 7 idle; every rank stays where all fit one pass or
+    the nodes are equal; 2 and 1 of 4 make one row of 2; fsdp and replicate keep every rank."""
+    uneven = ["a"] * 8 + ["b"] * 7
+    kept = balanced("hsdp", uneven, 16, stand_in=True)
+    assert kept == list(range(8)) and rows_of("hsdp", [uneven[i] for i in kept]) == [list(range(8))]
+    assert balanced("hsdp", uneven, 15, stand_in=True) == list(range(15))  # 15 wide: one pass, every rank
+    assert balanced("hsdp", ["a"] * 8 + ["b"] * 8, 16, stand_in=True) == list(range(16))
+    assert balanced("hsdp", ["a"] * 8 + ["b"] * 4, 12, stand_in=True) == list(range(12))  # rows of 4, one pass
+    assert balanced("hsdp", ["a"] * 8 + ["b"] * 4, 16, stand_in=True) == list(range(8))  # two passes either way
+    assert balanced("hsdp", ["a", "a", "b"], 4, stand_in=True) == [0, 1]
+    every = list(range(3))
+    assert balanced("fsdp", ["a", "a", "b"], 4, stand_in=True) == balanced("replicate", ["a", "a", "b"], 4) == every
+
+
+def test_a_shrunk_mesh_keeps_the_most_ranks_in_rows_of_at_least_half_a_node():
+    """`mesh.balanced` under train.lost_streams=shrink (a batch a training rank, one pass): 8 and 7
+    ranks make two rows of 7 (14 train, the 8th of the first node idle), not 15 rows of one rank
+    (the whole drafter and its gradient on every rank); 8 and 6 two rows of 6; 8 and 5 three rows
+    of 4; equal nodes and a lone node keep every rank; 2 and 1 keep all three as rows of one (half
+    of two is one)."""
     uneven = ["a"] * 8 + ["b"] * 7
     kept = balanced("hsdp", uneven, 16)
-    assert kept == list(range(8)) and rows_of("hsdp", [uneven[i] for i in kept]) == [list(range(8))]
-    assert balanced("hsdp", uneven, 15) == list(range(15))  # a run 15 wide: one pass, every rank
+    assert kept == [*range(7), *range(8, 15)]
+    assert rows_of("hsdp", [uneven[i] for i in kept]) == [list(range(7)), list(range(7, 14))]
+    assert len(balanced("hsdp", ["a"] * 8 + ["b"] * 6, 16)) == 12
+    assert len(balanced("hsdp", ["a"] * 8 + ["b"] * 5, 16)) == 12
     assert balanced("hsdp", ["a"] * 8 + ["b"] * 8, 16) == list(range(16))
-    assert balanced("hsdp", ["a"] * 8 + ["b"] * 4, 12) == list(range(12))  # rows of 4 in one pass
-    assert balanced("hsdp", ["a"] * 8 + ["b"] * 4, 16) == list(range(8))  # two passes either way: rows of 8
-    assert balanced("hsdp", ["a", "a", "b"], 4) == [0, 1]
-    assert balanced("fsdp", ["a", "a", "b"], 4) == balanced("replicate", ["a", "a", "b"], 4) == [0, 1, 2]
+    assert balanced("hsdp", ["a"] * 7, 8) == list(range(7))
+    assert balanced("hsdp", ["a", "a", "b"], 4) == [0, 1, 2]
 
 
 def test_layout_rows_shard_inside_a_node_and_replicate_across():
@@ -210,19 +228,21 @@ def test_layout_bf16_reduce_trains_within_a_percent_of_fp32(tmp_path):
 @pytest.mark.timeout(600)
 def test_three_placed_of_four_train_on_a_balanced_mesh_with_no_byte_across_the_nodes(tmp_path):
     """Four streams wanted, three placed on two 'nodes' (two and one): `mesh.balanced` keeps the
-    first node's two, one row (two passes a step for the four streams' batches, as three ranks
-    would make), so no byte of the drafter's collectives crosses the nodes; the three ranks' own
-    mesh, rows of one rank (plain replication), all-reduces the whole gradient across them."""
+    first node's two under train.lost_streams=stand_in, one row (two passes a step for the four
+    streams' batches, as three ranks would make), so no byte of the drafter's collectives crosses
+    the nodes; under shrink all three train a batch each, on rows of one rank (plain replication):
+    one all-reduce of the whole gradient across them a step."""
     from dflash_ray.train.schedule import passes
 
     placed = ["a", "a", "b"]
-    kept = balanced("hsdp", placed, 4)
+    kept = balanced("hsdp", placed, 4, stand_in=True)
     assert kept == [0, 1] and passes(len(kept), 4) == passes(len(placed), 4) == 2
+    assert balanced("hsdp", placed, 4) == [0, 1, 2]  # train.lost_streams=shrink: all three, one pass
     job = dict(layout="hsdp", reduce="float32", keep=True, steps=1, passes=2)
     for name in ("balanced", "every"):
         (tmp_path / name).mkdir()
     row = _run(tmp_path / "balanced", 2, [dict(job, nodes=[placed[i] for i in kept])])[0]
-    every = _run(tmp_path / "every", 3, [dict(job, nodes=placed)])[0]
+    every = _run(tmp_path / "every", 3, [dict(job, nodes=placed, passes=1)])[0]
     assert rows_of("hsdp", [placed[i] for i in kept]) == [[0, 1]] and set(row["bytes"]) == {"shard"}, row
     assert every["bytes"].get("replicate", 0) > row["bytes"]["shard"] / 2, (row, every)
     assert row["losses"][0] > 0 and every["losses"][0] > 0

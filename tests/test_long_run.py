@@ -120,9 +120,11 @@ def _rate(point: tuple[int, int, int]) -> tuple[int, int, float, float, int]:
 
 def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without_a_failure(ray_cluster, tmp_path):
     """The session's cluster has room for one stream of two while another job holds a CPU: the run
-    starts on one (train.min_streams=1), taking both streams' batches; the second stream's placement
-    stays asked for, and once the CPU is freed the run grows back at its next checkpoint. No restart
-    is counted, every sample is taken once an epoch, and every step's rate is that of a run on two."""
+    starts on one (train.min_streams=1) taking a batch a step (train.lost_streams=shrink); the
+    second stream's placement stays asked for, and once the CPU is freed the run grows back at its
+    next checkpoint, to two batches a step. No restart is counted, every sample is taken once an
+    epoch (checkpoints at even steps: the width changes between whole steps of two), and every
+    step's rate is the rate of the samples behind it, as a run on two streams would have it."""
     import ray
 
     from test_train import SETTINGS as TRAIN, _tokenized
@@ -149,6 +151,7 @@ def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without
     released = threading.Thread(target=release, daemon=True)
     released.start()
     settings = ["train.actor_cpus=0.5", "train.min_streams=1", "train.placement_timeout_s=3", "train.epochs=12"]
+    settings += ["train.checkpoint_every=2"]
     summary = run_train(target, data, str(tmp_path / "run"), load_config(None, TRAIN + settings), progress=False)
     released.join(timeout=1)
     assert summary["restarts"] == 0 and summary["failures"] == [], summary
@@ -157,6 +160,8 @@ def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without
     assert taken["distinct"] == taken["of"] == 16 and taken["min_times"] == taken["max_times"] == 12, taken
     rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "run" / "metrics.jsonl")).splitlines()]
     streams = [r["streams"] for r in rows]
-    assert [r["step"] for r in rows] == list(range(1, 97)) and streams[0] == 1 and streams[-1] == 2, streams
-    expected = [lr_at(2 * (r["step"] - 1), 2 * 96, 3e-3, 0.04, 2) for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and sum(streams) == 16 * 12, streams
+    assert streams[0] == 1 and streams[-1] == 2 and streams == sorted(streams), streams
+    behind = [sum(streams[:i]) for i in range(len(rows))]
+    expected = [lr_at(done, 16 * 12, 3e-3, 0.04, n) for done, n in zip(behind, streams)]
     assert max(abs(r["lr"] - e) for r, e in zip(rows, expected)) < 1e-6

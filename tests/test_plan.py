@@ -226,14 +226,16 @@ def test_the_job_prices_the_bus_restarts_and_dollars_and_the_traffic_a_layout_se
 
 @pytest.mark.slow
 def test_plan_prices_the_step_with_one_gpu_and_one_node_lost(capsys, small_target):
-    """4 streams on two nodes of 2, hsdp (2 x 2). One GPU lost: 3 placed, 2 and 1 a node; one row of
-    the 2 on one node trains (two passes for the 4 streams' batches, as 3 rows of one rank would
-    make) and the third stays idle; one node lost: 2 placed, one row of 2, two passes. Each step is
-    dearer than the calm one, the global batch kept. Under train.min_streams=3 the 3 placed train
-    (rows of one rank: plain replication) and a lost node stops the run, saying so."""
+    """4 streams on two nodes of 2, hsdp (2 x 2). Under train.lost_streams=stand_in (the global batch
+    kept), one GPU lost: 3 placed, 2 and 1 a node; one row of the 2 on one node trains (two passes
+    for the 4 streams' batches, as 3 rows of one rank would make) and the third stays idle; one node
+    lost: 2 placed, one row of 2, two passes: each step dearer than the calm one. Under shrink (the
+    default) every placed rank trains a batch in one pass: 3 rows of one rank, then one row of 2, a
+    step about the calm one's and a smaller global batch. Under train.min_streams=3 a lost node
+    stops the run, saying so."""
     common = [*small_target, "--set", "train.num_streams=4", "--set", "plan.gpus_per_node=2"]
-    common += ["--set", "train.layout=hsdp", "--set", "train.colocate=true"]
-    out = _plan(capsys, *common, "--set", "train.min_streams=2")
+    common += ["--set", "train.layout=hsdp", "--set", "train.colocate=true", "--set", "train.min_streams=2"]
+    out = _plan(capsys, *common, "--set", "train.lost_streams=stand_in")
     training = out["training"]
     calm, lost = training["step"]["step_s"], training["degraded"]
     assert training["layout"]["mesh"] == {"replicas": 2, "shard": 2}
@@ -243,9 +245,16 @@ def test_plan_prices_the_step_with_one_gpu_and_one_node_lost(capsys, small_targe
     for case in (gpu, node):
         assert case["goes_on"] and case["fits"] and case["passes"] == 2 and case["step_s"] > calm
         assert case["over_calm"] == pytest.approx(case["step_s"] / calm, rel=0.01)
-        assert case["samples_per_s"] == pytest.approx(4 / case["step_s"], rel=0.01)
+        assert case["global_batch"] == 4 and case["samples_per_s"] == pytest.approx(4 / case["step_s"], rel=0.01)
+    shrunk = _plan(capsys, *common)["training"]["degraded"]
+    gpu, node = shrunk["one_gpu_lost"], shrunk["one_node_lost"]
+    assert (gpu["streams_training"], gpu["mesh"], gpu["global_batch"]) == (3, {"replicas": 3, "shard": 1}, 3)
+    assert (node["streams_training"], node["mesh"], node["global_batch"]) == (2, {"replicas": 1, "shard": 2}, 2)
+    for case in (gpu, node):
+        assert case["goes_on"] and case["passes"] == 1 and case["over_calm"] < 1.25, case
+        assert case["samples_per_s"] == pytest.approx(case["global_batch"] / case["step_s"], rel=0.01)
     strict = _plan(capsys, *common, "--set", "train.min_streams=3")["training"]["degraded"]
-    assert strict["one_gpu_lost"]["streams_training"] == 3 and strict["one_gpu_lost"]["mesh"]["shard"] == 1
+    assert strict["one_gpu_lost"]["goes_on"] and strict["one_gpu_lost"]["streams_training"] == 3
     assert not strict["one_node_lost"]["goes_on"] and "train.min_streams=3" in strict["one_node_lost"]["why"]
 
 
@@ -417,11 +426,15 @@ def _refused(capsys, *args: str) -> str:
 
 @pytest.mark.slow
 def test_plan_runs_every_preflight_a_run_makes(capsys):
-    """The preset itself passes; a bucket that gives its compiled attention more graphs than it may
+    """The preset itself passes, and goes on at about its step with a GPU or a node lost; a bucket that gives its compiled attention more graphs than it may
     hold is refused naming both fields, and so is generation's length rule (which `pipeline` runs)."""
     preset = ["--config", str(ROOT / "configs" / "qwen3.6-27b.yaml")]
-    warnings = _plan(capsys, *preset)["warnings"]
-    assert warnings == []  # its drafters' traffic hides behind their layers (train.layout: hsdp)
+    out = _plan(capsys, *preset)
+    assert out["warnings"] == []  # its drafters' traffic hides behind their layers (train.layout: hsdp)
+    # a GPU lost of 16: two rows of 7 train a batch each in one pass, a step about the calm one's
+    calm, gpu = out["training"]["step"]["step_s"], out["training"]["degraded"]["one_gpu_lost"]
+    assert gpu["goes_on"] and gpu["mesh"] == {"replicas": 2, "shard": 7} and gpu["step_s"] <= 1.25 * calm, gpu
+    assert out["training"]["degraded"]["one_node_lost"]["goes_on"]
     error = _refused(capsys, *preset, "--set", "train.length_bucket=64")
     assert "train.length_bucket=64" in error and "tokenize.max_seq_len=12288" in error and "192 padded" in error
     error = _refused(capsys, *preset, "--set", "generate.max_tokens=16384")

@@ -43,10 +43,15 @@ class Placement:
     # the stream actors' resources not granted by then: an error naming them
     placement_timeout_s: float = operational(above(0, default=600.0))
     # elastic streams: streams still not placed after placement_timeout_s (a node lost and not yet
-    # replaced) are stood in for by those placed, down to this many (the same steps and rates), and
-    # stay asked for: once placed, the run grows back at its next checkpoint. None: num_streams
-    # (every stream or none)
+    # replaced) leave the run to those placed, down to this many (as lost_streams says), and stay
+    # asked for: once placed, the run grows back at its next checkpoint. None: num_streams (every
+    # stream or none)
     min_streams: int | None = operational(at_least(1, default=None))
+    # while streams are lost: shrink (each training stream takes its own batch a step, the global batch
+    # shrinks with the streams, the step keeps its time and the learning rate follows the samples
+    # taken) or stand_in (the placed streams take the lost ones' batches too: more passes a step, the
+    # global batch and every sample's step and rate those of a run that lost nothing)
+    lost_streams: Literal["shrink", "stand_in"] = operational("shrink")
     node_resource: str = operational("")  # a custom resource of the training nodes that every stream actor asks for
     torch_threads: int = operational(at_least(1, default=1))
     max_in_flight: int = operational(

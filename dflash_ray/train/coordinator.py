@@ -15,10 +15,13 @@ taken, committed, salvaged, resumed), `evaluation` (held-out waves and the graph
 step 0), `step_figures` (each step's metric row and gauges, the run's summary), `history` (the
 rows, appended). The data position follows from the step and the seed, and the learning rate from
 the samples behind the step, so a resume from step k replays exactly what an uninterrupted run does.
-The schedule is always `train.num_streams` wide: streams lost to a node are stood in for by the
-placed ones (`schedule.slots`, several batches a step), so the steps, and every sample's step and
-rate, are those of a run that lost nothing; once the lost streams are placed again the run grows
-back at its next checkpoint (`GrowBack`, not a failure). A failure (an actor's death, a rank's
+While streams are lost to a node the schedule is as wide as the streams that train
+(`train.lost_streams=shrink`: one batch each a step, the step keeping its time, the learning rate
+following the samples taken), or stays `train.num_streams` wide (`stand_in`: the placed streams take
+the lost ones' batches, `schedule.slots`, several passes a step, so the steps and every sample's step
+and rate are those of a run that lost nothing); the order of the samples is the same either way, and
+so are their anchors. Once the lost streams are placed again the run grows back at its next
+checkpoint (`GrowBack`, not a failure). A failure (an actor's death, a rank's
 error, an actor past a deadline) restarts every stream actor from the last checkpoint, up to
 `max_restarts`.
 """
@@ -153,8 +156,11 @@ class Coordinator:
             )
 
     def _schedule_from(self, origin: tuple[int, int, int]) -> None:
-        """The schedule over `train.num_streams`, however many are placed (`schedule.slots`)."""
-        self.schedule, self.total_steps = self.samples.schedule(self.cfg.train.num_streams, origin)
+        """The schedule from `origin` over the streams that train (`train.lost_streams=shrink`), or
+        over `train.num_streams` however many train (`stand_in`: `schedule.slots`)."""
+        tcfg = self.cfg.train
+        wide = tcfg.num_streams if tcfg.lost_streams == "stand_in" else self.streams.count or tcfg.num_streams
+        self.schedule, self.total_steps = self.samples.schedule(wide, origin)
 
     def _start(self) -> None:
         """Place and start the streams, go on from the newest checkpoint, meet every graph shape."""

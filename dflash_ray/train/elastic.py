@@ -4,12 +4,14 @@
 stood whatever the number of streams, so a run resumed on fewer streams takes every sample of the
 epoch once. So when a restart cannot place all of `train.num_streams` within
 `train.placement_timeout_s` (a node lost and not yet replaced), it goes on with the streams that
-were placed, down to `train.min_streams`, standing in for the others (`schedule.slots`: the same
-steps, samples and learning rates). The streams not placed stay asked for, so Ray's autoscaler
-keeps their demand; once they are placed (the capacity returned by it or a person), the run grows
-back at its next checkpoint, without counting a failure. Where the placed streams lie unevenly
-on the nodes (8 and 7 a node), the run trains on the largest balanced share of them
-(`mesh.balanced`) and keeps the others placed and idle, until a stream placed again balances more.
+were placed, down to `train.min_streams`: each taking a batch a step, the global batch smaller
+(`train.lost_streams=shrink`), or standing in for the others (`stand_in`, `schedule.slots`: the same
+steps, samples and learning rates, at more passes a step). The streams not placed stay asked for,
+so Ray's autoscaler keeps their demand; once they are placed (the capacity returned by it or a
+person), the run grows back at its next checkpoint, without counting a failure. Where the placed
+streams lie unevenly on the nodes (8 and 7 a node), the run trains on a balanced share of them
+(`mesh.balanced`: two rows of 7 under shrink) and keeps the others placed and idle, until a stream
+placed again balances more.
 """
 
 from __future__ import annotations

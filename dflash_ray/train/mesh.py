@@ -43,16 +43,22 @@ def rows_of(kind: str, nodes: list[str]) -> list[list[int]]:
     return [ranks[i : i + size] for ranks in by_node.values() for i in range(0, len(ranks), size)]
 
 
-def balanced(kind: str, nodes: list[str], wanted: int) -> list[int]:
+def balanced(kind: str, nodes: list[str], wanted: int, stand_in: bool = False) -> list[int]:
     """The ranks (rank i on `nodes[i]`) a mesh of `kind` is built of, for a run whose schedule is
-    `wanted` streams wide. hsdp's rows are one size, each whole inside a node: where the nodes hold
-    unequal counts (a GPU lost), the row size is the one whose ranks make the fewest passes a step
-    over the `wanted` streams' batches (`schedule.passes`), then the largest (a smaller shard of the
-    weights a rank, and less traffic across the nodes), then the one keeping more ranks; each node
-    gives whole rows, and its ranks left over stay idle. So 8 and 7 ranks of 16 wanted make one row
-    of 8 (two passes), not 15 rows of one rank (two passes too, with the whole drafter on every rank
-    and its whole gradient across the nodes). Where every rank fits one pass, every rank is kept, as
-    `rows_of` arranges them. fsdp and replicate keep every rank."""
+    `wanted` streams wide. hsdp's rows are one size, each whole inside a node; where the nodes hold
+    unequal counts (a GPU lost), each node gives whole rows and its ranks left over stay idle.
+
+    - `train.lost_streams=shrink` (every training rank one batch a step): the row size that keeps
+      the most ranks, among those at least half the largest node's count (a rank's shard of the
+      weights and optimizer, and its gradient across the nodes, at most twice the calm run's), then
+      the largest. So 8 and 7 ranks make two rows of 7 (14 train), 8 and 6 two rows of 6.
+    - `stand_in` (the placed ranks take the `wanted` streams' batches): the size whose ranks make the
+      fewest passes a step over them (`schedule.passes`), then the largest (less traffic across the
+      nodes), then the one keeping more ranks. So 8 and 7 of 16 wanted make one row of 8 (two
+      passes), not 15 rows of one rank (two passes too, with the whole drafter on every rank).
+
+    Where a size keeps every rank, every rank is kept, as `rows_of` arranges them. fsdp and
+    replicate keep every rank."""
     if kind != "hsdp" or not nodes:
         return list(range(len(nodes)))
     by_node: dict[str, list[int]] = {}
@@ -63,25 +69,32 @@ def balanced(kind: str, nodes: list[str], wanted: int) -> list[int]:
     def kept(size: int) -> int:
         return size * sum(c // size for c in counts)
 
-    size = min(range(1, max(counts) + 1), key=lambda s: (-(-wanted // kept(s)), -s, -kept(s)))
+    if stand_in:
+        size = min(range(1, max(counts) + 1), key=lambda s: (-(-wanted // kept(s)), -s, -kept(s)))
+    else:
+        size = min(range(-(-max(counts) // 2), max(counts) + 1), key=lambda s: (-kept(s), -s))
     if kept(size) == len(nodes):
         return list(range(len(nodes)))
     return sorted(r for ranks in by_node.values() for r in ranks[: len(ranks) // size * size])
 
 
-def training_ranks(kind: str, nodes: list[str], wanted: int, floor: int) -> list[int]:
+def training_ranks(kind: str, nodes: list[str], wanted: int, floor: int, stand_in: bool = False) -> list[int]:
     """The placed ranks a run trains on: `balanced`'s, unless they are fewer than `floor`
     (`train.min_streams`) while the placed ones are not, where every placed rank trains (the rows
     then the size that divides every node's count, `rows_of`)."""
-    keep = balanced(kind, nodes, wanted)
+    keep = balanced(kind, nodes, wanted, stand_in)
     return list(range(len(nodes))) if len(keep) < floor <= len(nodes) else keep
 
 
-def balanced_count(kind: str, ranks: int, per_node: int, wanted: int, floor: int) -> int:
-    """How many of `ranks` ranks, placed `per_node` to a node, node by node, train (`training_ranks`:
-    the plan's view of it)."""
+def balanced_count(
+    kind: str, ranks: int, per_node: int, wanted: int, floor: int, stand_in: bool = False
+) -> tuple[int, int]:
+    """How many of `ranks` ranks, placed `per_node` to a node, node by node, train
+    (`training_ranks`: the plan's view of it), and the size of their mesh's rows."""
     per_node = max(1, min(per_node, ranks))
-    return len(training_ranks(kind, [f"node{i // per_node}" for i in range(ranks)], wanted, floor))
+    nodes = [f"node{i // per_node}" for i in range(ranks)]
+    keep = training_ranks(kind, nodes, wanted, floor, stand_in)
+    return len(keep), len(rows_of(kind, [nodes[i] for i in keep])[0])
 
 
 def shape_of(kind: str, ranks: int, per_node: int) -> tuple[int, int]:

@@ -214,7 +214,8 @@ class Streams:
         self.pending = [g for g in asked if g not in placed]  # still asked for: the run grows back
         # hsdp's rows are one size: the streams beyond the largest balanced share stay placed, idle
         nodes = elastic.nodes_of(placed)
-        keep = mesh.training_ranks(self.sharding, nodes, tcfg.num_streams, tcfg.min_streams or tcfg.num_streams)
+        floor, stand_in = tcfg.min_streams or tcfg.num_streams, tcfg.lost_streams == "stand_in"
+        keep = mesh.training_ranks(self.sharding, nodes, tcfg.num_streams, floor, stand_in)
         self.groups = [placed[i] for i in keep]
         self.idle = [g for i, g in enumerate(placed) if i not in keep]
         self.count = n = len(self.groups)
@@ -351,7 +352,9 @@ class Streams:
         if not back:
             return 0
         every = elastic.nodes_of(self.groups + self.idle + back)
-        return max(0, len(mesh.balanced(self.sharding, every, self.cfg.train.num_streams)) - self.count)
+        tcfg = self.cfg.train
+        wider = mesh.balanced(self.sharding, every, tcfg.num_streams, tcfg.lost_streams == "stand_in")
+        return max(0, len(wider) - self.count)
 
     def note_lost(self, step: int) -> None:
         """Name the nodes the streams ran on that have left the cluster (once each)."""
