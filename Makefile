@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml
 
 # Two test files at a time (pytest-xdist), the longest first (tests/conftest.py): most tests keep
 # both cores busy, but starts, waits and single-threaded stretches leave room for a second file.
+# One OpenMP thread a process: two files' processes with torch's own pool each spin on each other's cores.
 test: setup
-	$(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=40 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # pyflakes and pycodestyle's rules and ruff's formatting over the package, the kernels, the benchmarks,
 # tests and tools, then mypy over the package ([tool.ruff] and [tool.mypy] of pyproject.toml);
@@ -34,7 +35,7 @@ lint: setup
 # The tests that need no Ray cluster, S3 server, vLLM engine or subprocess CLI, and run in seconds
 # (tests/conftest.py fails one that starts them unmarked), on two workers: under two minutes on 2 cores.
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 2 -m "not integration and not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 -m "not integration and not slow" tests
 
 demo: setup
 	$(BIN)/dflash-ray demo

@@ -7,10 +7,19 @@ import contextlib
 import os
 import random
 import socket
+import sys
 import uuid
 from typing import Any
 
 import pytest
+
+# Two test files run at once on two cores (`make test`: -n 2), each with its Ray actors and
+# subprocesses: one OpenMP thread a process (inherited by every process it starts), or each
+# process's waiting threads spin on the cores the others need (two copies of test_speculative.py and
+# test_dflash2.py at once: 664 s with torch's default two threads each, 106 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file by a plugin: its pool is already made
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 _ports = random.Random(os.getpid())
