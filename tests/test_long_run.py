@@ -122,9 +122,9 @@ def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without
     """The session's cluster has room for one stream of two while another job holds a CPU: the run
     starts on one (train.min_streams=1) taking a batch a step (train.lost_streams=shrink); the
     second stream's placement stays asked for, and once the CPU is freed the run grows back at its
-    next checkpoint, to two batches a step. No restart is counted, every sample is taken once an
-    epoch (checkpoints at even steps: the width changes between whole steps of two), and every
-    step's rate is the rate of the samples behind it, as a run on two streams would have it."""
+    next checkpoint, to two batches a step. No restart is counted; every sample is taken once an
+    epoch, but where the width changed at an odd place in an epoch, whose last sample then fills no
+    step of two; every step's rate is the rate of the samples behind it in the epochs' order."""
     import ray
 
     from test_train import SETTINGS as TRAIN, _tokenized
@@ -151,17 +151,26 @@ def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without
     released = threading.Thread(target=release, daemon=True)
     released.start()
     settings = ["train.actor_cpus=0.5", "train.min_streams=1", "train.placement_timeout_s=3", "train.epochs=12"]
-    settings += ["train.checkpoint_every=2"]
     summary = run_train(target, data, str(tmp_path / "run"), load_config(None, TRAIN + settings), progress=False)
     released.join(timeout=1)
     assert summary["restarts"] == 0 and summary["failures"] == [], summary
     assert summary["grew_back"] and summary["grew_back"][0]["streams"] == summary["streams"] == 2, summary
-    taken = summary["samples"]
-    assert taken["distinct"] == taken["of"] == 16 and taken["min_times"] == taken["max_times"] == 12, taken
     rows = [json.loads(x) for x in storage.read_text(str(tmp_path / "run" / "metrics.jsonl")).splitlines()]
     streams = [r["streams"] for r in rows]
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and sum(streams) == 16 * 12, streams
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), streams
     assert streams[0] == 1 and streams[-1] == 2 and streams == sorted(streams), streams
-    behind = [sum(streams[:i]) for i in range(len(rows))]
-    expected = [lr_at(done, 16 * 12, 3e-3, 0.04, n) for done, n in zip(behind, streams)]
+    grown = streams.index(2)  # steps taken on one stream, 16 an epoch; then 8 an epoch
+    epoch, offset = divmod(grown, 16)
+    left_out = (16 - offset) % 2  # the grown epoch's last sample, where it fills no step of two
+    taken = summary["samples"]
+    assert taken["taken"] == sum(streams) == 16 * 12 - left_out and taken["distinct"] == taken["of"] == 16, taken
+    assert taken["max_times"] == 12 and taken["min_times"] == 12 - left_out, taken
+
+    def behind(step: int) -> int:  # the samples behind a step: where it stands in the epochs' order
+        if step < grown:
+            return step
+        k, first = step - grown, (16 - offset) // 2
+        return grown + 2 * k if k < first else 16 * (epoch + 1 + (k - first) // 8) + 2 * ((k - first) % 8)
+
+    expected = [lr_at(behind(i), 16 * 12, 3e-3, 0.04, n) for i, n in enumerate(streams)]
     assert max(abs(r["lr"] - e) for r, e in zip(rows, expected)) < 1e-6

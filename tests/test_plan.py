@@ -298,7 +298,8 @@ def test_plan_simulates_each_gpu_role_of_the_preset_at_its_real_shape(capsys):
 def test_plan_refuses_a_role_above_the_gpus_memory(capsys):
     """One stream at 4,096 anchors: its first step fits (130 GB), its warm steps (AdamW's moments
     alive through the forward) do not."""
-    error = _refused(capsys, *PAIRED, "--set", "train.num_streams=1", "--set", "train.num_anchors=4096")
+    one = ("--set", "train.num_streams=1", "--set", "train.min_streams=1")
+    error = _refused(capsys, *PAIRED, *one, "--set", "train.num_anchors=4096")
     assert "drafter role" in error and "H200" in error and "train.num_anchors" in error
     assert "GB" in error and "tokenize.max_seq_len" in error and "optimizer 13.8" in error
     peak = float(error.split("needs ")[1].split(" GB")[0])
