@@ -235,7 +235,7 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     """The demo's own settings are a config like any other (a renamed field fails here, not 20
     minutes into `make demo`); the user's file and overrides go over them."""
     from dflash_ray.config import check
-    from dflash_ray.stages.demo import demo_config
+    from dflash_ray.stages.demo import demo_config, native_bf16
 
     cfg = demo_config(None, [])
     check(cfg)
@@ -246,6 +246,7 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     assert cfg.evaluate.max_new_tokens == 256 and (cfg.train.drafter, cfg.train.num_layers) == ("dspark", 2)
     (tmp_path / "mine.yaml").write_text("train: {epochs: 1}\n")
     mine = demo_config(str(tmp_path / "mine.yaml"), ["pipeline.beat_ngram=false"])
+    assert cfg.train.dtype == ("bfloat16" if native_bf16() else "float32")
     assert mine.train.epochs == 1 and not mine.pipeline.beat_ngram and mine.train.loss_decay == 1
     # the earlier one-layer DFlash demo, as docs/demo.md gives it: DSpark's own settings do not follow it
     from dflash_ray import preflight
@@ -623,3 +624,17 @@ def test_an_alias_bomb_is_refused_and_ordinary_anchors_are_not(tmp_path):
     cfg = load_config(str(path))
     assert cfg.generate.max_model_len == 2048
     assert cfg.generate.chat_template_kwargs == {"enforce_eager": True, "reasoning": "low"}
+
+
+def test_the_demo_trains_in_bf16_only_on_a_cpu_that_multiplies_it_natively(monkeypatch):
+    """On a CPU without AVX512-BF16 or AMX torch emulates bf16 matmuls (an AVX2 EPYC: 35 s a demo
+    step, about 1 s in fp32), so the demo trains in fp32 there; a user's own dtype still wins."""
+    import torch
+
+    from dflash_ray.stages.demo import demo_config
+
+    for avx512_bf16, amx, dtype in ((False, False, "float32"), (True, False, "bfloat16"), (False, True, "bfloat16")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert demo_config(None, []).train.dtype == dtype
+        assert demo_config(None, ["train.dtype=bfloat16"]).train.dtype == "bfloat16"

@@ -48,7 +48,8 @@ DEMO_SETTINGS = [
     "train.lr=3e-3",
     # bf16 matmuls, as on GPUs (fp32 master weights): where the CPU has them natively (AVX512-BF16,
     # AMX) a step takes 0.48 s against fp32's 0.76 (`bench.demo_step`; the vocabulary head is most
-    # of it); evaluation stays fp32, where speculative decoding is lossless token for token
+    # of it); elsewhere `demo_config` trains in fp32 (`native_bf16`). Evaluation stays fp32, where
+    # speculative decoding is lossless token for token
     "train.dtype=bfloat16",
     "train.checkpoint_every=1000",
     # the target's outputs of the first epoch served again to the later ones (a few hundred MB a target)
@@ -97,11 +98,23 @@ def bundled_inputs(small: bool = False) -> list[str]:
     return [str(folder / name) for name in (SMALL_FILES if small else DEMO_FILES)]
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere torch emulates
+    bf16 matmuls element by element: on an AVX2-only EPYC a demo step took 35 s in bf16, where fp32
+    takes about a second."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def demo_config(path: str | None, overrides: list[str]) -> RunConfig:
-    """The demo's settings, then the user's config file over them, then the user's overrides."""
+    """The demo's settings (training in fp32 on a CPU without native bf16: `native_bf16`), then the
+    user's config file over them, then the user's overrides."""
     data: dict[str, Any] = {}
     for assignment in DEMO_SETTINGS:
         apply_override(data, assignment)
+    if not native_bf16():
+        apply_override(data, "train.dtype=float32")
     if path is not None and not path.strip():
         raise DFlashError("is empty (an unset variable?): give a config file, or leave --config out", field="--config")
     if path:
