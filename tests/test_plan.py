@@ -334,6 +334,46 @@ def test_the_drafter_step_is_simulated_warm_with_zero_grad_where_the_worker_puts
     assert kept["memory_gb"]["total"] > now["memory_gb"]["total"]
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_peak_only_tracker_finds_the_stock_trackers_peak(world, monkeypatch):
+    """The simulation's trackers skip the per-module peaks; the step's peak, by category, is the
+    stock tracker's to the byte, for a whole drafter and one sharded over a fake group."""
+    from transformers import Qwen3Config
+
+    from dflash_ray import simulate
+    from dflash_ray.drafter.config import from_target
+
+    target = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    dcfg = from_target(target, mask_token_id=511, num_layers=2, target_layer_ids=[1, 2], sliding_window=16)
+    step = dict(num_anchors=8, world=world, tied_head=False, teacher_k=0, distill=0.0, gamma=7.0, length_bucket=16)
+    trimmed = simulate.peak_only
+    peaks: dict[bool, list[dict]] = {False: [], True: []}
+
+    def recording(tracker_class, trim: bool):
+        class Recording(trimmed(tracker_class) if trim else tracker_class):  # type: ignore[misc, valid-type]
+            def get_tracker_snapshot(self, type="current"):
+                out = super().get_tracker_snapshot(type)
+                if type == "peak":  # the simulation's one read (the trackers read "current" themselves)
+                    peaks[trim].append(out)
+                return out
+
+        return Recording
+
+    for trim in (False, True):
+        monkeypatch.setattr(simulate, "peak_only", lambda tracker_class: recording(tracker_class, trim))
+        simulate.drafter_step(dcfg, dcfg.family, simulate.Sample(64, 16), **step)
+        simulate.target_forward(target, [1, 2], simulate.Sample(64, 16), top_k=0)
+    assert len(peaks[True]) == 2 and all(peaks[True]) and peaks[True] == peaks[False]
+
+
 def test_a_targets_attention_is_counted_where_the_flop_counter_sees_none():
     """SDPA on fake CPU tensors has no rule in FlopCounterMode: the causal pairs are counted."""
     from transformers import Qwen3Config
