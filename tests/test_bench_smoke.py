@@ -36,8 +36,11 @@ class Smoke:
 
 DEMO = ("--workdir", "{work}")
 SHORT_EVALUATION = ("--set", "evaluate.max_new_tokens=4")  # the demo's 256 new tokens are a minute a prompt
-# a few anchors, and fp32: a CPU without AVX512-BF16 emulates the demo's bf16 matmuls, 8x slower
-SMALL_STEPS = ("--set", "train.num_anchors=4", "--set", "train.dtype=float32")
+# a few anchors, and fp32: a CPU without AVX512-BF16 emulates the demo's bf16 matmuls, 8x slower; one
+# colocated stream: two actors a run, not five (an actor's start, mostly imports, is seconds of CPU)
+SMALL_STEPS = ("--set", "train.num_anchors=4", "--set", "train.dtype=float32") + (
+    ("--set", "train.num_streams=1", "--set", "train.colocate=true")
+)
 SETS = ("kept_aside", "unseen")
 TABLE: dict[str, Smoke] = {
     "balance": Smoke(

@@ -263,7 +263,7 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
             line = [x for x in probe.stdout.splitlines() if x.startswith('{"ok": true')]
             if line and until(status := json.loads(line[-1])):
                 return status
-            time.sleep(2)
+            time.sleep(6)  # each look is a job of its own (a supervisor and a driver): seconds of CPU
         raise AssertionError(
             f"the generation never reached the state waited for; last {status}: "
             + probe.stdout[-1500:]
