@@ -107,9 +107,11 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
     assert checkpoint.complete_steps(out) == []  # nothing non-finite was ever committed
 
 
-def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, target, tmp_path):
+def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, target, tmp_path, monkeypatch):
     """Resume matches the data's content, not its path: new data under the old name (a pipeline rerun
-    on a replaced input) would otherwise go on training, or export, the old run's drafter."""
+    on a replaced input) would otherwise go on training, or export, the old run's drafter. The data's
+    print is its manifest's, so the refusal comes before Ray is reached, let alone the target loaded."""
+    from dflash_ray import cluster
     from dflash_ray.errors import DFlashError
 
     g = torch.Generator().manual_seed(5)
@@ -119,6 +121,11 @@ def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, tar
     cfg = load_config(None, SETTINGS)
     assert run_train(target, folder, out, cfg, progress=False, stop_after_step=3)["step"] == 3
     _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
+
+    def no_ray(*args, **kwargs):
+        raise _RayStarted()
+
+    monkeypatch.setattr(cluster, "connect", no_ray)
     with pytest.raises(DFlashError, match="the data's content"):
         run_train(target, folder, out, cfg, progress=False)
     assert checkpoint.complete_steps(out) == [3]

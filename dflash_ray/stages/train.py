@@ -145,10 +145,12 @@ def _disk_full(e: DFlashError, output: str, cfg: RunConfig) -> DiskFull:
 
 def _check_checkpoints(run: ResolvedRun, data: str, output: str, resume: bool | None) -> None:
     """On storage alone, before Ray: an output holding checkpoints without `resume` is refused, and the
-    newest checkpoint to resume from must be of this run (settings, data, target: `recovery.differences`,
-    as the coordinator checks it, less the data's fingerprint, which needs the data read). A raised or
+    newest checkpoint to resume from must be of this run (settings, data and its content, target:
+    `recovery.differences`, as the coordinator checks it; the data's print reads its manifest alone, so
+    a rewritten dataset is refused before any actor loads the target). A raised or
     lowered `train.max_steps` is a longer or shorter run: the learning-rate schedule is recomputed
     over the new total from the checkpoint's step on, and the log says so."""
+    from dflash_ray import manifest
     from dflash_ray.train import checkpoint
     from dflash_ray.train.recovery import Origin, differences
 
@@ -173,7 +175,7 @@ def _check_checkpoints(run: ResolvedRun, data: str, output: str, resume: bool | 
         state = json.loads(checkpoint.read_file(output, step, "state.json", checkpoint.verify(output, step)))
     except checkpoint.CorruptCheckpoint:
         return  # the coordinator resumes from an older one, or says none verifies
-    changed = differences(state, Origin(cfg, run.target, data, state.get("data_print", ""), output))
+    changed = differences(state, Origin(cfg, run.target, data, manifest.fingerprint(data), output))
     if changed:
         raise DFlashError(
             f"the checkpoint {checkpoint.step_dir(output, step)} was made with other settings ({', '.join(changed)} "
