@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import checkpoint_weights
-from dflash_ray import storage
+from dflash_ray import manifest, storage
 from dflash_ray.config import load_config
 from dflash_ray.stages.train import run_train
 from dflash_ray.train import checkpoint
@@ -161,7 +161,13 @@ def test_train_refuses_on_storage_alone_before_ray_starts(target, data, tmp_path
         held.release()
 
     cfg = load_config(None, SETTINGS)
-    state = {"config": cfg.to_dict(), "data": data, "target": target, "data_print": "d", "step": 3}
+    state = {
+        "config": cfg.to_dict(),
+        "data": data,
+        "target": target,
+        "data_print": manifest.fingerprint(data),
+        "step": 3,
+    }
     checkpoint.save(str(out), 3, {"state.json": json.dumps(state).encode()})
     assert main(args) == 2
     assert "holds checkpoints of an earlier run: pass --resume" in json.loads(capsys.readouterr().out)["error"]
