@@ -110,6 +110,23 @@ def _fast_loop_guard(request, monkeypatch):
         fast_loop_guards(monkeypatch)
 
 
+def small_qwen3_config(**overrides):
+    """A Qwen3 config of four tiny layers and a 512-token vocabulary, for code that needs a target's
+    config and no weights (or builds its own from it)."""
+    from transformers import Qwen3Config
+
+    small = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    return Qwen3Config(**{**small, **overrides})
+
+
 def free_port() -> int:
     """A port that binds now, drawn below the kernel's ephemeral range (32768 and up) and above Ray's
     worker ports (10002-19999): between this check and the server's own bind, no outgoing connection

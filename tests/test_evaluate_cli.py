@@ -169,17 +169,9 @@ def test_export_checks_a_checkpoint_against_its_manifest(tmp_path, capsys):
 
 
 def _tiny_target_config():
-    from transformers import Qwen3Config
+    from conftest import small_qwen3_config
 
-    return Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    return small_qwen3_config()
 
 
 def test_a_dataset_of_the_wrong_kind_is_refused_before_any_model_or_engine_starts(tmp_path, capsys):

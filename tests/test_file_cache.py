@@ -91,23 +91,13 @@ def test_balanced_steps_give_the_streams_samples_of_one_length(tmp_path):
 def test_plan_reports_the_straggler_ratio_of_a_dataset(tmp_path, capsys):
     import json
 
+    from conftest import small_qwen3_config
     from dflash_ray.cli import main
-
-    from transformers import Qwen3Config
 
     data = _dataset(tmp_path / "data")
     target = tmp_path / "config.json"  # a small target: the ratio is the schedule's, not the model's
     target.write_text(
-        json.dumps(
-            Qwen3Config(
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            ).to_dict()
-        )
+        json.dumps(small_qwen3_config(head_dim=128).to_dict())  # Qwen3's own head_dim
     )
     assert (
         main(

@@ -310,16 +310,14 @@ def test_plan_refuses_a_role_above_the_gpus_memory(capsys):
 def test_the_drafter_step_is_simulated_warm_with_zero_grad_where_the_worker_puts_it():
     """AdamW's moments are alive at the simulated peak; the worker frees last step's gradients
     before the forward, the code as measured on the H200 kept them (zeroed) through it."""
-    from transformers import Qwen3Config
-
+    from conftest import small_qwen3_config
     from dflash_ray.drafter.config import from_target
     from dflash_ray.simulate import Sample, drafter_step
 
-    target = Qwen3Config(
+    target = small_qwen3_config(
         vocab_size=2048,
         hidden_size=1024,
         intermediate_size=1024,
-        num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=128,
@@ -338,20 +336,11 @@ def test_the_drafter_step_is_simulated_warm_with_zero_grad_where_the_worker_puts
 def test_the_peak_only_tracker_finds_the_stock_trackers_peak(world, monkeypatch):
     """The simulation's trackers skip the per-module peaks; the step's peak, by category, is the
     stock tracker's to the byte, for a whole drafter and one sharded over a fake group."""
-    from transformers import Qwen3Config
-
+    from conftest import small_qwen3_config
     from dflash_ray import simulate
     from dflash_ray.drafter.config import from_target
 
-    target = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    target = small_qwen3_config()
     dcfg = from_target(target, mask_token_id=511, num_layers=2, target_layer_ids=[1, 2], sliding_window=16)
     step = dict(num_anchors=8, world=world, tied_head=False, teacher_k=0, distill=0.0, gamma=7.0, length_bucket=16)
     trimmed = simulate.peak_only
@@ -376,19 +365,10 @@ def test_the_peak_only_tracker_finds_the_stock_trackers_peak(world, monkeypatch)
 
 def test_a_targets_attention_is_counted_where_the_flop_counter_sees_none():
     """SDPA on fake CPU tensors has no rule in FlopCounterMode: the causal pairs are counted."""
-    from transformers import Qwen3Config
-
+    from conftest import small_qwen3_config
     from dflash_ray.simulate import Sample, causal_attention_flops, target_forward
 
-    cfg = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    cfg = small_qwen3_config(num_hidden_layers=2)
     attention = 4 * (256 * 257 / 2) * 4 * 16  # a layer's: 4 heads of 16
     linear = 2 * 256 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # a layer's q, o, k, v (2 kv heads), MLP
     assert causal_attention_flops(cfg, 256) == 2 * attention

@@ -3,8 +3,9 @@ greedy speculative decoding verifies, block for block, for every family (CPU, ti
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from conftest import small_qwen3_config
 from dflash_ray.drafter import families
 from dflash_ray.drafter.config import from_target
 from dflash_ray.drafter.speculative import acceptance_by_position, speculative_decode, target_decode
@@ -21,16 +22,7 @@ def target():
     embedding and head, prompts, and its greedy answers run a block past the cap (what decoding's
     target verifies beyond max_new_tokens)."""
     torch.manual_seed(3)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
+    config = small_qwen3_config(tie_word_embeddings=False)
     model = Qwen3ForCausalLM(config).eval()
     embed, head = model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
     g = torch.Generator().manual_seed(0)
