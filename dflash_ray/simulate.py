@@ -142,7 +142,7 @@ def fake_run() -> Iterator[Any]:
 def peak_only(tracker_class: type) -> type:
     """`tracker_class` (torch's `MemTracker` or `FSDPMemTracker`) keeping the step's peak alone. After
     every operator the stock tracker also walks every module it has seen for the per-module peaks,
-    which the simulation never reads: over a 64-layer target that walk is a quarter of a plan's time.
+    which the simulation never reads: over a 64-layer target that walk is about a third of a plan's time.
     The peak itself is updated by the same rule, so it is the same."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
