@@ -235,7 +235,8 @@ def test_the_demo_settings_pass_the_preflight_and_hold_the_demo_to_its_bars(tmp_
     """The demo's own settings are a config like any other (a renamed field fails here, not 20
     minutes into `make demo`); the user's file and overrides go over them."""
     from dflash_ray.config import check
-    from dflash_ray.stages.demo import demo_config, native_bf16
+    from dflash_ray.generation.cpu_engine import native_bf16
+    from dflash_ray.stages.demo import demo_config
 
     cfg = demo_config(None, [])
     check(cfg)

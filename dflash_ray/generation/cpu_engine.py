@@ -41,15 +41,20 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates bf16
+    matmuls, several times slower than fp32."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def engine_dtype(dtype: str) -> str:
     """vLLM's `dtype`: "auto" keeps the checkpoint's, except on a CPU without native bf16 (no AVX-512
     BF16 or AMX), where emulated bf16 decodes 2.6x slower than fp32 (bench/RESULTS.md)."""
     if dtype != "auto" or on_gpu():
         return dtype
-    import torch
-
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return "auto" if native_bf16 else "float32"
+    return "auto" if native_bf16() else "float32"
 
 
 def engine_in_process() -> None:

@@ -98,18 +98,11 @@ def bundled_inputs(small: bool = False) -> list[str]:
     return [str(folder / name) for name in (SMALL_FILES if small else DEMO_FILES)]
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere torch emulates
-    bf16 matmuls element by element: on an AVX2-only EPYC a demo step took 35 s in bf16, where fp32
-    takes about a second."""
-    import torch
-
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
 def demo_config(path: str | None, overrides: list[str]) -> RunConfig:
     """The demo's settings (training in fp32 on a CPU without native bf16: `native_bf16`), then the
     user's config file over them, then the user's overrides."""
+    from dflash_ray.generation.cpu_engine import native_bf16  # on an AVX2-only EPYC a bf16 step took 35 s
+
     data: dict[str, Any] = {}
     for assignment in DEMO_SETTINGS:
         apply_override(data, assignment)
