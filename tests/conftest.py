@@ -127,6 +127,23 @@ def small_qwen3_config(**overrides):
     return Qwen3Config(**{**small, **overrides})
 
 
+# What a spawned rank imports before it runs: loaded once in the fork server, not once a rank
+RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "dflash_ray.train.fsdp", "dflash_ray.train.p2p"]
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn`'s ranks, forked from a server that imported torch and transformers
+    once for the session's process, not started afresh: a fresh interpreter a rank spends 4-5 s of CPU
+    on imports alone. Each rank is still a process of its own, as on GPUs (its own gloo group, its own
+    exit code: a rank that dies raises `ProcessExitedException` here as spawn's does)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: the first call
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def free_port() -> int:
     """A port that binds now, drawn below the kernel's ephemeral range (32768 and up) and above Ray's
     worker ports (10002-19999): between this check and the server's own bind, no outgoing connection

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, spawn
 
 
 def _drafter(seed: int = 0):
@@ -92,7 +92,7 @@ def _checkpoint(tmp_path) -> tuple[str, dict]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     folder = checkpoint.step_dir(str(tmp_path / "run"), 4)
     results = mp.Manager().dict()
-    mp.spawn(_write, args=(free_port(), folder, results), nprocs=2, join=True)
+    spawn(_write, (free_port(), folder, results), 2)
     entries = {**results[0]["entries"], **results[1]["entries"]}
     checkpoint.commit(str(tmp_path / "run"), 4, entries)
     return folder, dict(results[0])

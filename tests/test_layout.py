@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from conftest import spawn
 from dflash_ray.train.mesh import balanced, dims_cross_nodes, rows_of, shape_of
 
 WIDTH = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4)
@@ -159,7 +159,7 @@ def _run(tmp_path, world: int, jobs: list[dict]) -> list[dict]:
     out = tmp_path / "results.json"
     store = tmp_path / "store"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_rank, args=(world, str(store), jobs, str(out)), nprocs=world, join=True)
+    spawn(_rank, (world, str(store), jobs, str(out)), world)
     return json.loads(out.read_text())
 
 

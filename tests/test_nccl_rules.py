@@ -14,7 +14,7 @@ import torch.distributed as dist
 import pytest
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, spawn
 
 # Scenarios that let a send go past the timeout to see what the rank's own calls say: the watchdog
 # thread records its message there instead of ending the process.
@@ -156,7 +156,7 @@ def _rank(rank: int, port: int, results: dict, scenario: str, timeout_s: float) 
 def _run(scenario: str, timeout_s: float = 2.0) -> dict:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(free_port(), results, scenario, timeout_s), nprocs=2, join=True)
+    spawn(_rank, (free_port(), results, scenario, timeout_s), 2)
     return dict(results)
 
 
@@ -192,6 +192,7 @@ def test_the_watchdog_ends_a_rank_that_posts_a_send_and_goes_idle(capfd):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = mp.Manager().dict()
     with pytest.raises(mp.ProcessExitedException) as ended:  # the other rank is ended with it
+        # spawned here, not forked from the server: the ranks' stderr is this test's, read below
         mp.spawn(_rank, args=(free_port(), results, "watchdog_idle", 1.0), nprocs=2, join=True)
     waited = time.time() - results[0]["posted"]
     assert ended.value.error_index == 0 and ended.value.exit_code == WATCHDOG_EXIT_CODE, ended.value
