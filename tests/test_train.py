@@ -184,20 +184,14 @@ def test_a_sharded_step_equals_one_process_on_the_union_and_halves_the_optimizer
     assert whole > 0 and all(abs(b - whole / 2) <= 0.05 * whole for b in shard_bytes), (shard_bytes, whole)
 
 
-def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone, capsys):
-    cfg = load_config(None, SETTINGS)
+def test_a_run_checkpoints_sharded_and_trains_alike_colocated_or_through_the_object_store(
+    ray_cluster, target, data, tmp_path, alone
+):
+    """The undisturbed run's checkpoint: a file per rank and its data's print; a colocated stream and
+    features through Ray's object store train the same weights, bit for bit. (A resume that is exact:
+    `test_training_with_target_and_output_on_s3_resumes_and_exports_there`.)"""
     whole_dir, whole = alone
     assert whole["step"] == whole["total_steps"] == 8
-    sliced = str(tmp_path / "sliced")
-    first = run_train(target, data, sliced, cfg, progress=False, stop_after_step=5)  # ends between checkpoints
-    assert first["step"] == 5
-    capsys.readouterr()
-    second = run_train(target, data, sliced, cfg, progress=True)
-    assert second["step"] == 8
-    # one line per step on stderr, each step once: the figures a person watches
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
-    assert [x.split()[1] for x in lines] == ["6/8", "7/8", "8/8"], lines
-    assert all(" loss " in x and " tok/s" in x for x in lines), lines
     # sharded: one file per rank, none holding the whole optimizer state, and no whole-model file
     assert sorted(checkpoint.read_manifest(whole_dir, 8)["files"]) == [
         "drafter/config.json",
@@ -206,10 +200,11 @@ def test_resume_is_exact(ray_cluster, target, data, tmp_path, alone, capsys):
         "shards/__1_0.distcp",
         "state.json",
     ]
+    # the data's print, which a resume compares with the data it is given (test_train_guards)
+    state = json.loads(storage.read_text(storage.join(checkpoint.step_dir(whole_dir, 8), "state.json")))
+    assert state["data_print"] == manifest.fingerprint(data)
     step_a, weights_a = _final_weights(whole_dir)
-    step_b, weights_b = _final_weights(sliced)
-    assert step_a == step_b == 8 and weights_a == weights_b  # bitwise
-    assert storage.exists(storage.join(sliced, "metrics.png"))
+    assert step_a == 8
     assert whole["rendezvous"].startswith(ray.util.get_node_ip_address() + ":")  # drafter rank 0's node
 
     # a colocated stream (target and drafter in one actor, features never copied) trains the same weights
@@ -357,9 +352,10 @@ def _metrics(output: str) -> list[dict]:
     return [json.loads(x) for x in storage.read_text(storage.join(output, "metrics.jsonl")).splitlines()]
 
 
-def _train_and_kill(target, data, output: str, cfg, name: str, role: str) -> dict:
-    """Train in a thread; once a checkpoint exists, kill the stream-1 actor of `role`. The run's
-    summary, or its error under "error"."""
+def _train_and_kill(target, data, output: str, cfg, name: str, roles: list[str]) -> dict:
+    """Train in a thread and kill stream 1's actor of each role of `roles` in turn, each once the run
+    has a checkpoint newer than the one it had at the kill before (so each kill lands mid-training,
+    after a restart where there was one). The run's summary, or its error under "error"."""
     result = {}
 
     def train():
@@ -370,28 +366,34 @@ def _train_and_kill(target, data, output: str, cfg, name: str, role: str) -> dic
 
     thread = threading.Thread(target=train)
     thread.start()
-    victim = None
-    while thread.is_alive() and victim is None:
-        try:
-            candidate = ray.get_actor(f"{name}-{role}-1")
-            # wait until training is under way (a checkpoint exists), then kill
-            if checkpoint.complete_steps(output):
-                victim = candidate
-        except ValueError:
-            pass
-        thread.join(timeout=0.2)
-    assert victim is not None, "the run ended before the actor could be killed"
-    ray.kill(victim)
+    newest, killed = 0, []
+    for role in roles:
+        victim = None
+        while thread.is_alive() and victim is None:
+            try:
+                candidate = ray.get_actor(f"{name}-{role}-1")
+                steps = checkpoint.complete_steps(output)
+                # wait until training is under way (a checkpoint past the last kill's), then kill
+                if steps and steps[-1] > newest and candidate._actor_id not in killed:
+                    victim = candidate
+            except ValueError:
+                pass
+            thread.join(timeout=0.2)
+        assert victim is not None, f"the run ended before the {role} could be killed"
+        newest = checkpoint.complete_steps(output)[-1]
+        killed.append(victim._actor_id)
+        ray.kill(victim)
     thread.join(timeout=300)
     return result
 
 
-@pytest.mark.parametrize("role", ["target", "drafter"])
-def test_run_survives_a_killed_actor(ray_cluster, target, data, tmp_path, role):
-    cfg = load_config(None, SETTINGS + ["train.epochs=3"])  # 24 steps: the kill lands after the first
-    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, f"kill-{role}", role)  # checkpoint (3)
+def test_run_survives_a_killed_target_and_a_killed_drafter(ray_cluster, target, data, tmp_path):
+    """Stream 1's target is killed after the first checkpoint, then, after the restart, its drafter
+    after a later one: the run takes every step, one restart a death."""
+    cfg = load_config(None, SETTINGS + ["train.epochs=3"])  # 24 steps: the kills land after checkpoints (3 each)
+    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, "kill", ["target", "drafter"])
     assert result["step"] == result["total_steps"] == 24
-    assert result["restarts"] == 1
+    assert result["restarts"] == 2
 
 
 def test_an_error_on_one_rank_restarts_the_run_instead_of_hanging_the_other(ray_cluster, target, data, tmp_path, alone):
@@ -490,7 +492,7 @@ def test_a_death_past_the_restart_budget_fails_the_run_with_a_clear_error(ray_cl
     from dflash_ray.errors import DFlashError
 
     cfg = load_config(None, SETTINGS + ["train.epochs=6", "train.max_restarts=0"])
-    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, "kill-budget", "drafter")
+    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, "kill-budget", ["drafter"])
     error = result.get("error")
     assert isinstance(error, DFlashError), result
     assert error.field == "train.max_restarts" and "over the budget of 0 restarts" in str(error)
@@ -498,16 +500,26 @@ def test_a_death_past_the_restart_budget_fails_the_run_with_a_clear_error(ray_cl
     assert checkpoint.complete_steps(str(tmp_path / "out"))  # what was trained is kept for a resume
 
 
-def test_training_with_target_and_output_on_s3_resumes_and_exports_there(ray_cluster, target, data, s3_bucket):
-    """The target read from `s3://`, checkpoints written there, a resume from them, the export to S3."""
+def test_training_with_target_and_output_on_s3_resumes_and_exports_there(
+    ray_cluster, target, data, s3_bucket, alone, capsys
+):
+    """The target read from `s3://`, checkpoints written there, a resume from them, the export to S3.
+    The run stops at step 5, between its every-3 checkpoints (the stop takes one of its own), and the
+    resume is exact: the undisturbed run's weights, bit for bit."""
     from dflash_ray.stages.export import run_export
 
     storage.upload_tree(target, f"{s3_bucket}/target")
     out = f"{s3_bucket}/run"
     cfg = load_config(None, SETTINGS)
-    assert run_train(f"{s3_bucket}/target", data, out, cfg, progress=False, stop_after_step=4)["step"] == 4
-    resumed = run_train(f"{s3_bucket}/target", data, out, cfg, progress=False)
+    assert run_train(f"{s3_bucket}/target", data, out, cfg, progress=False, stop_after_step=5)["step"] == 5
+    capsys.readouterr()
+    resumed = run_train(f"{s3_bucket}/target", data, out, cfg, progress=True)
     assert resumed["step"] == 8 and resumed["checkpoint"].startswith(out)
+    # one line per step on stderr, each step once: the figures a person watches
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["6/8", "7/8", "8/8"], lines
+    assert all(" loss " in x and " tok/s" in x for x in lines), lines
+    assert _final_weights(out) == _final_weights(alone[0])  # bitwise
     assert storage.exists(storage.join(out, "metrics.png"))
     run_export(resumed["checkpoint"], f"{s3_bucket}/drafter", dtype="float32")
     names = {storage.basename(f) for f in storage.list_files(f"{s3_bucket}/drafter", (".json", ".safetensors"))}

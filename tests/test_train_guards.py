@@ -107,10 +107,14 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
     assert checkpoint.complete_steps(out) == []  # nothing non-finite was ever committed
 
 
-def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, target, tmp_path, monkeypatch):
+def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(target, tmp_path, monkeypatch):
     """Resume matches the data's content, not its path: new data under the old name (a pipeline rerun
     on a replaced input) would otherwise go on training, or export, the old run's drafter. The data's
-    print is its manifest's, so the refusal comes before Ray is reached, let alone the target loaded."""
+    print is its manifest's, so the refusal comes before Ray is reached, let alone the target loaded.
+    The checkpoint is the state a run writes (`test_train`'s undisturbed run checks that a real
+    run's holds its data's print)."""
+    import json
+
     from dflash_ray import cluster
     from dflash_ray.errors import DFlashError
 
@@ -119,7 +123,8 @@ def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(ray_cluster, tar
     _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
     out = str(tmp_path / "run")
     cfg = load_config(None, SETTINGS)
-    assert run_train(target, folder, out, cfg, progress=False, stop_after_step=3)["step"] == 3
+    state = {"config": cfg.to_dict(), "data": folder, "target": target, "data_print": manifest.fingerprint(folder)}
+    checkpoint.save(out, 3, {"state.json": json.dumps({**state, "step": 3}).encode()})
     _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
 
     def no_ray(*args, **kwargs):
