@@ -109,19 +109,28 @@ def test_tensorboard_on_s3_resumes_in_the_same_folder_without_duplicate_steps(s3
     assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
 
 
-def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target, data, tmp_path, monkeypatch):
-    """TensorBoard and W&B (offline) on a run trained in two slices, with held-out evaluations:
-    every numeric field of metrics.jsonl, at its step, once."""
-    from dflash_ray.config import load_config
-    from dflash_ray.stages.train import run_train
+def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target, data, tmp_path, monkeypatch, capsys):
+    """TensorBoard and W&B (offline) on a run trained in two slices by the `train` command, with
+    held-out evaluations: every numeric field of metrics.jsonl, at its step, once. Between the
+    slices the command refuses to overwrite the run, and a resume under settings that change what
+    is trained, naming the field."""
+    from dflash_ray.cli import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # passed to the coordinator by the driver
     monkeypatch.setenv("WANDB_PROJECT", "dflash-test")
     out = tmp_path / "out"
-    cfg = load_config(None, SETTINGS + ["train.trackers=[tensorboard,wandb]", "train.heldout=4", "train.eval_every=2"])
-    first = run_train(target, data, str(out), cfg, progress=False, stop_after_step=4)
-    second = run_train(target, data, str(out), cfg, progress=False)
-    assert second["step"] == 6
+    settings = SETTINGS + ["train.trackers=[tensorboard,wandb]", "train.heldout=4", "train.eval_every=2"]
+    args = ["train", "--data", data, "--target", target, "--output", str(out), "--json"]
+    args += [x for s in settings for x in ("--set", s)]
+    assert main(args + ["--stop-after-step", "4"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["ok"] and first["step"] == 4
+    assert main(args + ["--stop-after-step", "4"]) == 2 and "--resume" in capsys.readouterr().err
+    assert main(args + ["--resume", "--set", "train.heldout=6"]) == 2
+    assert "train.heldout" in capsys.readouterr().err
+    assert main(args + ["--resume"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["step"] == second["total_steps"] == 6  # 12 training samples over 2 streams
     assert second["trackers"]["tensorboard"] == str(out / "tracking" / "tensorboard")
     assert first["trackers"]["wandb"] != second["trackers"]["wandb"]  # an offline folder per attempt
     assert Path(second["trackers"]["wandb"]).parent == out / "tracking" / "wandb" / "wandb"
@@ -150,6 +159,8 @@ def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target
     assert [r["_step"] for r in rows] == [m["step"] for m in metrics]
     assert [r["loss"] for r in rows] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
     assert [r["_step"] for r in rows if "heldout_tau" in r] == [2, 4, 6]
+    assert [m["step"] for m in metrics if "heldout_tau" in m] == [2, 4, 6]
+    assert second["heldout_tau"] == metrics[-1]["heldout_tau"] >= 1
 
 
 def test_a_tracker_that_cannot_start_is_an_error(tmp_path):
