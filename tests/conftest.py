@@ -135,7 +135,9 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
     """`torch.multiprocessing.spawn`'s ranks, forked from a server that imported torch and transformers
     once for the session's process, not started afresh: a fresh interpreter a rank spends 4-5 s of CPU
     on imports alone. Each rank is still a process of its own, as on GPUs (its own gloo group, its own
-    exit code: a rank that dies raises `ProcessExitedException` here as spawn's does)."""
+    exit code: a rank that dies raises `ProcessExitedException` here as spawn's does). A rank sees the
+    environment and the stdio the server started with, not the caller's now: a test that reads its
+    ranks' stderr (capfd) or sets a variable for them after the server started uses `mp.spawn`."""
     import multiprocessing
 
     import torch.multiprocessing as mp
