@@ -354,9 +354,10 @@ def _metrics(output: str) -> list[dict]:
 
 
 def _train_and_kill(target, data, output: str, cfg, name: str, roles: list[str]) -> dict:
-    """Train in a thread and kill stream 1's actor of each role of `roles` in turn, each once the run
-    has a checkpoint newer than the one it had at the kill before (so each kill lands mid-training,
-    after a restart where there was one). The run's summary, or its error under "error"."""
+    """Train in a thread and kill stream 1's actor of each role of `roles` in turn, each mid-training:
+    the first once a checkpoint exists, each later one only once it is an actor of the restarted run
+    (none of stream 1's actors alive at the kill before) and that run has taken a checkpoint of its
+    own. The run's summary, or its error under "error"."""
     result = {}
 
     def train():
@@ -365,24 +366,28 @@ def _train_and_kill(target, data, output: str, cfg, name: str, roles: list[str])
         except Exception as e:
             result["error"] = e
 
+    def actor(role: str):
+        try:
+            return ray.get_actor(f"{name}-{role}-1")
+        except ValueError:
+            return None
+
     thread = threading.Thread(target=train)
     thread.start()
-    newest, killed = 0, []
+    stale: set = set()  # stream 1's actors alive at the last kill
     for role in roles:
-        victim = None
+        victim, newest = None, None
         while thread.is_alive() and victim is None:
-            try:
-                candidate = ray.get_actor(f"{name}-{role}-1")
-                steps = checkpoint.complete_steps(output)
-                # wait until training is under way (a checkpoint past the last kill's), then kill
-                if steps and steps[-1] > newest and candidate._actor_id not in killed:
+            candidate = actor(role)
+            if candidate is not None and candidate._actor_id not in stale:
+                steps = checkpoint.complete_steps(output) or [0]
+                if newest is None:  # first seen: the checkpoints so far are the run's before the kill
+                    newest = steps[-1] if stale else 0
+                if steps[-1] > newest:
                     victim = candidate
-            except ValueError:
-                pass
             thread.join(timeout=0.2)
         assert victim is not None, f"the run ended before the {role} could be killed"
-        newest = checkpoint.complete_steps(output)[-1]
-        killed.append(victim._actor_id)
+        stale |= {a._actor_id for a in map(actor, ("target", "drafter")) if a is not None}
         ray.kill(victim)
     thread.join(timeout=300)
     return result

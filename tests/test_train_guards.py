@@ -113,8 +113,6 @@ def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(target, tmp_path
     print is its manifest's, so the refusal comes before Ray is reached, let alone the target loaded.
     The checkpoint is the state a run writes (`test_train`'s undisturbed run checks that a real
     run's holds its data's print)."""
-    import json
-
     from dflash_ray import cluster
     from dflash_ray.errors import DFlashError
 
@@ -123,8 +121,7 @@ def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(target, tmp_path
     _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
     out = str(tmp_path / "run")
     cfg = load_config(None, SETTINGS)
-    state = {"config": cfg.to_dict(), "data": folder, "target": target, "data_print": manifest.fingerprint(folder)}
-    checkpoint.save(out, 3, {"state.json": json.dumps({**state, "step": 3}).encode()})
+    _checkpointed(out, cfg, folder, target)
     _tokenized(folder, [torch.randint(0, 490, (12,), generator=g).repeat(4).tolist() for _ in range(16)])
 
     def no_ray(*args, **kwargs):
@@ -138,6 +135,15 @@ def test_a_resume_on_data_rewritten_at_the_same_path_is_refused(target, tmp_path
 
 class _RayStarted(Exception):
     pass
+
+
+def _checkpointed(out: str, cfg, data: str, target: str) -> None:
+    """Step 3's checkpoint of a run of `cfg` on `data` as the driver reads it before Ray: the run
+    state a run writes (its settings, data, target and the data's print), no weights."""
+    import json
+
+    state = {"config": cfg.to_dict(), "data": data, "target": target, "data_print": manifest.fingerprint(data)}
+    checkpoint.save(out, 3, {"state.json": json.dumps({**state, "step": 3}).encode()})
 
 
 def test_train_refuses_on_storage_alone_before_ray_starts(target, data, tmp_path, monkeypatch, capsys):  # noqa: F811
@@ -165,15 +171,7 @@ def test_train_refuses_on_storage_alone_before_ray_starts(target, data, tmp_path
     finally:
         held.release()
 
-    cfg = load_config(None, SETTINGS)
-    state = {
-        "config": cfg.to_dict(),
-        "data": data,
-        "target": target,
-        "data_print": manifest.fingerprint(data),
-        "step": 3,
-    }
-    checkpoint.save(str(out), 3, {"state.json": json.dumps(state).encode()})
+    _checkpointed(str(out), load_config(None, SETTINGS), data, target)
     assert main(args) == 2
     assert "holds checkpoints of an earlier run: pass --resume" in json.loads(capsys.readouterr().out)["error"]
     assert main(args + ["--resume", "--set", "train.lr=0.5"]) == 2
