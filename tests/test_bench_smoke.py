@@ -131,6 +131,7 @@ TABLE: dict[str, Smoke] = {
     # tests/test_peers_scoring.py checks it and the intervals over seeds
     "peers": Smoke(
         (*DEMO, "--out", "{tmp}/peers", "--trainers", "target", "--seeds", "1", "--steps", "2", "--anchors", "4")
+        + ("--batch", "1")  # one stream: three actors, not five
         + ("--max-new-tokens", "4", "--sets", "unseen,unseen_kinds,copy", "--max-prompts", "1"),
         ("trainer", "seeds", "steps", "step_s", "loss", "samples_a_step", "prompts.copy")
         + tuple(f"{f}_{s}" for f in ("tau", "first") for s in ("unseen", "unseen_kinds", "copy"))

@@ -560,6 +560,7 @@ def test_a_dspark_run_trains_checkpoints_and_exports(ray_cluster, tmp_path):
             "train.checkpoint_every=2",
             "train.epochs=1",
             "train.distill_top_k=8",
+            "train.colocate=true",  # the paired path trains DSpark in test_train.py
         ],
     )
     out = run_train(target, data, str(tmp_path / "run"), cfg, progress=False)

@@ -221,6 +221,7 @@ def test_pipeline_job_on_three_nodes_places_by_node_type_and_exports_every_plott
         "validate": {"gate": {"min_median_response": 8, "max_mode_share": 0.9}},  # answers cut at 40 tokens
         "train": {
             "num_streams": 1,
+            "colocate": True,
             "actor_cpus": 0.5,
             "max_steps": 6,
             "num_anchors": 8,

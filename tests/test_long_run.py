@@ -150,7 +150,9 @@ def test_grow_back_a_run_short_of_a_stream_takes_it_back_at_a_checkpoint_without
 
     released = threading.Thread(target=release, daemon=True)
     released.start()
-    settings = ["train.actor_cpus=0.5", "train.min_streams=1", "train.placement_timeout_s=3", "train.epochs=12"]
+    # colocated streams of a CPU each: the room for one stream is the paired one's (two actors at 0.5)
+    settings = ["train.colocate=true", "train.actor_cpus=1", "train.min_streams=1", "train.placement_timeout_s=3"]
+    settings += ["train.epochs=12"]
     summary = run_train(target, data, str(tmp_path / "run"), load_config(None, TRAIN + settings), progress=False)
     released.join(timeout=1)
     assert summary["restarts"] == 0 and summary["failures"] == [], summary

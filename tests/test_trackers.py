@@ -120,6 +120,7 @@ def test_a_training_run_logs_every_metric_of_every_step_once(ray_cluster, target
     monkeypatch.setenv("WANDB_PROJECT", "dflash-test")
     out = tmp_path / "out"
     settings = SETTINGS + ["train.trackers=[tensorboard,wandb]", "train.heldout=4", "train.eval_every=2"]
+    settings += ["train.colocate=true"]  # the trackers are the coordinator's: one actor a stream will do
     args = ["train", "--data", data, "--target", target, "--output", str(out), "--json"]
     args += [x for s in settings for x in ("--set", s)]
     assert main(args + ["--stop-after-step", "4"]) == 0

@@ -92,7 +92,8 @@ def alone(ray_cluster, target, data, tmp_path_factory):
 
 
 def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_path):
-    """Two data-parallel streams (gloo) over target and drafter actors: the loss falls and the
+    """Two data-parallel streams (gloo), each a colocated target and drafter (the paired path's
+    numbers are the same, bit for bit: see the checkpoint test below): the loss falls and the
     held-out tau rises well past the untrained start's (which matches about 1 draft token in 500)."""
 
     # every motif sample has one length, so length balancing would only draw another order of the same
@@ -111,6 +112,7 @@ def test_two_streams_learn_on_the_ray_path(ray_cluster, target, motif_data, tmp_
             "train.eval_every=4",
             "train.checkpoint_every=100",
             "train.length_group=0",
+            "train.colocate=true",
         ],
     )
     summary = run_train(target, motif_data, str(tmp_path / "out"), cfg, progress=False)
@@ -325,7 +327,9 @@ def test_resume_passes_over_a_corrupt_checkpoint_and_continues_exactly(ray_clust
 
     from dflash_ray.errors import DFlashError
 
-    cfg = load_config(None, SETTINGS)
+    # colocated streams: the drafters' state, shards and weights are the paired run's (`alone`'s)
+    colocated = SETTINGS + ["train.colocate=true"]
+    cfg = load_config(None, colocated)
     out = str(tmp_path / "run")
     shutil.copytree(alone[0], out)  # a finished run of these settings
     assert checkpoint.complete_steps(out) == [3, 6, 8]
@@ -333,7 +337,7 @@ def test_resume_passes_over_a_corrupt_checkpoint_and_continues_exactly(ray_clust
     storage.delete_tree(checkpoint.step_dir(out, 8))  # as if the run had stopped after step 6 ...
     _corrupt_same_size(out, 6, "shards/__1_0.distcp")  # ... whose rank-1 shard only its checksum shows corrupt
 
-    resumed = run_train(target, data, out, load_config(None, SETTINGS + ["train.keep_checkpoints=1"]), progress=False)
+    resumed = run_train(target, data, out, load_config(None, colocated + ["train.keep_checkpoints=1"]), progress=False)
     assert resumed["step"] == 8 and resumed["restarts"] == 0
     assert checkpoint.complete_steps(out) == [8]  # step 6 rewritten from 3 on, then rotated like 3
     assert _final_weights(out) == reference  # bitwise: resumed from 3, as if never interrupted
@@ -354,7 +358,8 @@ def _metrics(output: str) -> list[dict]:
 
 
 def _train_and_kill(target, data, output: str, cfg, name: str, roles: list[str]) -> dict:
-    """Train in a thread and kill stream 1's actor of each role of `roles` in turn, each mid-training:
+    """Train in a thread and kill stream 1's actor of each role of `roles` in turn (`target`,
+    `drafter`, or a colocated run's `stream`), each mid-training:
     the first once a checkpoint exists, each later one only once it is an actor of the restarted run
     (none of stream 1's actors alive at the kill before) and that run has taken a checkpoint of its
     own. The run's summary, or its error under "error"."""
@@ -387,7 +392,7 @@ def _train_and_kill(target, data, output: str, cfg, name: str, roles: list[str])
                     victim = candidate
             thread.join(timeout=0.2)
         assert victim is not None, f"the run ended before the {role} could be killed"
-        stale |= {a._actor_id for a in map(actor, ("target", "drafter")) if a is not None}
+        stale |= {a._actor_id for a in map(actor, ("target", "drafter", "stream")) if a is not None}
         ray.kill(victim)
     thread.join(timeout=300)
     return result
@@ -497,8 +502,8 @@ def test_train_on_a_cluster_too_small_exits_2_at_once_naming_the_cpus(ray_cluste
 def test_a_death_past_the_restart_budget_fails_the_run_with_a_clear_error(ray_cluster, target, data, tmp_path):
     from dflash_ray.errors import DFlashError
 
-    cfg = load_config(None, SETTINGS + ["train.epochs=6", "train.max_restarts=0"])
-    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, "kill-budget", ["drafter"])
+    cfg = load_config(None, SETTINGS + ["train.epochs=6", "train.max_restarts=0", "train.colocate=true"])
+    result = _train_and_kill(target, data, str(tmp_path / "out"), cfg, "kill-budget", ["stream"])
     error = result.get("error")
     assert isinstance(error, DFlashError), result
     assert error.field == "train.max_restarts" and "over the budget of 0 restarts" in str(error)
@@ -516,7 +521,7 @@ def test_training_with_target_and_output_on_s3_resumes_and_exports_there(
 
     storage.upload_tree(target, f"{s3_bucket}/target")
     out = f"{s3_bucket}/run"
-    cfg = load_config(None, SETTINGS)
+    cfg = load_config(None, SETTINGS + ["train.colocate=true"])  # trains as the paired `alone` does
     assert run_train(f"{s3_bucket}/target", data, out, cfg, progress=False, stop_after_step=5)["step"] == 5
     capsys.readouterr()
     resumed = run_train(f"{s3_bucket}/target", data, out, cfg, progress=True)
@@ -556,8 +561,7 @@ def test_ctrl_c_stops_training_cleanly_naming_the_checkpoint_to_resume_from(
         out,
         "--json",
         *[x for s in SETTINGS for x in ("--set", s)],
-        "--set",
-        "train.epochs=100",
+        *("--set", "train.epochs=100", "--set", "train.num_streams=1", "--set", "train.colocate=true"),
     ]
 
     def interrupt_after_a_checkpoint():

@@ -51,10 +51,11 @@ def test_a_two_stream_checkpoint_resumes_on_one_stream_where_its_data_stood(ray_
     import json
 
     out = str(tmp_path / "reshard")
-    first = run_train(target, data, out, load_config(None, SETTINGS), progress=False, stop_after_step=3)
+    colocated = SETTINGS + ["train.colocate=true"]  # the drafters' shards are the subject, not the handoff
+    first = run_train(target, data, out, load_config(None, colocated), progress=False, stop_after_step=3)
     assert first["step"] == 3 and first["total_steps"] == 8
     before = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
-    one = run_train(target, data, out, load_config(None, SETTINGS + ["train.num_streams=1"]), progress=False)
+    one = run_train(target, data, out, load_config(None, colocated + ["train.num_streams=1"]), progress=False)
     assert one["step"] == one["total_steps"] == 13 and one["restarts"] == 0
     metrics = [json.loads(x) for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 14)) and metrics[:3] == before
@@ -85,6 +86,9 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
         raise AssertionError(f"--json printed {name}")
 
     out = str(tmp_path / "nan")
+    # one colocated stream: any batch overflows at lr 10
+    settings = SETTINGS + ["train.lr=10", "train.weight_decay=1e12", "train.warmup_ratio=0"]
+    settings += ["train.num_streams=1", "train.colocate=true"]
     args = [
         "train",
         "--data",
@@ -94,11 +98,7 @@ def test_a_diverging_run_stops_at_the_step_naming_it_and_never_reports_success(
         "--output",
         out,
         "--json",
-        *[
-            x
-            for s in SETTINGS + ["train.lr=10", "train.weight_decay=1e12", "train.warmup_ratio=0"]
-            for x in ("--set", s)
-        ],
+        *[x for s in settings for x in ("--set", s)],
     ]
     assert main(args) == 2
     summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)
