@@ -79,7 +79,9 @@ def calm(ray_cluster, inputs, tmp_path_factory):
     from dflash_ray.stages.pipeline import run_pipeline
 
     work = tmp_path_factory.mktemp("calm")
-    return run_pipeline(load_config(None, _settings(work, inputs)), progress=False), work
+    # colocated streams: the weights of paired ones, bit for bit (test_train.py), in two actors, not four
+    settings = _settings(work, inputs) + ["train.colocate=true"]
+    return run_pipeline(load_config(None, settings), progress=False), work
 
 
 @pytest.fixture(scope="module")

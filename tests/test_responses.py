@@ -220,6 +220,7 @@ def test_a_hybrid_gated_deltanet_target_runs_the_whole_pipeline(tmp_path, ray_cl
             "validate.gate.max_mode_share=1.0",
             "validate.gate.max_empty_thinking_share=1.0",
             "train.num_streams=1",
+            "train.colocate=true",
             "train.max_steps=2",
             "train.num_anchors=4",
             "train.heldout=0",

@@ -299,7 +299,7 @@ class Streams:
             team.drafters.append(
                 drafter_actor(ColocatedWorker)
                 .options(**at(0, "stream"))
-                .remote(self.target, self.layer_ids, team.drafter_cfg_json, team.init, settings, s, n)
+                .remote(self.target, self.layer_ids, team.drafter_cfg_json, team.init, settings, s, n, team.pick)
             )
             started = [team.drafters[-1]]
         else:

@@ -349,11 +349,14 @@ class ColocatedWorker(DrafterWorker):
         cfg: TrainConfig,
         rank: int,
         world: int,
+        pick: list[int] | None = None,
     ):
+        """`layer_ids`: what the target captures; `pick`: the drafter's among them, as a paired
+        drafter's (a small target's default layers repeat one: [1, 1, 1, 1] of four)."""
         from dflash_ray.registry import resolve
 
         target = resolve(target)  # the node's copy: the drafter's tensors and the target's from one folder
-        super().__init__(target, drafter_cfg_json, init, cfg, rank, world)
+        super().__init__(target, drafter_cfg_json, init, cfg, rank, world, pick)
         self.target = TargetWorker(target, layer_ids, cfg)
 
     def train_samples(
