@@ -78,6 +78,7 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
     cfg = load_config(None, ["tokenize.max_seq_len=256", "tokenize.overlong=drop", "tokenize.batch_size=8"])
     summary = run_tokenize(src, out, cfg)
     assert summary["rows_in"] == 42 and summary["rows_out"] == 40 and summary["rejected"] == 2
+    assert summary["workers"] == 1  # 42 rows: a second actor's start would cost more than it tokenizes
     assert summary["rejected_kinds"] == {"overlong": 1, "missing_field": 1}
     rejected = [json.loads(x) for x in storage.read_text(storage.join(out, "rejected.jsonl")).splitlines()]
     assert {r["id"] for r in rejected} == {"dropme", "notext"}
@@ -116,6 +117,15 @@ def test_tokenize_stage_on_s3_and_rerun(ray_cluster, s3_bucket):
     assert summary["rows_out"] == 11 and summary["truncated"] == 1 and summary["tokens_cut"] == 400 - 256
     assert summary["share_kept"] == round(summary["tokens"] / (summary["tokens"] + 144), 4) < 1
     assert storage.list_files(out, ".parquet") == manifest.dataset_files(out)
+
+
+def test_the_tokenizer_pool_is_a_cpu_each_and_a_worker_per_thousand_rows_at_most():
+    from dflash_ray.stages.tokenize import pool_size
+
+    units = [{"rows": 500}] * 8  # 4,000 rows
+    assert [pool_size(units, None, cpus) for cpus in (0, 1, 2, 16)] == [1, 1, 2, 4]
+    assert pool_size(units[:1], None, 16) == 1 and pool_size([{"rows": 0}] * 3, None, 16) == 1
+    assert pool_size(units, 6, 2) == 6 and pool_size(units[:2], 6, 2) == 2  # as set, at most a unit each
 
 
 def _tokenized(tmp_path, rows, name):

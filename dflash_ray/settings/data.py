@@ -73,7 +73,7 @@ class TokenizeConfig:
     overlong: Literal["drop", "truncate"] = "truncate"
     enable_thinking: bool = True  # template flag; must match how the data was generated
     batch_size: int = at_least(1, default=256)  # rows per Ray Data batch
-    concurrency: int | None = at_least(1, default=None)  # tokenizer workers; None: one per CPU in the cluster
+    concurrency: int | None = at_least(1, default=None)  # tokenizer workers; None: min(CPUs, rows / 1,000)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

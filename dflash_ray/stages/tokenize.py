@@ -1,7 +1,8 @@
 """`dflash-ray tokenize`: completion shards → tokenized Parquet shards, with Ray Data.
 
 The driver lists the work units (one per Parquet row group of the input) and Ray Data runs them
-through a pool of actors, one per CPU, each loading the tokenizer once. An actor reads its unit,
+through a pool of actors, one per CPU (at most one per `ROWS_A_WORKER` rows), each loading the
+tokenizer once. An actor reads its unit,
 tokenizes it, writes one output file atomically under a name fixed by the unit (a retried unit
 rewrites the same file) and returns only a small summary row: rows, tokens, rejects. The tokens
 never travel through the object store, and no write task competes with the actors for CPUs.
@@ -290,6 +291,21 @@ def _check_tokenizer(tokenizer: Any, name: str, model: str, input_uri: str) -> N
         )
 
 
+# an actor's start (imports, the tokenizer's load) is ~5 s of a core, the time one core takes to
+# tokenize ~1,000 rows of the seed's size (2,323 tokens at 388k tokens/s; bench/RESULTS.md): a
+# smaller share of the rows than that costs more to start than it saves
+ROWS_A_WORKER = 1000
+
+
+def pool_size(units: list[dict[str, Any]], concurrency: int | None, cpus: int) -> int:
+    """The tokenizer actors to start: `tokenize.concurrency`, or one per CPU and per
+    `ROWS_A_WORKER` rows; never more than the units."""
+    if concurrency is None:
+        rows = sum(u["rows"] for u in units)
+        concurrency = min(max(1, cpus), max(1, -(-rows // ROWS_A_WORKER)))
+    return max(1, min(len(units), concurrency))
+
+
 def run_tokenize(input_uri: str, output: str, cfg: RunConfig, *, replace: bool = False) -> dict[str, Any]:
     """`replace`: make the output anew when it holds a dataset made from another input or settings."""
     if storage.overlaps(input_uri, output):  # a commit replaces the output's shards: never among the input's
@@ -326,9 +342,9 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim, t
     connect(cfg.ray)
 
     prefix = f"tokenized-{uuid.uuid4().hex[:12]}"  # this run's files: an earlier run's stay whole until commit
-    results = []
+    results, workers = [], 0
     if units:
-        workers = min(len(units), tcfg.concurrency or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        workers = pool_size(units, tcfg.concurrency, int(ray.cluster_resources().get("CPU", 1)))
         # Ray's stub of `map` admits functions only; callable classes are documented and supported
         ds = ray.data.from_items(units, override_num_blocks=len(units)).map(
             _TokenizeUnit,  # type: ignore[arg-type]
@@ -356,6 +372,7 @@ def _tokenize(input_uri: str, output: str, cfg: RunConfig, held: writer.Claim, t
         "tokenizer": tcfg.tokenizer,
         "rows_in": num_rows_in,
         "rows_out": num_rows_out,
+        "workers": workers,  # tokenizer actors started
         "rejected": num_rejected,
         "rejected_kinds": dict(kinds),
         "rejected_file": storage.join(output, REJECTED),
