@@ -140,7 +140,10 @@ from dflash_ray.stages import plan
 def long_stage(*args, **kwargs):  # a long command on a cluster of its own: Ray installs its SIGTERM handler
     connect(RayConfig(num_cpus=1, include_dashboard=False))
     print("READY", file=sys.stderr, flush=True)
-    time.sleep(900)
+    # in short waits, as a stage's waits on Ray return to Python: a signal that lands on one of Ray's
+    # threads runs its handler at the main thread's next return, which one 900 s sleep puts off
+    for _ in range(1800):
+        time.sleep(0.5)
 
 plan.run_plan = long_stage
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's look at a command that does not stop
