@@ -1,11 +1,11 @@
 """`dflash-ray tokenize`: completion shards → tokenized Parquet shards, with Ray Data.
 
 The driver lists the work units (one per Parquet row group of the input) and Ray Data runs them
-through a pool of actors, one per CPU (at most one per `ROWS_A_WORKER` rows), each loading the
-tokenizer once. An actor reads its unit,
-tokenizes it, writes one output file atomically under a name fixed by the unit (a retried unit
-rewrites the same file) and returns only a small summary row: rows, tokens, rejects. The tokens
-never travel through the object store, and no write task competes with the actors for CPUs.
+through a pool of actors, one per CPU and at most one per `ROWS_A_WORKER` rows, each loading the
+tokenizer once. An actor reads its unit, tokenizes it, writes one output file atomically under a
+name fixed by the unit (a retried unit rewrites the same file) and returns only a small summary
+row: rows, tokens, rejects. The tokens never travel through the object store, and no write task
+competes with the actors for CPUs.
 The `_manifest.json`, written last from those rows, lists exactly this run's files, so a crashed
 run's leftovers are never read, and a rerun replaces an earlier dataset only once it is complete.
 A bad row never stops the run: rejected rows (malformed JSON, missing or ill-typed fields, over-long
