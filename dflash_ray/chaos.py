@@ -6,8 +6,10 @@ that the run recovers and loses and repeats nothing.
 (the raylet of a worker node that runs some of the job's actors: the node and every process on
 it are lost). Each fault fires at a seeded moment within `chaos.within_s` seconds (`KIND@SECONDS`:
 within that many) after its victims first show up, on a seeded choice among them; a stage that
-ends first leaves it not fired. The signal is sent by a task pinned to the victim's node, so it
-works on a real cluster too.
+ends first leaves it not fired. A fault's victims are actors that were not there when an earlier
+fault fired: those may be the ones its recovery is tearing down, and a kill there would cost no
+recovery of its own. The signal is sent by a task pinned to the victim's node, so it works on a real
+cluster too.
 
 No stage knows about this module: it watches the cluster from a thread in the driver.
 """
@@ -61,6 +63,7 @@ class Injector:
         self.rng = random.Random(cfg.seed)
         self.faults = [Fault(kind, round(self.rng.uniform(0, window), 2)) for kind, window in parse_faults(cfg)]
         self.started = time.monotonic()
+        self._hit: set[str] = set()  # the actors there when a fault fired: no later fault's victims
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
 
@@ -94,10 +97,12 @@ class Injector:
 
         # an actor still in its constructor (loading weights, an engine) is a victim too: a crash
         # there is as real as one mid-step, and a short-lived actor may never be idle alive
+        listed = state.actors()
         actors = [
             a
-            for a in state.actors().values()
-            if a["State"] == "ALIVE" or (a["State"] == "PENDING_CREATION" and a.get("Pid"))
+            for a in listed.values()
+            if a["ActorID"] not in self._hit
+            and (a["State"] == "ALIVE" or (a["State"] == "PENDING_CREATION" and a.get("Pid")))
         ]
         now = time.monotonic()
         for fault in pending:
@@ -113,6 +118,7 @@ class Injector:
                 num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
             ).remote(pid)
             fault.fired_at, fault.victim = now, name
+            self._hit |= {a["ActorID"] for a in listed.values()}
             return  # one fault at a time: the next one sees the cluster it left
 
     @staticmethod

@@ -1,8 +1,9 @@
 """Fault drills: the whole pipeline with generator, tokenize, target and drafter actors killed at
-seeded moments, or a worker node lost, finishes as an undisturbed run does: every prompt generated
+seeded moments and a worker node lost finishes as an undisturbed run does: every prompt generated
 once, every training step taken once, the same drafter bit for bit. The runs that need several
 nodes share one cluster of three (starting one costs a busy 2-core machine most of a minute): two
-streams training across its nodes first, then the drill that kills one of them."""
+streams training across its nodes first, then a lost node that costs a stream and comes back, then
+the drill, which kills actors and a node in one pipeline."""
 
 import json
 import subprocess
@@ -130,25 +131,46 @@ def _same_as_calm(summary, work, calm):
     assert summary["tau_trained"] == calm_summary["tau_trained"] and summary["lossless"]
 
 
-@pytest.mark.timeout(1500)  # with the undisturbed run (the fixture) before it
-def test_a_pipeline_whose_actors_are_killed_finishes_as_an_undisturbed_one(inputs, calm, tmp_path):
-    from dflash_ray.stages.pipeline import run_pipeline
+def test_a_fault_never_picks_an_actor_that_was_there_when_an_earlier_one_fired(ray_cluster):
+    """Two generator faults, two generators up: the first kills one of them; the second leaves the
+    survivor alone (what an earlier fault's recovery may be tearing down) and kills a generator
+    started after the first fired."""
+    import os
 
-    # a fault fires at the first moment past its seeded delay (seed 3: 1.4, 0.5, 3.0 and 9.7 s after
-    # its first victim's process started) that finds a victim: each stage outlasts its delay on any
-    # machine (an actor's start alone takes seconds; the training's 32 steps and the restart the
-    # target's death costs outlast 9.7 s), so all four fire, wherever they land
-    faults = ["generator@6", "tokenize@1", "target@8", "drafter@16"]
-    summary = run_pipeline(
-        load_config(None, _settings(tmp_path, inputs) + [f"chaos.faults=[{', '.join(faults)}]", "chaos.seed=3"]),
-        progress=False,
-    )
-    drill = summary["chaos"]
-    assert drill["injected"] == drill["recovered"] == len(faults) and not drill["not_fired"], drill
-    assert [f["kind"] for f in drill["faults"]] == [f.split("@")[0] for f in faults], drill
-    assert drill["restarts"]["generate"] >= 1 and drill["restarts"]["train"] >= 2, drill
-    assert drill["seconds_lost"]["train"] > 0, drill
-    _same_as_calm(summary, tmp_path, calm)
+    import ray
+
+    from dflash_ray.chaos import Injector
+    from dflash_ray.config import ChaosConfig
+
+    @ray.remote(num_cpus=0)
+    class StandInGenerator:
+        def pid(self) -> int:
+            return os.getpid()
+
+    def alive(actor) -> bool:
+        try:
+            ray.get(actor.pid.remote(), timeout=30)
+            return True
+        except ray.exceptions.RayActorError:
+            return False
+
+    def fired(chaos, n: int) -> bool:
+        deadline = time.monotonic() + 60
+        while chaos.summary()["injected"] < n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return chaos.summary()["injected"] == n
+
+    first = [StandInGenerator.remote() for _ in range(2)]
+    ray.get([a.pid.remote() for a in first])
+    with Injector(ChaosConfig(faults=["generator@0", "generator@0"])) as chaos:
+        assert fired(chaos, 1)
+        time.sleep(3)  # fifteen looks at a cluster whose one generator was there when the first fired
+        assert chaos.summary()["injected"] == 1, chaos.summary()
+        later = StandInGenerator.remote()  # a victim as soon as its process is up
+        assert fired(chaos, 2), chaos.summary()
+    assert [alive(a) for a in first].count(True) == 1 and not alive(later)
+    for actor in first:
+        ray.kill(actor)
 
 
 @pytest.mark.timeout(900)
@@ -257,18 +279,31 @@ def test_elastic_streams_a_lost_node_costs_a_stream_until_it_returns_and_the_run
     assert max(abs(r["lr"] - e) for r, e in zip(rows, expected)) < 1e-6
 
 
-@pytest.mark.timeout(1200)  # last in this file: it takes a node of the shared cluster down
-def test_a_pipeline_that_loses_a_worker_node_finishes_as_an_undisturbed_one(three_nodes, inputs, calm, tmp_path):
-    """One worker's raylet is killed while the run uses it, and the run finishes on another."""
+@pytest.mark.timeout(1500)  # last in this file: it takes a node of the shared cluster down
+def test_a_pipeline_whose_actors_are_killed_and_that_loses_a_worker_node_finishes_as_an_undisturbed_one(
+    three_nodes, inputs, calm, tmp_path
+):
+    """A generator, a tokenize worker, a target and a drafter are killed, and one worker node's raylet
+    (the node and every process on it) while the run uses it: the run finishes on the nodes left, as
+    the undisturbed one did."""
     address, env = three_nodes
+    # a fault fires at the first moment past its seeded delay (seed 3: 1.4, 0.5, 3.0, 9.7 and 6.3 s
+    # after its first victim's process started) that finds a victim: each stage outlasts its delay on
+    # any machine (an actor's start alone takes seconds; the training's 32 steps and the restart the
+    # target's death costs outlast 9.7 s), so all five fire, wherever they land; the node goes while
+    # the generation runs, as a node would that a fleet of generators keeps busy
+    faults = ["generator@6", "tokenize@1", "target@8", "drafter@16", "node@10"]
     settings = _settings(tmp_path, inputs) + [
         f"ray.address={address}",
         "ray.head_resource=head_node",
-        "chaos.faults=[node@45]",
-        "chaos.seed=1",
+        f"chaos.faults=[{', '.join(faults)}]",
+        "chaos.seed=3",
     ]
-    summary = _cli(["pipeline"], settings, env, timeout=1100)
+    summary = _cli(["pipeline"], settings, env, timeout=1300)
     drill = summary["chaos"]
-    assert drill["injected"] == drill["recovered"] == 1 and drill["faults"][0]["kind"] == "node", drill
-    assert drill["faults"][0]["victim"] in ("node 127.0.0.2", "node 127.0.0.3", "node 127.0.0.4"), drill
+    assert drill["injected"] == drill["recovered"] == len(faults) and not drill["not_fired"], drill
+    assert [f["kind"] for f in drill["faults"]] == [f.split("@")[0] for f in faults], drill
+    assert drill["faults"][-1]["victim"] in ("node 127.0.0.2", "node 127.0.0.3", "node 127.0.0.4"), drill
+    assert drill["restarts"]["generate"] >= 1 and drill["restarts"]["train"] >= 2, drill
+    assert drill["seconds_lost"]["train"] > 0, drill
     _same_as_calm(summary, tmp_path, calm)
