@@ -19,6 +19,7 @@ import datetime
 import io
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -91,6 +92,7 @@ def _rank(rank: int, port: int, args, results) -> None:
                 held = time.perf_counter() - start
                 entries = upload.result()  # the background write, outside the timing
                 file_bytes = max(e["bytes"] for e in entries.values())
+                shutil.rmtree(folder, ignore_errors=True)
             if i:
                 seconds[case].append(held)
     local = sum(p.to_local().numel() * 4 for p in drafter.parameters()) + optimizer_bytes(opt)

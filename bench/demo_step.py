@@ -27,9 +27,10 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
+
+from bench.scratch import scratch
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -84,7 +85,7 @@ def _sample(tokens: int) -> str:
     mask = [0] * prompt + [1] * (tokens - prompt)
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist([{"input_ids": ids, "loss_mask": mask, "seq_len": tokens}]), buf)
-    part = f"{tempfile.mkdtemp(prefix='bench-demo-step-')}/part-0.parquet"
+    part = f"{scratch('bench-demo-step-')}/part-0.parquet"
     with open(part, "wb") as f:
         f.write(buf.getvalue())
     return part

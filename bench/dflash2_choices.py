@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+
+from bench.scratch import scratch
 
 
 def motif_sequences(num: int, length: int, num_motifs: int, motif_len: int, seed: int):
@@ -37,7 +38,7 @@ def run(steps: int, seed: int = 0, skip: tuple[str, ...] = ()) -> dict:
     from dflash_ray.tiny_models import tiny_qwen3
 
     torch.set_num_threads(2)
-    path = tiny_qwen3(tempfile.mkdtemp(), num_layers=4, hidden_size=64, vocab_size=512, seed=3)
+    path = tiny_qwen3(scratch("bench-dflash2-"), num_layers=4, hidden_size=64, vocab_size=512, seed=3)
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     embed, head = load_embed_and_head(path)
     seqs = motif_sequences(40, 96, num_motifs=12, motif_len=5, seed=seed)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 
+from bench.scratch import scratch
 from bench.train import _data
 
 DSPARK = {"drafter": "dspark", "family": {"markov_rank": 64}}
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_ray.registry import SMOLLM2, resolve
 
     target = resolve(SMOLLM2)
-    work = tempfile.mkdtemp(prefix="bench-drafters-")
+    work = scratch("bench-drafters-")
     _data(f"{work}/data", args.steps, args.seq_len)
     base = [
         "train.num_streams=1",

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+
+from bench.scratch import scratch
 
 
 def _case(prompts: str, work: str, name: str, overrides: list[str]) -> dict:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_ray.stages.demo import bundled_inputs
     from dflash_ray.registry import SMOLLM2
 
-    work = tempfile.mkdtemp(prefix="bench-generate-")
+    work = scratch("bench-generate-")
     cfg = load_config(None, [f"prompts.tokenizer={SMOLLM2}", f"prompts.shard_size={args.prompts}"])
     run_prompts(bundled_inputs(), f"{work}/all", cfg, progress=False)
     from dflash_ray import manifest, storage

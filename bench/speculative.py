@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+
+from bench.scratch import scratch
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_ray.stages.evaluate import run_evaluate
     from dflash_ray.registry import SMOLLM2, resolve
 
-    work = tempfile.mkdtemp(prefix="bench-spec-")
+    work = scratch("bench-spec-")
     cfg = load_config(
         None,
         [

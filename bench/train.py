@@ -14,8 +14,9 @@ import argparse
 import io
 import json
 import statistics
-import tempfile
 import time
+
+from bench.scratch import scratch
 
 
 def _data(folder: str, n: int, seq_len: int) -> None:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_ray.registry import SMOLLM2, resolve
 
     target = resolve(SMOLLM2)
-    work = tempfile.mkdtemp(prefix="bench-train-")
+    work = scratch("bench-train-")
     _data(f"{work}/data", args.steps, args.seq_len)
     base = [
         "train.num_streams=1",

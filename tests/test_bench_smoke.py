@@ -196,6 +196,31 @@ def test_bench_smoke_table_lists_every_bench_with_a_main():
     assert set(TABLE) == found, f"not in the table: {found - set(TABLE)}; no longer benches: {set(TABLE) - found}"
 
 
+def test_a_benchs_scratch_folders_go_when_its_process_ends(monkeypatch, tmp_path):
+    """Benches write data, checkpoints and drafters into folders of their own (hundreds of MB a run
+    for bench.drafters): each takes them from `bench.scratch`, which removes them at the process's
+    exit, or removes them itself; none is made with `tempfile.mkdtemp` and left behind."""
+    import atexit
+    import tempfile
+
+    from bench.scratch import scratch
+
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", at_exit.append)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = Path(scratch("bench-x-"))
+    (folder / "part-0.parquet").write_bytes(b"x" * 1024)
+    assert folder.parent == tmp_path and folder.name.startswith("bench-x-")
+    for cleanup in at_exit:  # what the interpreter runs as it exits
+        cleanup()
+    assert not folder.exists()
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "mkdtemp(" in line and path.name != "scratch.py":
+                removed = "rmtree(" in path.read_text()  # a folder the bench removes itself
+                assert removed, f"{path.name}:{number}: a scratch folder left behind; use bench.scratch"
+
+
 def figure(rows: list[dict[str, Any]], path: str) -> Any:
     """The value at `path` (keys joined by dots) in the first JSON line that holds it."""
     for row in rows:
